@@ -1,0 +1,108 @@
+"""DepthCache: preallocated K/V of the verified prefix for every core layer at every recurrence depth r = 1..R,
+plus the (depth-free) prelude and coda K/V.
+
+Layout (batch 1): ``core_k[l, r-1]`` is a [H_kv, capacity, hd] tensor, one row per position.  Rows [0, n) are
+the materialised, verified prefix.  Rows >= n are scratch: draft and verification passes write their own K/V
+there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Rolling back is
+lowering ``n``.  Tree verification commits a non-contiguous set of rows with ``compact``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import LoopedConfig
+from .layers import LayerKV
+
+
+class CacheCapacityError(RuntimeError):
+    """The requested generation does not fit in the context or in memory."""
+
+
+def bytes_per_token(cfg: LoopedConfig, R: int, dtype: torch.dtype) -> int:
+    """Bytes of K+V one position occupies: every core layer at every depth, plus prelude and coda layers."""
+    per_layer = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return per_layer * (cfg.n_core * R + cfg.n_prelude + cfg.n_coda)
+
+
+class DepthCache:
+    def __init__(self, cfg: LoopedConfig, R: int, capacity: int, device: torch.device | str,
+                 dtype: torch.dtype):
+        self.R, self.capacity = R, capacity
+        hkv, hd = cfg.n_kv_heads, cfg.head_dim
+        shape = (hkv, capacity, hd)
+        try:
+            self.core_k = torch.empty(cfg.n_core, R, *shape, device=device, dtype=dtype)
+            self.core_v = torch.empty_like(self.core_k)
+            self.pre_k = torch.empty(cfg.n_prelude, *shape, device=device, dtype=dtype)
+            self.pre_v = torch.empty_like(self.pre_k)
+            self.coda_k = torch.empty(cfg.n_coda, *shape, device=device, dtype=dtype)
+            self.coda_v = torch.empty_like(self.coda_k)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError subclasses RuntimeError
+            need = bytes_per_token(cfg, R, dtype) * capacity
+            raise CacheCapacityError(
+                f"cannot allocate the depth cache: {capacity} positions x {bytes_per_token(cfg, R, dtype)} B/token"
+                f" = {need / 2**20:.1f} MiB on {device} ({err})") from err
+        self.bytes_per_token = bytes_per_token(cfg, R, dtype)
+        self.n = 0
+        self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_token * self.capacity
+
+    # --- per-layer views handed to attention ---------------------------------------------------------
+    def prelude_kv(self, layer: int) -> LayerKV:
+        kv = self._views.get(("prelude", layer))
+        if kv is None:
+            k, v = self.pre_k[layer], self.pre_v[layer]
+            kv = self._views[("prelude", layer)] = LayerKV(k, v, k, v)
+        return kv
+
+    def coda_kv(self, layer: int) -> LayerKV:
+        kv = self._views.get(("coda", layer))
+        if kv is None:
+            k, v = self.coda_k[layer], self.coda_v[layer]
+            kv = self._views[("coda", layer)] = LayerKV(k, v, k, v)
+        return kv
+
+    def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> LayerKV:
+        """Prefix keys from depth kappa, values from depth nu (``read``); draft-side rows stored at the depths in
+        ``own``.  Depths are 1-based recurrence steps."""
+        key = (layer, read, own)
+        kv = self._views.get(key)
+        if kv is None:
+            (kappa, nu), (ok, ov) = read, own
+            for depth in (kappa, nu, ok, ov):
+                if not 1 <= depth <= self.R:
+                    raise ValueError(f"read/store depth {depth} outside 1..R={self.R}")
+            K, V = self.core_k[layer], self.core_v[layer]
+            kp, vp = K[kappa - 1], V[nu - 1]
+            ko = kp if ok == kappa else K[ok - 1]
+            vo = vp if ov == nu else V[ov - 1]
+            kv = self._views[key] = LayerKV(kp, vp, ko, vo)
+        return kv
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+    def commit(self, m: int) -> None:
+        """Rows [n, n + m) become verified prefix."""
+        if self.n + m > self.capacity:
+            raise CacheCapacityError(f"commit past capacity {self.capacity}")
+        self.n += m
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self.n:
+            raise ValueError(f"rollback to {n} outside [0, {self.n}]")
+        self.n = n
+
+    def compact(self, rows: Tensor) -> None:
+        """Commit scratch rows ``rows`` (ascending, each >= n): copy them to [n, n + len(rows)) at every depth
+        and in prelude/coda, then advance n.  Used after tree verification."""
+        m = int(rows.numel())
+        n = self.n
+        for t in (self.core_k, self.core_v):
+            t[..., n: n + m, :] = t.index_select(-2, rows)
+        for t in (self.pre_k, self.pre_v, self.coda_k, self.coda_v):
+            t[..., n: n + m, :] = t.index_select(-2, rows)
+        self.commit(m)

@@ -1,0 +1,214 @@
+"""LoopedConfig: the shape of a looped (recurrent-depth) LM, read from a Hugging Face ``config.json``.
+
+Three families share one runtime (details in ``docs/families.md``):
+
+* ``huginn``      Huginn-0125 layout: sandwich blocks (4 norms), fused Wqkv + qk_bias, interleaved RoPE,
+                  embedding x sqrt(d), ``ln_f`` after the loop *and* after the coda, tied head.
+* ``raven-llama`` Raven-Llama-3.2 / Raven-TinyLlama: pre-norm blocks, GQA, half-rotation RoPE (+ llama3
+                  scaling), no ``ln_f`` after the loop, untied head.
+* ``raven-olmo``  Raven-OLMo-2: post-norm blocks with RMSNorm over the whole q and k projections.
+
+The family is detected from config.json *and* the weight names (``detect_family``); an unknown layout is an
+error, never a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+FAMILIES = ("huginn", "raven-llama", "raven-olmo")
+
+
+class ConfigError(ValueError):
+    """config.json is missing a field, has an inconsistent one, or describes an unknown layout."""
+
+
+@dataclass
+class LoopedConfig:
+    family: str
+    vocab_size: int
+    n_embd: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    n_prelude: int
+    n_core: int
+    n_coda: int
+    mean_recurrence: int = 32          # R, the full target depth
+    norm_eps: float = 1e-6
+    qk_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # llama3-style {"rope_type": "llama3", "factor", ...}
+    tie_embeddings: bool = False
+    embed_scale: float = 1.0
+    init_std: float = 0.0              # std of the truncated-normal initial state (before embed_scale)
+    block_size: int = 4096             # maximum context (positions)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    # --- derived layout switches -------------------------------------------------------------------
+    @property
+    def block_style(self) -> str:
+        return {"huginn": "sandwich", "raven-llama": "pre", "raven-olmo": "post"}[self.family]
+
+    @property
+    def rope_style(self) -> str:
+        return "interleaved" if self.family == "huginn" else "half"
+
+    @property
+    def norm_after_loop(self) -> bool:
+        """Huginn applies ln_f to the recurrent state before the coda; Raven does not."""
+        return self.family == "huginn"
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_prelude + self.n_core + self.n_coda
+
+    def validate(self) -> "LoopedConfig":
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unknown family {self.family!r}; expected one of {FAMILIES}")
+        for name in ("vocab_size", "n_embd", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                     "n_core", "mean_recurrence", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_heads * self.head_dim != self.n_embd:
+            raise ConfigError(f"n_heads*head_dim must equal n_embd, got {self.n_heads}*{self.head_dim}"
+                              f" != {self.n_embd}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        return self
+
+    # --- Hugging Face config.json <-> LoopedConfig -------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> "LoopedConfig":
+        """Build from a config.json dict; ``weight_names`` (the checkpoint's tensor names) pin the family."""
+        family = detect_family(cfg, weight_names)
+
+        def need(*names: str) -> Any:
+            for n in names:
+                if n in cfg and cfg[n] is not None:
+                    return cfg[n]
+            raise ConfigError(f"config.json is missing required field {' / '.join(names)}")
+
+        n_embd = int(need("n_embd", "hidden_size"))
+        n_heads = int(need("n_heads", "num_attention_heads"))
+        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+        head_dim = int(cfg.get("head_dim") or (n_embd // n_heads))
+        n_prelude = int(need("n_layers_in_prelude"))
+        n_core = int(need("n_layers_in_recurrent_block"))
+        n_coda = int(need("n_layers_in_coda"))
+        n_layers = cfg.get("n_layers", cfg.get("num_hidden_layers"))
+        if n_layers is not None and int(n_layers) != n_prelude + n_core + n_coda:
+            raise ConfigError(f"n_layers={n_layers} != prelude {n_prelude} + core {n_core} + coda {n_coda}")
+        init_values = cfg.get("init_values") or {}
+        if float(cfg.get("test_time_noise") or 0.0) != 0.0:
+            raise ConfigError("test_time_noise != 0 makes the target non-deterministic; set it to 0")
+        # Huginn's RoPE base is `rope_base`; Raven's is `rope_theta` (its `rope_base` is a stale Huginn leftover).
+        rope_theta = float(need("rope_base") if family == "huginn" else need("rope_theta"))
+        eos = cfg.get("eos_token_id")
+        eos_list = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)])
+        if family == "huginn":  # the RoPE table Huginn ships has block_size rows: a hard context cap
+            block_size = int(need("block_size"))
+        else:                   # Raven computes RoPE on the fly; block_size is only the training context
+            block_size = max(int(cfg.get("block_size") or 0), int(cfg.get("max_position_embeddings") or 0)) or 4096
+        out = cls(
+            family=family,
+            vocab_size=int(cfg.get("padded_vocab_size") or need("vocab_size")),
+            n_embd=n_embd, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            intermediate_size=int(need("intermediate_size")),
+            n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
+            mean_recurrence=int(need("mean_recurrence")),
+            norm_eps=float(cfg.get("norm_eps", cfg.get("rms_norm_eps", 1e-6))),
+            qk_bias=bool(cfg.get("qk_bias", False)),
+            qk_norm=family == "raven-olmo",
+            rope_theta=rope_theta,
+            rope_scaling=cfg.get("rope_scaling") or None,
+            tie_embeddings=bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False))),
+            embed_scale=float(init_values.get("embed_scale", 1.0)),
+            init_std=float(init_values.get("std", 0.0)),
+            block_size=block_size,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list,
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+        return out.validate()
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json a checkpoint of this family carries (the inverse of ``from_hf``)."""
+        cfg: dict[str, Any] = {
+            "architectures": ["RavenForCausalLM"],
+            "model_type": "huginn_raven",
+            "n_embd": self.n_embd,
+            "n_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "n_layers": self.n_layers,
+            "n_layers_in_prelude": self.n_prelude,
+            "n_layers_in_recurrent_block": self.n_core,
+            "n_layers_in_coda": self.n_coda,
+            "mean_recurrence": self.mean_recurrence,
+            "norm_eps": self.norm_eps,
+            "vocab_size": self.vocab_size,
+            "padded_vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "bias": False,
+            "qk_bias": self.qk_bias,
+            "tie_embeddings": self.tie_embeddings,
+            "init_values": {"std": self.init_std, "embed_scale": self.embed_scale},
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.family == "huginn":
+            cfg.update(block_class_name="SandwichBlock", rope_base=self.rope_theta, injection_type="linear",
+                       mlp_class_name="GatedMLP", norm_class_name="RMSNorm_llama", state_init="like-init")
+        else:
+            cfg.update(rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                       max_position_embeddings=self.block_size, tie_word_embeddings=self.tie_embeddings)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> str:
+    """Decide huginn / raven-llama / raven-olmo from config.json and (when given) the tensor names."""
+    if "dasspec_family" in cfg:
+        fam = cfg["dasspec_family"]
+        if fam not in FAMILIES:
+            raise ConfigError(f"unknown dasspec_family {fam!r}; expected one of {FAMILIES}")
+        return fam
+    model_type = cfg.get("model_type")
+    if model_type != "huginn_raven":
+        raise ConfigError(f"unsupported model_type {model_type!r}: dasspec loads looped 'huginn_raven' checkpoints "
+                          "(Huginn-0125, Raven-Llama/OLMo/TinyLlama)")
+    names = set(weight_names) if weight_names is not None else None
+    if names is not None:
+        if not any(n.startswith("transformer.core_block.") for n in names):
+            raise ConfigError("checkpoint has no transformer.core_block.* weights: not a looped layout")
+        sandwich = any(n.endswith(".norm_4.weight") for n in names)
+        qk_norm = any(n.endswith(".attn.q_norm.weight") for n in names)
+        if sandwich and qk_norm:
+            raise ConfigError("unknown layout: sandwich norms (norm_4) together with q_norm weights")
+        if sandwich:
+            return "huginn"
+        return "raven-olmo" if qk_norm else "raven-llama"
+    # Without weights: Raven configs also say block_class_name "SandwichBlock", and nothing in config.json tells
+    # OLMo from Llama, so only Huginn (rope_base, no rope_theta) is decidable here.
+    if "rope_theta" not in cfg and "rope_base" in cfg:
+        return "huginn"
+    raise ConfigError("cannot tell the layout from config.json alone; the weight names decide it")

@@ -1,0 +1,93 @@
+"""DAS-Wave (paper sec. 3.3, Appendix B.2): carried parallel refinement with depth-asynchronous prefix reads.
+
+One block, anchor x_t fixed at position n:
+
+    Z = [x_t, x_t, ...]                 provisional guesses seeded by repeating the anchor
+    H = initial states                  newly active positions start from the checkpoint's initialisation
+    for j in 0..J-1:
+        W_j = min(gamma, W_init + j)    the window grows by one position per round
+        e = P(Z[:W_j])                  guesses changed, so the prelude is recomputed
+        k times: H[:W_j] = F(H[:W_j], e)   all active positions in parallel, verified prefix read per policy
+        Z[1:W_j+1] = argmax H(H[:W_j])  shifted readout: position i proposes token i+1
+    verify(x_t, y_1..y_w = Z[1..w])     independent full-depth target (verify.py)
+
+Latent states are carried across rounds (``carry=False`` re-initialises them every round); provisional K/V live
+in scratch rows and are overwritten by the next round.  Read depths: Deep K/V by default.  For the depth-relative
+policies the "draft depth" r of an update is the wave clock - the number of updates the anchor has received
+(j*k + u + 1, capped at R) - since carried states have no single recurrence depth.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..config import LoopedConfig
+from ..decoding import Decoding
+from ..methods import MethodSpec, positive_int, register
+from ..policy import ReadPolicy, parse_policy
+from ..verify import verify_chain
+
+
+def wave_width(gamma: int, rounds: int, w_init: int) -> int:
+    """Active width after the last round = number of proposals w."""
+    return min(gamma, w_init + rounds - 1)
+
+
+def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, policy: ReadPolicy,
+                 carry: bool = True) -> Tensor:
+    model, cache, R = dec.model, dec.cache, dec.R
+    n = dec.n
+    w = wave_width(gamma, rounds, w_init)
+    Z = dec.tokens[n: n + w + 1]              # Z[0] is the anchor; guesses live in the token scratch
+    Z[1:] = Z[0]
+    H = dec.h0[:, n: n + w].clone()           # carried states; inactive positions still hold their init
+    reads = [policy.depths(min(R, j * k + u + 1), R) for j in range(rounds) for u in range(k)]
+    updates = 0
+    for j in range(rounds):
+        W = min(gamma, w_init + j)
+        if not carry and j:
+            H[:, :W] = dec.h0[:, n: n + W]
+        span = model.span(n, n, W)
+        inj = model.prelude(Z[:W].unsqueeze(0), span, cache)
+        h = H[:, :W]
+        for u in range(k):
+            h = model.core_step(h, inj, span, cache, read=reads[j * k + u])
+        H[:, :W] = h
+        Z[1: W + 1] = model.readout(h, span, cache)[0].argmax(-1)
+        updates += k * W
+    dec.stats.draft_passes += rounds * k
+    dec.stats.draft_updates += updates
+    return Z[1: w + 1]
+
+
+def run_wave(dec: Decoding, knobs: dict) -> None:
+    g, J, w0, k = knobs["gamma"], knobs["rounds"], knobs["w_init"], knobs["k"]
+    policy, carry = knobs["policy"], knobs["carry"]
+    dec.prefill()
+    while not dec.done:
+        with dec.timer("draft"):
+            proposals = propose_wave(dec, g, J, w0, k, policy, carry)
+        verify_chain(dec, proposals)
+
+
+def _validate(knobs: dict, R: int) -> dict:
+    positive_int(knobs, "gamma", "rounds", "w_init", "k")
+    if knobs["w_init"] > knobs["gamma"]:
+        raise ValueError(f"w_init ({knobs['w_init']}) must be <= gamma ({knobs['gamma']})")
+    if not isinstance(knobs["carry"], bool):
+        raise ValueError(f"carry must be true or false, got {knobs['carry']!r}")
+    knobs["policy"] = parse_policy(knobs["policy"])
+    knobs["policy"].depths(1, R)
+    return knobs
+
+
+def _defaults(cfg: LoopedConfig) -> dict:
+    # Paper Table 5: gamma=32, J=24, W_init=2, k=2 (Huginn) / k=1 (Raven), Deep K/V, carry on.
+    return {"gamma": 32, "rounds": 24, "w_init": 2, "k": 2 if cfg.family == "huginn" else 1,
+            "policy": "deep-kv", "carry": True}
+
+
+register(MethodSpec("das-wave", run_wave, _defaults, _validate,
+                    lambda kn: wave_width(kn["gamma"], kn["rounds"], kn["w_init"]),
+                    doc="DAS-Wave: carried parallel refinement + Deep K/V prefix reads + full-depth verifier",
+                    aliases=("wave",)))

@@ -1,0 +1,141 @@
+"""Decoding: the state of one generation, shared by every method.
+
+Holds the depth cache, the token buffer, the per-position initial states, the stop rule and the statistics.
+Invariant between blocks: the committed tokens are ``tokens[:L]`` with ``L = cache.n + 1``; the last committed
+token (the *anchor*, at position ``n``) has been emitted but not yet materialised - the next target pass does
+that.  Rows and token slots at or beyond ``L`` are scratch for drafts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import Tensor
+
+from .cache import CacheCapacityError, DepthCache, bytes_per_token
+from .model import LoopedLM
+from .stats import GenerationStats, PhaseTimer
+from .stopping import StopRule
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes on the device (None when unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Decoding:
+    def __init__(self, model: LoopedLM, prompt: list[int], stop: StopRule, num_steps: int | None = None,
+                 init_scale: float = 1.0, seed: int = 0, width: int = 1, method: str = "ar",
+                 streamer=None):
+        cfg = model.config
+        self.model = model
+        self.R = model.R if num_steps is None else int(num_steps)
+        if self.R < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        P = len(prompt)
+        if P == 0:
+            raise ValueError("empty prompt: give at least one token (most tokenizers add BOS)")
+        self.P = P
+        self.stop = stop
+        need_ctx = P + stop.max_new_tokens
+        if need_ctx > cfg.block_size:
+            raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({stop.max_new_tokens}) = {need_ctx} exceeds the "
+                             f"model context of {cfg.block_size} positions")
+        # Scratch beyond the last committed token: a verifier block of `width` inputs plus its last proposal.
+        self.capacity = min(need_ctx + width + 1, cfg.block_size + width + 1)
+        device, dtype = model.device, model.dtype
+        need = bytes_per_token(cfg, self.R, dtype) * self.capacity
+        free = available_memory(device)
+        if free is not None and need > 0.9 * free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
+            raise CacheCapacityError(
+                f"the depth cache needs {need / 2**20:.1f} MiB ({bytes_per_token(cfg, self.R, dtype)} B/token x "
+                f"{self.capacity} positions at R={self.R}) but only {free / 2**20:.1f} MiB is free on {device}; "
+                "lower max_new_tokens or num_steps, or use bfloat16")
+        self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype)
+        self.tokens = torch.zeros(self.capacity + 1, dtype=torch.long, device=device)
+        self.tokens[:P] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        positions = torch.arange(self.capacity, device=device)
+        self.h0 = model.initial_state(positions, init_scale, seed).unsqueeze(0)   # [1, capacity, d]
+        self.generated: list[int] = []
+        self.done = False
+        self.streamer = streamer
+        self.stats = GenerationStats(method=method, prompt_tokens=P)
+        self.timer = PhaseTimer(self.stats, device)
+        self._t0 = time.perf_counter()
+
+    # --- positions -----------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Materialised (verified) rows; also the position of the anchor."""
+        return self.cache.n
+
+    @property
+    def budget(self) -> int:
+        """Tokens still allowed by max_new_tokens."""
+        return self.stop.max_new_tokens - len(self.generated)
+
+    def sequence(self) -> list[int]:
+        """Prompt + committed tokens (host copy), for drafters that match on text."""
+        return self.tokens[: self.P + len(self.generated)].tolist()
+
+    # --- the full-depth target pass --------------------------------------------------------------------
+    def target_pass(self, start: int, W: int, positions: Tensor | None = None,
+                    mask: Tensor | None = None, logit_rows: slice | None = None) -> Tensor:
+        """Run the target at full depth on token slots [start, start+W) over the verified prefix: prelude, R
+        aligned core steps from the target's own initial states (never draft states), readout.  Writes the
+        block's K/V at every depth into scratch rows [start, start+W).  Returns float32 logits [W', V]."""
+        model, cache = self.model, self.cache
+        span = model.span(cache.n, start, W, positions=positions, mask=mask)
+        inj = model.prelude(self.tokens[start: start + W].unsqueeze(0), span, cache)
+        h = self.h0[:, start: start + W] if positions is None else self.h0[:, positions]
+        for r in range(1, self.R + 1):
+            h = model.core_step(h, inj, span, cache, read=(r, r))
+        return model.readout(h, span, cache, rows=logit_rows)[0]
+
+    def prefill(self) -> None:
+        with self.timer("prefill"):
+            logits = self.target_pass(0, self.P, logit_rows=slice(-1, None))
+            self.cache.commit(self.P)
+            first = int(logits[-1].argmax())
+        self.stats.prefill_passes += self.R
+        self.stats.prefill_updates += self.R * self.P
+        self.tokens[self.P] = first
+        self.emit([first])
+
+    # --- committing ------------------------------------------------------------------------------------
+    def emit(self, chunk: list[int]) -> int:
+        """Append committed tokens, applying the stop rule inside the chunk; returns how many were kept."""
+        start = len(self.generated)
+        self.generated.extend(chunk)
+        hit = self.stop.scan(self.generated, start)
+        if hit is not None:
+            keep, reason = hit
+            del self.generated[keep:]
+            self.done = True
+            self.stats.stop_reason = reason
+        kept = len(self.generated) - start
+        if self.streamer is not None and kept:
+            self.streamer.put(torch.tensor([chunk[:kept]]))
+        return kept
+
+    def finish(self) -> GenerationStats:
+        self.timer.finish()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.stats.wall_time = time.perf_counter() - self._t0
+        self.stats.new_tokens = len(self.generated)
+        if self.streamer is not None:
+            self.streamer.end()
+        return self.stats

@@ -1,0 +1,92 @@
+"""``dasspec.generate``: one entry point for every decoding method, Hugging Face ``generate``-style.
+
+    out = dasspec.generate(model, ids, method="das-wave", max_new_tokens=256, gamma=32, rounds=24, k=2)
+    out.tokens, out.text, out.stats.A, out.stats.G, out.stats.tokens_per_second
+
+Knobs are named after the paper (gamma, rounds=J, w_init, k, draft_depth=d, block=b, policy, carry); defaults
+follow the paper's Table 5 per model family, overridable per model in ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from .decoding import Decoding
+from .methods import get_method, resolve_knobs
+from .model import LoopedLM
+from .stats import GenerationStats
+from .stopping import StopRule
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]              # the new tokens (prompt excluded), cut at the stop token
+    stats: GenerationStats
+    text: str | None = None        # decoded new tokens, cut before a stop string (when a tokenizer is known)
+
+    @property
+    def stop_reason(self) -> str:
+        return self.stats.stop_reason
+
+
+def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
+    if isinstance(input_ids, str):
+        tok = tokenizer or model.tokenizer
+        if tok is None:
+            raise ValueError("a text prompt needs a tokenizer; load the model from a folder with tokenizer.json "
+                             "or pass tokenizer=")
+        return tok.encode(input_ids)
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"generate decodes one sequence at a time (batch 1); got batch {input_ids.shape[0]}")
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D or [1, T], got shape {tuple(input_ids.shape)}")
+        ids = input_ids.tolist()
+    else:
+        ids = [int(t) for t in input_ids]
+    V = model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+    return ids
+
+
+def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
+    tok = tokenizer or model.tokenizer
+    if tok is not None and tok.eos_ids:
+        return list(tok.eos_ids)
+    return [i for i in model.config.eos_token_id if 0 <= i < model.config.vocab_size]
+
+
+def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
+             num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
+             *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True, **knobs) -> GenerationResult:
+    """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
+    its tokens equal ``method="ar"``'s.  ``stop``: extra stop token ids and/or stop strings (EOS always stops
+    unless ``eos=False``).  ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``."""
+    spec = get_method(method)
+    prompt = as_token_list(model, input_ids, tokenizer)
+    R = model.R if num_steps is None else int(num_steps)
+    if R < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    resolved = resolve_knobs(spec, model.config, model.generation_defaults, knobs, R)
+    tok = tokenizer or model.tokenizer
+    stop_ids = default_stop_ids(model, tok) if eos else []
+    stop_strings: list[str] = []
+    for s in ([stop] if isinstance(stop, (str, int)) else stop or []):
+        (stop_strings if isinstance(s, str) else stop_ids).append(s)
+    rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None)
+    with torch.inference_mode():
+        dec = Decoding(model, prompt, rule, R, init_scale, seed, width=spec.width(resolved), method=spec.name,
+                       streamer=streamer)
+        spec.run(dec, resolved)
+        stats = dec.finish()
+    text = None
+    if tok is not None:
+        text = rule.trim_text(tok.decode(dec.generated)) if stop_strings else tok.decode(dec.generated)
+    return GenerationResult(tokens=list(dec.generated), stats=stats, text=text)

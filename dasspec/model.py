@@ -1,0 +1,172 @@
+"""LoopedLM: prelude P, shared core F applied R times, coda H (paper eq. 1), exposed as three primitives.
+
+    inj = model.prelude(ids, span, cache)                         # P(x), projected through the adapter's e-half
+    h   = model.core_step(h, inj, span, cache, read=(kappa, nu))  # h <- F(h, e): adapter + core layers
+    z   = model.readout(h, span, cache)                           # H(h): (ln_f) + coda + ln_f + head, float32
+
+Every decoder composes these; none reaches into layers.  ``read`` is the verified-prefix read policy of eq. (2)-(3):
+keys from depth kappa, values from depth nu.  The draft-side rows of the call are stored at ``own`` depths
+(default: the read depths), which is where verification and AR materialise depth r (``read = own = (r, r)``).
+
+The adapter acts on concat[h, e]; its e-half is applied once per call in ``prelude`` (e does not change across the
+recurrence) and only the h-half runs per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cache import DepthCache
+from .config import LoopedConfig
+from .layers import Block, RMSNorm, Span, rope_tables
+
+_MASK32 = 0xFFFFFFFF
+_TRUNC = 3.0                                   # initial states are truncated at +-3 std, as in Huginn's like-init
+_PHI_LO = 0.5 * math.erfc(_TRUNC / math.sqrt(2))  # Phi(-3)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mix (int64 arithmetic, masked so no product overflows) - identical on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
+    """Standard normal truncated to [-3, 3], a pure function of (seed, absolute position, channel): AR and every
+    speculative decoder draw the same initial state for the same position."""
+    s = _hash32(torch.tensor(seed & _MASK32, dtype=torch.int64, device=positions.device))
+    ctr = (positions.to(torch.int64)[:, None] * dim + torch.arange(dim, device=positions.device)) & _MASK32
+    bits = _hash32(_hash32(ctr ^ s) + 0x9E3779B9 & _MASK32)
+    u = ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)          # uniform in (0, 1)
+    p = _PHI_LO + u * (1.0 - 2.0 * _PHI_LO)
+    return (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).to(torch.float32)
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        self.config = cfg.validate()
+        d = cfg.n_embd
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, d),
+            prelude=nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude)),
+            adapter=nn.Linear(2 * d, d, bias=False),
+            core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
+            coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
+            ln_f=RMSNorm(d, cfg.norm_eps),
+        ))
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        cos, sin = rope_tables(cfg, cfg.block_size)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tokenizer = None                   # attached by load_model when the folder has tokenizer.json
+        self.generation_defaults: dict = {}     # knobs from generation_config.json
+        self.source: str | None = None
+
+    # --- small helpers ---------------------------------------------------------------------------------
+    @property
+    def R(self) -> int:
+        return self.config.mean_recurrence
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def span(self, n: int, start: int, W: int, positions: Tensor | None = None,
+             mask: Tensor | None = None) -> Span:
+        """Describe one call: queries at cache rows [start, start+W) over a verified prefix of n rows.
+        ``positions`` (default: the rows) set RoPE; ``mask`` [W, start+W] overrides causal visibility."""
+        if start + W > self.config.block_size:
+            raise ValueError(f"position {start + W - 1} is beyond the model context ({self.config.block_size})")
+        if positions is None:
+            cos, sin = self.rope_cos[start: start + W], self.rope_sin[start: start + W]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)           # [W, 1, hd/2] broadcasts over heads
+        causal = False
+        if mask is None and W > 1:
+            if start == 0:
+                causal = True
+            else:
+                mask = torch.ones(W, start + W, dtype=torch.bool, device=self.device).tril(start)
+        return Span(n=n, start=start, W=W, cos=cos, sin=sin, mask=mask, causal=causal)
+
+    def initial_state(self, positions: Tensor, init_scale: float = 1.0, seed: int = 0) -> Tensor:
+        """The checkpoint's initialisation for the given absolute positions: truncated normal with
+        std = init_values.std * init_scale, times the embedding scale; zeros for init_scale == 0.  [len, d]"""
+        cfg = self.config
+        d = cfg.n_embd
+        std = cfg.init_std * init_scale
+        if std == 0.0:
+            return torch.zeros(positions.numel(), d, device=self.device, dtype=self.dtype)
+        z = position_noise(positions.to(self.device), d, seed)
+        return (z * (std * cfg.embed_scale)).to(self.dtype)
+
+    # --- the three primitives ----------------------------------------------------------------------------
+    def prelude(self, ids: Tensor, span: Span, cache: DepthCache | None = None) -> Tensor:
+        """Token ids [B, W] -> the injected embedding (prelude output through the adapter's e-half) [B, W, d].
+        With a cache, prelude K/V are written at the span's rows."""
+        t = self.transformer
+        x = t.wte(ids)
+        if self.config.embed_scale != 1.0:
+            x = x * self.config.embed_scale
+        for i, block in enumerate(t.prelude):
+            x = block(x, span, cache.prelude_kv(i) if cache is not None else None)
+        return F.linear(x, t.adapter.weight[:, self.config.n_embd:])
+
+    def core_step(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
+                  read: tuple[int, int] = (1, 1), own: tuple[int, int] | None = None) -> Tensor:
+        """One recurrence: h <- core(adapter(concat[h, e])).  Prefix keys are read at depth read[0] (kappa) and
+        values at read[1] (nu); the span's own K/V are stored at ``own`` (default ``read``)."""
+        t = self.transformer
+        x = F.linear(h, t.adapter.weight[:, : self.config.n_embd]) + inj
+        own = read if own is None else own
+        for i, block in enumerate(t.core_block):
+            x = block(x, span, cache.core_kv(i, read, own) if cache is not None else None)
+        return x
+
+    def readout(self, h: Tensor, span: Span, cache: DepthCache | None = None,
+                rows: slice | None = None) -> Tensor:
+        """State [B, W, d] -> float32 logits [B, W, V] through (ln_f), the coda, ln_f and the head (only for
+        ``rows`` of the W positions when given).  The coda reads the prefix's full-depth coda K/V (the only coda
+        K/V that is materialised) and writes the span's own."""
+        t = self.transformer
+        x = t.ln_f(h) if self.config.norm_after_loop else h
+        for i, block in enumerate(t.coda):
+            x = block(x, span, cache.coda_kv(i) if cache is not None else None)
+        if rows is not None:
+            x = x[:, rows]
+        return self.lm_head(t.ln_f(x)).float()
+
+    # --- full forward (no cache) -------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
+                seed: int = 0) -> Tensor:
+        """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache."""
+        r = self.R if num_steps is None else int(num_steps)
+        if r < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("empty input")
+        span = self.span(0, 0, T)
+        inj = self.prelude(input_ids, span)
+        h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
+        for _ in range(r):
+            h = self.core_step(h, inj, span)
+        return self.readout(h, span)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -1,0 +1,100 @@
+"""Per-generation statistics: verification events, accepted lengths (A, eq. 9), committed progress (G, eq. 10),
+sequential core passes and position-updates spent drafting and verifying, and draft / verify / prefill time."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    method: str = "ar"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)   # a_b: draft tokens retained per verification event
+    target_tokens: list[int] = field(default_factory=list)  # u_b: 1 if the target's correction/bonus was retained
+    proposed: list[int] = field(default_factory=list)   # w_b: proposals handed to the verifier
+    prefill_passes: int = 0      # sequential core passes (each = one core_step call) in prefill
+    draft_passes: int = 0
+    verify_passes: int = 0
+    draft_updates: int = 0       # core position-updates (sum of W over core_step calls)
+    verify_updates: int = 0
+    prefill_updates: int = 0
+    prefill_time: float = 0.0    # seconds
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def verify_events(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def A(self) -> float:
+        """Mean accepted draft tokens per verification (eq. 9)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def G(self) -> float:
+        """Mean committed tokens per verification, target correction/bonus included (eq. 10)."""
+        if not self.accepted:
+            return 0.0
+        return (sum(self.accepted) + sum(self.target_tokens)) / len(self.accepted)
+
+    @property
+    def sequential_passes(self) -> int:
+        """Sequential core passes for the whole request (prefill + drafting + verification)."""
+        return self.prefill_passes + self.draft_passes + self.verify_passes
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "verify_events": self.verify_events, "A": self.A, "G": self.G,
+            "accepted": self.accepted, "target_tokens": self.target_tokens, "proposed": self.proposed,
+            "prefill_passes": self.prefill_passes, "draft_passes": self.draft_passes,
+            "verify_passes": self.verify_passes, "sequential_passes": self.sequential_passes,
+            "draft_updates": self.draft_updates, "verify_updates": self.verify_updates,
+            "prefill_updates": self.prefill_updates,
+            "prefill_time": self.prefill_time, "draft_time": self.draft_time, "verify_time": self.verify_time,
+            "wall_time": self.wall_time, "tokens_per_second": self.tokens_per_second,
+            "stop_reason": self.stop_reason,
+        }
+
+
+class PhaseTimer:
+    """Accumulates time per phase without forcing a device sync per phase: on CUDA it records events and resolves
+    them once in ``finish``; on CPU it reads the clock."""
+
+    def __init__(self, stats: GenerationStats, device: torch.device):
+        self.stats = stats
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._events.append((phase, a, b))
+        else:
+            t = time.perf_counter()
+            yield
+            setattr(self.stats, phase + "_time", getattr(self.stats, phase + "_time") + time.perf_counter() - t)
+
+    def finish(self) -> None:
+        if self.cuda and self._events:
+            torch.cuda.synchronize()
+            for phase, a, b in self._events:
+                setattr(self.stats, phase + "_time", getattr(self.stats, phase + "_time") + a.elapsed_time(b) / 1e3)
+            self._events.clear()
