@@ -86,9 +86,10 @@ class Span:
 
     Cache rows [0, n) hold the verified prefix; the call's draft-side rows are [n, start + W), of which the last
     W (rows [start, start + W)) are the queries computed now and written now.  ``cos``/``sin`` are the RoPE
-    angles of the queries' *positions* (which equal their rows except for tree drafts).  ``mask`` [W, start + W]
-    (bool, True = visible) is None when a single query sees every row up to its own, or when ``causal`` is set
-    (a block starting at row 0, where top-left and bottom-right causal alignment agree)."""
+    angles of the queries' *positions* (which equal their rows except for tree drafts and probes).  ``mask``
+    [W, start + W] (bool, True = visible; it may hide prefix rows too) is None when a single query sees every
+    row up to its own, or when ``causal`` is set (a block starting at row 0, where top-left and bottom-right
+    causal alignment agree)."""
 
     n: int
     start: int
@@ -120,21 +121,20 @@ class LayerKV:
 
 def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -> Tensor:
     """Eq. (2)-(3) with the two key/value sources kept apart: [Pi_C, Pi_U] = softmax(q [K_C; K_U]^T),
-    O = Pi_C V_C + Pi_U V_U.  q: [1, H, W, hd] -> [1, H, W, hd]."""
+    O = Pi_C V_C + Pi_U V_U.  q: [1, H, W, hd] -> [1, H, W, hd].  A span mask covers both parts."""
     _, H, W, hd = q.shape
     hkv = kv.k_own.shape[0]
     g = H // hkv
     qg = q.reshape(hkv, g * W, hd)                                   # GQA: query groups share a kv head
     n, end = span.n, span.end
-    s_prefix = torch.matmul(qg, kv.k_prefix[:, :n].transpose(-1, -2))
-    s_own = torch.matmul(qg, kv.k_own[:, n:end].transpose(-1, -2))
+    s = torch.cat((torch.matmul(qg, kv.k_prefix[:, :n].transpose(-1, -2)),
+                   torch.matmul(qg, kv.k_own[:, n:end].transpose(-1, -2))), dim=-1)
     if span.mask is not None:
-        own_mask = span.mask[:, n:].repeat(g, 1)
-        s_own = s_own.masked_fill(~own_mask, float("-inf"))
+        s = s.masked_fill(~span.mask.repeat(g, 1), float("-inf"))
     elif span.causal:
-        own_mask = torch.ones(W, W, dtype=torch.bool, device=q.device).tril().repeat(g, 1)
-        s_own = s_own.masked_fill(~own_mask, float("-inf"))
-    p = torch.softmax(torch.cat((s_prefix, s_own), dim=-1).float() * scale, dim=-1).to(q.dtype)
+        s = s.masked_fill(~torch.ones(W, W, dtype=torch.bool, device=q.device).tril().repeat(g, 1),
+                          float("-inf"))
+    p = torch.softmax(s.float() * scale, dim=-1).to(q.dtype)
     out = torch.matmul(p[..., :n], kv.v_prefix[:, :n]) + torch.matmul(p[..., n:], kv.v_own[:, n:end])
     return out.reshape(1, H, W, hd)
 
