@@ -1,0 +1,242 @@
+"""What the probes share: GSM8K prompts, the target's greedy trajectories, paired timed runs against AR, the
+paper's summary statistics (S eq. 8, A eq. 9, G eq. 10, prompt bootstrap) and table output (markdown + CSV)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..generate import GenerationResult, generate
+from ..model import LoopedLM
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------------------------
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def data_dir(path: str | os.PathLike | None = None) -> Path:
+    """``path``, else $DASSPEC_DATA, else ../shared/data next to the repository (/work/shared/data here)."""
+    folder = Path(path or os.environ.get("DASSPEC_DATA") or DEFAULT_DATA).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"evaluation data folder {folder} does not exist; pass --data DIR or set DASSPEC_DATA")
+    return folder
+
+
+def gsm8k_prompts(n: int, data: str | os.PathLike | None = None, offset: int = 0) -> list[str]:
+    """The first ``n`` GSM8K test questions (after ``offset``) as zero-shot "Question: ...\\nAnswer:" prompts."""
+    if n < 1:
+        raise ValueError(f"--prompts must be >= 1, got {n}")
+    path = data_dir(data) / "gsm8k" / "test.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing (expected the GSM8K test split as JSONL)")
+    out: list[str] = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < offset:
+                continue
+            out.append(f"Question: {json.loads(line)['question']}\nAnswer:")
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise ValueError(f"{path} has only {len(out)} questions after offset {offset}; asked for {n}")
+    return out
+
+
+def encode_prompts(model: LoopedLM, texts: Sequence[str]) -> list[list[int]]:
+    if model.tokenizer is None:
+        raise ValueError("the probes read text prompts, but this model folder has no tokenizer.json")
+    return [model.tokenizer.encode(t) for t in texts]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The target's greedy trajectory (what the mechanism probes teacher-force on)
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Trajectory:
+    """A prompt followed by the full-depth target's greedy continuation."""
+
+    tokens: Tensor      # [P + N] long
+    prompt_len: int     # P
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def greedy_trajectory(model: LoopedLM, prompt: Sequence[int], max_new_tokens: int, num_steps: int | None = None,
+                      init_scale: float = 1.0, seed: int = 0) -> Trajectory:
+    res = generate(model, list(prompt), method="ar", max_new_tokens=max_new_tokens, num_steps=num_steps,
+                   init_scale=init_scale, seed=seed)
+    toks = torch.tensor(list(prompt) + res.tokens, dtype=torch.long, device=model.device)
+    return Trajectory(toks, len(prompt))
+
+
+def greedy_trajectories(model: LoopedLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0,
+                        progress: bool = True) -> list[Trajectory]:
+    return [greedy_trajectory(model, p, max_new_tokens, num_steps, init_scale, seed)
+            for p in tqdm(prompts, desc="target AR trajectories", disable=not progress, leave=False)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paired timed runs (each arm against a full-depth AR reference on the same prompt, in the same process)
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    method: str
+    knobs: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def run_paired(model: LoopedLM, prompts: Sequence[Sequence[int]], arms: Sequence[Arm], max_new_tokens: int,
+               num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0, progress: bool = True,
+               warmup: bool = True) -> dict[str, list[GenerationResult]]:
+    """Run AR and every arm on every prompt; per prompt the arms are interleaved (their order rotates from prompt
+    to prompt so slow drift of a shared machine does not favour one arm).  Returns results by arm name, with
+    full-depth AR under "ar"."""
+    names = [a.name for a in arms]
+    if "ar" in names or len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique and not 'ar': {names}")
+    all_arms = [Arm("ar", "ar")] + list(arms)
+    common = dict(num_steps=num_steps, init_scale=init_scale, seed=seed)
+    if warmup:      # first calls pay allocator / kernel-selection costs that do not belong to any arm
+        for arm in all_arms:
+            generate(model, list(prompts[0]), method=arm.method, max_new_tokens=min(8, max_new_tokens),
+                     **common, **arm.knobs)
+    out: dict[str, list[GenerationResult]] = {a.name: [] for a in all_arms}
+    bar = tqdm(total=len(prompts) * len(all_arms), desc="paired runs", disable=not progress, leave=False)
+    for i, prompt in enumerate(prompts):
+        shift = i % len(all_arms)
+        for arm in all_arms[shift:] + all_arms[:shift]:
+            out[arm.name].append(generate(model, list(prompt), method=arm.method, max_new_tokens=max_new_tokens,
+                                          **common, **arm.knobs))
+            bar.update()
+    bar.close()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summary statistics (paper eq. 8-10) and the paired prompt bootstrap
+# --------------------------------------------------------------------------------------------------------------
+
+def throughput(res: GenerationResult) -> float:
+    """Retained output tokens per second, prefill included (the n_p,a / t_p,a of eq. 8)."""
+    s = res.stats
+    if s.wall_time <= 0:
+        raise ValueError("a run with zero wall time cannot be timed")
+    return s.new_tokens / s.wall_time
+
+
+def speedup_ratios(arm: Sequence[GenerationResult], ar: Sequence[GenerationResult]) -> np.ndarray:
+    """Per-prompt throughput ratios (n_a/t_a) / (n_AR/t_AR); their mean is the speedup S of eq. 8."""
+    if len(arm) != len(ar):
+        raise ValueError(f"paired runs differ in length: {len(arm)} vs {len(ar)} prompts")
+    return np.array([throughput(a) / throughput(b) for a, b in zip(arm, ar)])
+
+
+def bootstrap_ci(values: np.ndarray, den: np.ndarray | None = None, n: int = 10_000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile interval over ``n`` resamples of prompts: of the mean of per-prompt ``values``, or with ``den``
+    of the pooled ratio sum(values) / sum(den) (e.g. matches over positions).  NaNs for fewer than 2 prompts."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(values), size=(n, len(values)))
+    if den is None:
+        stats = values[idx].mean(1)
+    else:
+        stats = values[idx].sum(1) / np.asarray(den, dtype=float)[idx].sum(1)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def mean_A(results: Sequence[GenerationResult]) -> float:
+    """A = mean over prompts of A_p (eq. 9); prompts without verification events are skipped."""
+    vals = [r.stats.A for r in results if r.stats.verify_events]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def mean_G(results: Sequence[GenerationResult]) -> float:
+    """G = mean over prompts of G_p (eq. 10)."""
+    vals = [r.stats.G for r in results if r.stats.verify_events]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def same_tokens(results: Sequence[GenerationResult], reference: Sequence[GenerationResult]) -> int:
+    """How many prompts produced exactly the reference's tokens (greedy target preservation)."""
+    return sum(a.tokens == b.tokens for a, b in zip(results, reference))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    columns: list[str] = []
+    for r in rows:
+        columns += [c for c in r if c not in columns]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_report(out: str | os.PathLike, name: str, title: str, setup: dict, sections: Sequence[tuple[str, str]],
+                 csv_rows: Sequence[dict]) -> Path:
+    """``name``.md (title, setup, markdown sections) and ``name``.csv into ``out``; returns the folder."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    md = [f"# {title}", "", "Setup: " + "; ".join(f"{k} = {v}" for k, v in setup.items()), ""]
+    for heading, body in sections:
+        if heading:
+            md += [f"## {heading}", ""]
+        md += [body, ""]
+    md.append(f"Plot: `{name}.png`; all rows: `{name}.csv`.")
+    (folder / f"{name}.md").write_text("\n".join(md) + "\n")
+    write_csv(folder / f"{name}.csv", csv_rows)
+    return folder
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def model_setup(model: LoopedLM, num_steps: int | None, **extra) -> dict:
+    cfg = model.config
+    setup = {"model": model.source or "(in-memory)", "family": cfg.family,
+             "R": model.R if num_steps is None else num_steps,
+             "layers (prelude/core/coda)": f"{cfg.n_prelude}/{cfg.n_core}/{cfg.n_coda}",
+             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", "")}
+    setup.update(extra)
+    return setup
