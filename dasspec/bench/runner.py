@@ -1,0 +1,314 @@
+"""The timing protocol of paper Appendix A.3, run into an output folder one record at a time.
+
+* The model is loaded once; every method runs in the same process, stack and session as its paired full-depth AR.
+* Warm-up first: one short generation per method, not recorded.
+* For each prompt, AR and every method run in an order that rotates by one per prompt, so slow drift (thermal,
+  other load) hits every method alike.
+* Each run is timed by ``dasspec.generate`` itself (``stats.wall_time``: prefill included, CUDA synchronised at
+  the end); nothing is recomputed inside the timed region.
+* One JSONL record per (task, prompt, method) is appended to ``records.jsonl`` and flushed as soon as it exists.
+  Re-running the same command resumes: finished records are skipped; an interrupt keeps everything finished.
+* ``run.json`` pins what must not change between resumed sessions (model, dtype, device, R, caps, prompt
+  templates, knobs); adding tasks, methods or prompts to an existing folder is fine.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..generate import generate
+from ..methods import get_method, resolve_knobs
+from ..model import LoopedLM
+from ..tasks import Example, Task, get_task
+
+RECORDS = "records.jsonl"
+RUN_INFO = "run.json"
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class BenchPlan:
+    """What to run.  ``methods`` may omit "ar": it is always added, since every arm is paired with it."""
+    tasks: list[Task]
+    methods: list[str]
+    knobs: dict[str, dict] = field(default_factory=dict)   # method -> user knobs
+    prompts: int = 40
+    split: str = "eval"
+    seed: int = 0                 # prompt selection
+    data: str | None = None
+    num_steps: int | None = None  # target depth R (default: the model's)
+    init_scale: float = 1.0
+    gen_seed: int = 0             # seed of the per-position initial states (shared by every method)
+    warmup: bool = True
+
+
+@dataclass
+class Prompt:
+    task: Task
+    index: int                    # position in the seeded selection = request order
+    example: Example
+    ids: list[int]
+
+
+@dataclass
+class BenchRun:
+    out: Path
+    ran: int                      # records written in this session
+    kept: int                     # records found from earlier sessions
+    skipped: list[dict]           # prompts that cannot run, with the reason
+    methods: list[str]
+
+
+def canonical_methods(names: Iterable[str]) -> list[str]:
+    """Registered method names (aliases resolved, duplicates dropped), AR first; unknown names fail here."""
+    out = ["ar"]
+    for name in names:
+        spec = get_method(name.strip())          # ValueError naming the unknown method and the available ones
+        if spec.name not in out:
+            out.append(spec.name)
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    text = getattr(value, "name", None) or str(value)
+    if len(text) > 80:      # a structure (e.g. a draft tree): a short stable digest keeps run.json readable
+        text = f"{type(value).__name__}<sha1:{hashlib.sha1(text.encode()).hexdigest()[:12]}>"
+    return text
+
+
+def resolved_knobs(model: LoopedLM, methods: list[str], user: dict[str, dict], R: int) -> dict[str, dict]:
+    """Every method's effective knobs (family defaults <- model folder <- user), validated before any timing."""
+    unknown = sorted(set(user) - set(methods))
+    if unknown:
+        raise ValueError(f"--knobs names method(s) {', '.join(unknown)} that are not being benchmarked "
+                         f"(methods: {', '.join(methods)})")
+    out = {}
+    for name in methods:
+        spec = get_method(name)
+        try:
+            out[name] = jsonable(resolve_knobs(spec, model.config, model.generation_defaults,
+                                               dict(user.get(name, {})), R))
+        except ValueError as err:
+            raise ValueError(f"method {name}: {err} (set its knobs with --knobs {name}:NAME=VALUE)") from None
+    return out
+
+
+def load_records(path: Path) -> list[dict]:
+    """Finished records; a torn last line (killed mid-write) is dropped and the file rewritten without it."""
+    if not path.exists():
+        return []
+    records, good_lines, torn = [], [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                torn = True
+                continue
+            try:
+                records.append(json.loads(line))
+                good_lines.append(line)
+            except json.JSONDecodeError:
+                torn = True
+    if torn:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(good_lines), encoding="utf-8")
+        os.replace(tmp, path)
+    return records
+
+
+RESULT_FILES = (RECORDS, RUN_INFO, "prompts.jsonl", "report.md", "summary.csv", "speedup.png", "accept.png")
+
+
+def clear_results(out: str | os.PathLike) -> None:
+    """Delete the files a benchmark writes in ``out`` (nothing else), for a fresh start."""
+    for name in RESULT_FILES:
+        (Path(out) / name).unlink(missing_ok=True)
+
+
+def record_key(r: dict) -> tuple[str, str, str]:
+    return r["task"], r["prompt_id"], r["method"]
+
+
+def prepare_prompts(plan: BenchPlan, tokenizer, block_size: int) -> tuple[list[Prompt], list[dict]]:
+    """Seeded examples of every task, encoded; prompts whose length + cap exceed the context are skipped with a
+    stated reason (never silently)."""
+    prompts, skipped = [], []
+    for task in plan.tasks:
+        for i, ex in enumerate(task.examples(plan.prompts, plan.split, plan.seed, plan.data)):
+            ids = tokenizer.encode(ex.prompt)
+            if len(ids) + task.cap > block_size:
+                skipped.append({"task": task.name, "prompt_id": ex.id, "prompt_index": i,
+                                "reason": f"prompt {len(ids)} tokens + cap {task.cap} > context {block_size}"})
+                continue
+            prompts.append(Prompt(task, i, ex, ids))
+    return prompts, skipped
+
+
+def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: dict[str, dict]) -> dict:
+    return {
+        "model": model_name, "family": model.config.family,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "context": model.config.block_size,
+        "device": model.device.type, "dtype": str(model.dtype).replace("torch.", ""), "num_steps": R,
+        "init_scale": plan.init_scale, "gen_seed": plan.gen_seed, "split": plan.split, "select_seed": plan.seed,
+        "tasks": {t.name: {"cap": t.cap, "shots": t.shots, "stop": list(t.stop)} for t in plan.tasks},
+        "methods": {m: {"knobs": knobs[m], "stateful": get_method(m).stateful} for m in knobs},
+    }
+
+
+PINNED = ("model", "parameters", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed")
+
+
+def merge_run_info(path: Path, new: dict) -> dict:
+    """Check a resumed folder was made with the same setup; add this session's tasks and methods to it."""
+    if not path.exists():
+        return new
+    old = json.loads(path.read_text())
+    diffs = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in PINNED if old.get(k) != new[k]]
+    for kind in ("tasks", "methods"):
+        for name, spec in new[kind].items():
+            if name in old.get(kind, {}) and old[kind][name] != spec:
+                diffs.append(f"{kind[:-1]} {name}: {old[kind][name]} there, {spec} now")
+    if diffs:
+        raise ValueError(f"{path.parent} holds records of a different setup ({'; '.join(diffs)}); resume with "
+                         "the same settings or use a new --out folder")
+    merged = dict(old)
+    for kind in ("tasks", "methods"):
+        merged[kind] = {**old.get(kind, {}), **new[kind]}
+    return merged
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+           "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenizer=None, model_name: str = "",
+              progress: bool = True) -> BenchRun:
+    """Run ``plan`` into ``out`` (records.jsonl + run.json), resuming whatever is already there."""
+    tok = tokenizer or model.tokenizer
+    if tok is None:
+        raise ValueError("the benchmark encodes text prompts and needs a tokenizer (tokenizer.json next to the "
+                         "weights, or tokenizer=)")
+    methods = canonical_methods(plan.methods)
+    R = model.R if plan.num_steps is None else int(plan.num_steps)
+    knobs = resolved_knobs(model, methods, plan.knobs, R)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = merge_run_info(out / RUN_INFO, run_info(model, model_name, plan, R, knobs))
+    prompts, skipped = prepare_prompts(plan, tok, model.config.block_size)
+    session = time.strftime("%Y-%m-%dT%H:%M:%S")
+    info.setdefault("sessions", []).append({"started": session, **environment()})
+    info["skipped"] = skipped                 # of the latest session, so --report-only can list them too
+    (out / RUN_INFO).write_text(json.dumps(info, indent=2))
+
+    records_path = out / RECORDS
+    done = {record_key(r) for r in load_records(records_path)}
+    pending = sum((p.task.name, p.example.id, m) not in done for p in prompts for m in methods)
+    kept = sum((p.task.name, p.example.id, m) in done for p in prompts for m in methods)
+
+    cuda = model.device.type == "cuda"
+
+    def run_one(p: Prompt, method: str, cap: int):
+        # Outside the timed region: collect garbage and drain the device so neither lands inside a measurement.
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+        return generate(model, p.ids, method=method, max_new_tokens=cap, num_steps=R, init_scale=plan.init_scale,
+                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok, **plan.knobs.get(method, {}))
+
+    if pending and plan.warmup and prompts:
+        for method in methods:            # first calls pay for allocator growth, lazy init, kernel selection
+            run_one(prompts[0], method, min(WARMUP_TOKENS, prompts[0].task.cap))
+
+    from tqdm.auto import tqdm
+    bar = tqdm(total=pending, desc="bench", unit="gen", disable=not progress or pending == 0, dynamic_ncols=True)
+    ran = 0
+    try:
+        with open(records_path, "a", encoding="utf-8") as sink:
+            for p in prompts:
+                rot = p.index % len(methods)
+                order = methods[rot:] + methods[:rot]
+                for slot, method in enumerate(order):
+                    if (p.task.name, p.example.id, method) in done:
+                        continue
+                    bar.set_postfix_str(f"{p.task.name} #{p.index} {method}", refresh=False)
+                    try:
+                        res = run_one(p, method, p.task.cap)
+                    except Exception:
+                        bar.write(f"bench: {method} failed on {p.task.name} {p.example.id}; "
+                                  f"{ran} new records kept in {records_path}")
+                        raise
+                    rec = {"task": p.task.name, "prompt_id": p.example.id, "prompt_index": p.index,
+                           "method": method, "order": slot, "session": session, "cap": p.task.cap,
+                           "stateful": get_method(method).stateful, **res.stats.to_dict(),
+                           "tokens": res.tokens, "text": res.text}
+                    rec["method"] = method            # the canonical name, whatever stats call it
+                    sink.write(json.dumps(rec) + "\n")
+                    sink.flush()
+                    os.fsync(sink.fileno())
+                    done.add((p.task.name, p.example.id, method))
+                    ran += 1
+                    bar.update(1)
+    finally:
+        bar.close()
+    return BenchRun(out, ran, kept, skipped, methods)
+
+
+def parse_knobs(items: Iterable[str]) -> dict[str, dict]:
+    """``METHOD:NAME=VALUE[,NAME=VALUE...]`` (repeatable) -> {method: {name: value}}.  Values are read as JSON
+    (16, 0.5, true) and otherwise kept as strings (deep-kv).  A value that itself contains "=" (an explicit read
+    policy such as k=4,v=32) takes the following comma-separated item with it."""
+    out: dict[str, dict] = {}
+    for item in items:
+        method, sep, body = item.partition(":")
+        if not sep or not method.strip() or not body.strip():
+            raise ValueError(f"--knobs expects METHOD:NAME=VALUE[,NAME=VALUE...], got {item!r}")
+        method = get_method(method.strip()).name
+        pairs: list[list[str]] = []
+        for part in body.split(","):
+            if pairs and "=" in pairs[-1][1] and "," not in pairs[-1][1] and "=" in part:
+                pairs[-1][1] += "," + part            # policy=k=4,v=32
+                continue
+            name, eq, value = part.partition("=")
+            if not eq or not name.strip():
+                raise ValueError(f"--knobs {item!r}: {part!r} is not NAME=VALUE")
+            pairs.append([name.strip(), value.strip()])
+        for name, value in pairs:
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = value
+            out.setdefault(method, {})[name] = parsed
+    return out
+
+
+def resolve_tasks(names: Iterable[str], caps: dict[str, int] | None = None,
+                  shots: dict[str, int] | None = None) -> list[Task]:
+    tasks, seen = [], set()
+    for name in names:
+        task = get_task(name)
+        if task.name in seen:
+            continue
+        seen.add(task.name)
+        tasks.append(task.with_cap((caps or {}).get(task.name, (caps or {}).get("*")))
+                     .with_shots((shots or {}).get(task.name)))
+    return tasks

@@ -1,0 +1,247 @@
+"""The benchmark protocol on a tiny random model: paired records, rotation, AR agreement, resume after an
+interrupt, skipped prompts, stop strings, stateful bootstrap, knob parsing and the report files."""
+
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+from dasspec.bench import runner
+from dasspec.bench.cli import cmd_bench
+from dasspec.bench.report import write_report
+from dasspec.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
+from dasspec.decoders.ar import run_ar
+from dasspec.methods import METHODS, MethodSpec, register
+from dasspec.tasks import Example, Task, select
+from dasspec.testing import random_model
+
+CAP = 6
+FAST = {"mature-spec": {"draft_depth": 2, "block": 3}, "das-wave": {"gamma": 4, "rounds": 2}}
+
+
+class CharTokenizer:
+    chars = "\n" + "".join(chr(c) for c in range(32, 127))
+    eos_ids = [1]
+    bos_id = 0
+
+    def encode(self, text):
+        return [0] + [2 + self.chars.index(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.chars[i - 2] for i in ids if 2 <= i < 2 + len(self.chars))
+
+
+def toy_task(n=10, cap=CAP, stop=("\n\n\n",), long_ids=()):
+    rows = [{"id": f"p{i}", "text": ("long " * 80 if i in long_ids else f"prompt {i}: say something")}
+            for i in range(n)]
+    return Task("toy", cap, tuple(stop), lambda root: rows, lambda r, s: Example("toy", r["id"], r["text"]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # One intra-op thread: these generations are tiny, and on a busy shared CPU two threads contend badly.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("huginn")
+
+
+@pytest.fixture
+def extra_methods():
+    """Test-only methods: one that breaks AR's output, one that declares cross-request state."""
+    def run_broken(dec, knobs):
+        run_ar(dec, knobs)
+        dec.generated[-1] = (dec.generated[-1] + 1) % dec.model.config.vocab_size
+
+    register(MethodSpec("test-broken", run_broken))
+    register(MethodSpec("test-stateful", run_ar, stateful=True))
+    yield
+    METHODS.pop("test-broken")
+    METHODS.pop("test-stateful")
+
+
+def plan(methods, prompts=3, **kw):
+    knobs = kw.pop("knobs", {m: k for m, k in FAST.items() if m in methods})
+    return BenchPlan(tasks=[kw.pop("task", toy_task())], methods=methods, knobs=knobs,
+                     prompts=prompts, warmup=kw.pop("warmup", False), **kw)
+
+
+def bench(model, out, p):
+    return run_bench(model, p, out, tokenizer=CharTokenizer(), model_name="random", progress=False)
+
+
+def test_records_are_paired_rotated_and_match_ar(model, tmp_path):
+    run = bench(model, tmp_path, plan(["mature-spec", "das-wave"], warmup=True))
+    assert run.methods == ["ar", "mature-spec", "das-wave"] and run.ran == 9 and run.kept == 0
+    recs = load_records(tmp_path / "records.jsonl")
+    assert len(recs) == 9 and len({(r["task"], r["prompt_id"], r["method"]) for r in recs}) == 9
+    for r in recs:
+        assert r["new_tokens"] == len(r["tokens"]) <= CAP and r["wall_time"] > 0
+        assert r["sequential_passes"] > 0 and r["cap"] == CAP and r["session"]
+        # the order rotates by one per prompt
+        assert r["order"] == (run.methods.index(r["method"]) - r["prompt_index"]) % 3
+    s, text = write_report(tmp_path, n_resamples=200)
+    assert not s.mismatches and len(s.rows) == 9
+    assert all(r["match"] for r in map(json.loads, (tmp_path / "prompts.jsonl").read_text().splitlines()))
+    assert "None: all 9 paired outputs equal AR's tokens" in text
+    assert "| Mature-Spec |" in text and "| DAS-Wave |" in text
+    for name in ("report.md", "summary.csv", "prompts.jsonl", "speedup.png", "accept.png", "run.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    csv = (tmp_path / "summary.csv").read_text().splitlines()
+    assert csv[0].startswith("task,method,n,S,S_lo,S_hi") and len(csv) == 4
+
+
+def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monkeypatch):
+    real = runner.generate
+    calls = []
+
+    def interrupted(*a, **k):
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        calls.append(k["method"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench(model, tmp_path, plan(["mature-spec"]))
+    assert len(load_records(tmp_path / "records.jsonl")) == 4       # everything finished is kept
+
+    def counting(*a, **k):
+        calls.append(k["method"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "generate", counting)
+    calls.clear()
+    run = bench(model, tmp_path, plan(["mature-spec"]))
+    assert run.ran == 2 and run.kept == 4 and len(calls) == 2
+    recs = load_records(tmp_path / "records.jsonl")
+    assert len({(r["prompt_id"], r["method"]) for r in recs}) == len(recs) == 6
+    calls.clear()
+    run = bench(model, tmp_path, plan(["mature-spec"], warmup=True))   # all done: no warm-up, no runs
+    assert run.ran == 0 and calls == []
+    # more prompts extend the same folder
+    run = bench(model, tmp_path, plan(["mature-spec"], prompts=4))
+    assert run.ran == 2 and len(load_records(tmp_path / "records.jsonl")) == 8
+
+
+def test_a_torn_last_line_is_dropped(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"task": "t", "prompt_id": "a", "method": "ar"}\n{"task": "t", "prom')
+    assert [r["prompt_id"] for r in load_records(path)] == ["a"]
+    assert path.read_text().endswith("}\n")
+
+
+def test_resuming_with_a_different_setup_is_refused(model, tmp_path):
+    bench(model, tmp_path, plan(["mature-spec"], prompts=1))
+    with pytest.raises(ValueError, match="different setup.*cap"):
+        bench(model, tmp_path, plan(["mature-spec"], prompts=1, task=toy_task(cap=CAP + 1)))
+    with pytest.raises(ValueError, match="different setup.*mature-spec"):
+        bench(model, tmp_path, plan(["mature-spec"], prompts=1, knobs={"mature-spec": {"draft_depth": 3}}))
+
+
+def test_unknown_methods_and_bad_knobs_fail_before_any_run(model, tmp_path):
+    with pytest.raises(ValueError, match="unknown method 'nope'.*available"):
+        bench(model, tmp_path, plan(["mature-spec", "nope"]))
+    with pytest.raises(ValueError, match="method self-spec: draft_depth must be < R.*--knobs self-spec:"):
+        bench(model, tmp_path, plan(["self-spec"], knobs={"self-spec": {"draft_depth": 8}}))
+    with pytest.raises(ValueError, match="does not take gama"):
+        bench(model, tmp_path, plan(["das-wave"], knobs={"das-wave": {"gama": 4}}))
+    with pytest.raises(ValueError, match="not being benchmarked"):
+        bench(model, tmp_path, plan(["ar"], knobs={"das-wave": {"gamma": 4}}))
+    assert not (tmp_path / "records.jsonl").exists() or not load_records(tmp_path / "records.jsonl")
+
+
+def test_prompts_that_do_not_fit_the_context_are_skipped_with_a_reason(model, tmp_path):
+    first = select(10, 3)[0]                                       # the first selected prompt is too long
+    run = bench(model, tmp_path, plan(["ar"], task=toy_task(long_ids=(first,))))
+    assert [sk["prompt_id"] for sk in run.skipped] == [f"p{first}"]
+    assert "> context 256" in run.skipped[0]["reason"]
+    _, text = write_report(tmp_path, run.skipped, n_resamples=100)
+    assert f"skipped toy `p{first}`: prompt 401 tokens + cap 6 > context 256" in text
+    assert len(load_records(tmp_path / "records.jsonl")) == 2
+
+
+def test_task_stop_strings_reach_generate(model, tmp_path):
+    # find the text AR produces, then make its third character a stop string
+    tok = CharTokenizer()
+    bench(model, tmp_path / "a", plan(["ar"], prompts=1, task=toy_task(cap=8)))
+    first = load_records(tmp_path / "a" / "records.jsonl")[0]
+    text = tok.decode(first["tokens"])
+    stop = text[2]
+    cut = text.index(stop) + 1
+    bench(model, tmp_path / "b", plan(["ar", "mature-spec"], prompts=1, task=toy_task(cap=8, stop=(stop,))))
+    for r in load_records(tmp_path / "b" / "records.jsonl"):
+        assert r["stop_reason"] == "stop_string" and r["new_tokens"] == cut
+        assert r["text"] == text[:cut - 1]
+
+
+def test_mismatches_are_reported_and_fail_in_float32(model, tmp_path, extra_methods, capsys):
+    bench(model, tmp_path, plan(["test-broken"], prompts=2))
+    s, text = write_report(tmp_path, n_resamples=100)
+    assert {(m["method"], m["prompt_index"]) for m in s.mismatches} == {("test-broken", 0), ("test-broken", 1)}
+    assert "FAILURE" in text and "test-broken" in text
+    args = Namespace(out=str(tmp_path), report_only=True, bootstrap=100, quiet=True)
+    assert cmd_bench(args) == 3
+    assert "differ from AR" in capsys.readouterr().err
+
+
+def test_stateful_methods_get_the_moving_block_bootstrap(model, tmp_path, extra_methods):
+    bench(model, tmp_path, plan(["test-stateful", "mature-spec"], prompts=2))
+    s, _ = write_report(tmp_path, n_resamples=100)
+    assert s.cells[("toy", "test-stateful")]["bootstrap"] == "moving-block(5)"
+    assert s.cells[("toy", "mature-spec")]["bootstrap"] == "paired"
+    assert json.loads((tmp_path / "run.json").read_text())["methods"]["test-stateful"]["stateful"] is True
+
+
+def test_parse_knobs_syntax():
+    assert parse_knobs(["das-wave:gamma=16,rounds=8", "mature-spec:policy=deep-v,block=4"]) == {
+        "das-wave": {"gamma": 16, "rounds": 8}, "mature-spec": {"policy": "deep-v", "block": 4}}
+    assert parse_knobs(["wave:carry=false"]) == {"das-wave": {"carry": False}}          # alias, JSON value
+    assert parse_knobs(["mature-spec:policy=k=4,v=32,block=8"]) == {
+        "mature-spec": {"policy": "k=4,v=32", "block": 8}}
+    for bad in ("das-wave", "das-wave:", "das-wave:gamma", ":gamma=1"):
+        with pytest.raises(ValueError, match="--knobs"):
+            parse_knobs([bad])
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_knobs(["nope:gamma=1"])
+
+
+def char_checkpoint(folder):
+    """A random model saved as a checkpoint folder with a one-character-per-token tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from dasspec import save_checkpoint
+
+    chars = CharTokenizer.chars[:95]
+    vocab = {"<s>": 0, "<|endoftext|>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<s>", "<|endoftext|>"])
+    save_checkpoint(random_model("huginn", block_size=2048), folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
+    from dasspec.cli import main
+
+    ckpt = char_checkpoint(tmp_path / "ckpt")
+    argv = ["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "mature-spec", "--prompts", "2",
+            "--max-new-tokens", "4", "--knobs", "mature-spec:draft_depth=2,block=2", "--bootstrap", "100",
+            "--out", str(tmp_path / "out"), "--no-warmup"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| Method | HumanEval speedup [95% CI] | A |" in out and "| Mature-Spec |" in out
+    recs = load_records(tmp_path / "out" / "records.jsonl")
+    assert len(recs) == 4 and {r["cap"] for r in recs} == {4}
+    assert main(argv + ["--quiet"]) == 0                          # resumed: nothing left to run
+    assert len(load_records(tmp_path / "out" / "records.jsonl")) == 4
+    assert main(["bench", "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
+    assert main(argv[:-3] + ["--methods", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""S (eq. 8), A (eq. 9), G (eq. 10) and the bootstrap CIs on synthetic numbers with known answers."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dasspec.bench import metrics
+from dasspec.bench.report import summarize
+
+
+def test_speedup_is_the_mean_of_per_prompt_ratios_not_a_ratio_of_means():
+    # prompt 1: method 2x faster; prompt 2: method 2x slower.  Eq. (8): (2 + 0.5) / 2 = 1.25.
+    r = metrics.throughput_ratios(n_a=[10, 10], t_a=[1.0, 4.0], n_ar=[10, 10], t_ar=[2.0, 2.0])
+    assert r.tolist() == [2.0, 0.5]
+    assert metrics.speedup(r) == pytest.approx(1.25)
+    # pooled throughput would give (20/5) / (20/4) = 0.8, which is not the paper's S
+    assert metrics.speedup(r) != pytest.approx(0.8)
+
+
+def test_ratio_uses_tokens_per_second_of_each_arm():
+    # a method that stops earlier (fewer tokens) in the same time is slower per token
+    r = metrics.throughput_ratios([5], [1.0], [10], [1.0])
+    assert r.tolist() == [0.5]
+
+
+def test_ratio_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="> 0"):
+        metrics.throughput_ratios([1], [0.0], [1], [1.0])
+    with pytest.raises(ValueError, match="AR produced no tokens"):
+        metrics.throughput_ratios([1], [1.0], [0], [1.0])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        metrics.throughput_ratios([1, 2], [1.0], [1], [1.0])
+    with pytest.raises(ValueError):
+        metrics.speedup([])
+
+
+def test_accepted_length_and_committed_progress_by_hand():
+    assert metrics.accepted_length([2, 4]) == 3.0
+    assert metrics.accepted_length([]) is None                      # B_p = 0: undefined, not zero
+    assert metrics.committed_progress([2, 4], [1, 0]) == 3.5         # (2+1 + 4+0) / 2
+    assert metrics.committed_progress([], []) is None
+    with pytest.raises(ValueError, match="one entry per verification"):
+        metrics.committed_progress([1, 2], [1])
+    # A = mean over prompts with B_p > 0 (eq. 9): prompts [2,4] -> 3, [0] -> 0, [] -> excluded
+    per_prompt = [metrics.accepted_length(a) for a in ([2, 4], [0], [])]
+    assert metrics.mean_over_prompts(per_prompt) == 1.5
+    assert metrics.mean_over_prompts([None, None]) is None
+
+
+def test_bootstrap_two_point_distribution_has_known_percentiles():
+    # Resampling [1, 3]: the mean is 1 w.p. 1/4, 2 w.p. 1/2, 3 w.p. 1/4, so the 2.5% / 97.5% points are 1 and 3.
+    assert metrics.bootstrap_ci([1.0, 3.0], seed=0) == (1.0, 3.0)
+    lo, hi = metrics.bootstrap_ci([1.0, 3.0], level=0.4, seed=0)     # 30% / 70% points are both 2
+    assert (lo, hi) == (2.0, 2.0)
+
+
+def test_bootstrap_constant_values_give_a_point_interval():
+    assert metrics.bootstrap_ci([1.7] * 12) == (pytest.approx(1.7), pytest.approx(1.7))
+
+
+def test_bootstrap_matches_normal_theory_for_a_large_sample():
+    rng = np.random.default_rng(1)
+    x = rng.normal(2.0, 1.0, 400)
+    lo, hi = metrics.bootstrap_ci(x, seed=3)
+    half = 1.96 * x.std() / math.sqrt(x.size)
+    assert lo == pytest.approx(x.mean() - half, abs=0.1 * half)
+    assert hi == pytest.approx(x.mean() + half, abs=0.1 * half)
+
+
+def test_bootstrap_is_seeded_and_uses_10000_resamples_by_default():
+    x = np.random.default_rng(0).exponential(1.0, 40)
+    assert metrics.bootstrap_ci(x, seed=5) == metrics.bootstrap_ci(x, seed=5)
+    assert metrics.N_RESAMPLES == 10_000
+    assert metrics.bootstrap_indices(40, 10_000, np.random.default_rng(0)).shape == (10_000, 40)
+
+
+def test_percentile_interval_covers_the_true_mean_about_95_percent_of_the_time():
+    rng = np.random.default_rng(7)
+    hits = 0
+    trials = 300
+    for _ in range(trials):
+        x = rng.normal(1.0, 0.5, 40)
+        lo, hi = metrics.bootstrap_ci(x, n_resamples=1000, seed=int(rng.integers(1 << 30)))
+        hits += lo <= 1.0 <= hi
+    assert 0.88 <= hits / trials <= 0.99
+
+
+def test_moving_block_indices_are_contiguous_blocks_within_range():
+    idx = metrics.bootstrap_indices(23, 200, np.random.default_rng(0), block=5)
+    assert idx.shape == (200, 23)
+    assert idx.min() >= 0 and idx.max() <= 22
+    for row in idx:
+        for start in range(0, 23, 5):
+            chunk = row[start:start + 5]
+            assert (np.diff(chunk) == 1).all()                  # consecutive requests
+            assert chunk[0] <= 23 - 5                           # a block never runs off the stream
+
+
+def test_moving_block_with_the_whole_stream_as_one_block_is_degenerate():
+    x = [1.0, 2.0, 3.0]
+    assert metrics.bootstrap_ci(x, block=5) == (pytest.approx(2.0), pytest.approx(2.0))
+
+
+def test_moving_block_widens_the_interval_for_a_dependent_stream():
+    # AR(1) with rho = 0.9: i.i.d. resampling ignores the dependence and is too narrow; blocks of 5 keep part of it.
+    rng = np.random.default_rng(0)
+    x = np.zeros(400)
+    for i in range(1, x.size):
+        x[i] = 0.9 * x[i - 1] + rng.normal()
+    iid = np.subtract(*metrics.bootstrap_ci(x, seed=1)[::-1])
+    mbb = np.subtract(*metrics.bootstrap_ci(x, seed=1, block=5)[::-1])
+    assert mbb > 1.5 * iid
+    # and on independent data the two agree roughly
+    y = rng.normal(size=400)
+    iid_y = np.subtract(*metrics.bootstrap_ci(y, seed=1)[::-1])
+    mbb_y = np.subtract(*metrics.bootstrap_ci(y, seed=1, block=5)[::-1])
+    assert mbb_y == pytest.approx(iid_y, rel=0.25)
+
+
+def test_summarize_speedup_picks_the_bootstrap_by_statefulness():
+    r = list(np.linspace(1.0, 3.0, 20))
+    assert metrics.summarize_speedup(r)["bootstrap"] == "paired"
+    s = metrics.summarize_speedup(r, stateful=True)
+    assert s["bootstrap"] == "moving-block(5)"
+    assert s["S"] == pytest.approx(2.0) and s["n"] == 20 and s["lo"] < 2.0 < s["hi"]
+
+
+def _rec(task, pid, idx, method, n, t, passes, accepted, target, tokens, stateful=False, session="s1"):
+    return {"task": task, "prompt_id": pid, "prompt_index": idx, "method": method, "new_tokens": n,
+            "wall_time": t, "sequential_passes": passes, "accepted": accepted, "target_tokens": target,
+            "tokens": tokens, "stop_reason": "max_new_tokens", "stateful": stateful, "session": session}
+
+
+def test_summary_pairs_each_prompt_with_its_own_ar_record():
+    recs = [
+        _rec("t", "p0", 0, "ar", 4, 2.0, 32, [0, 0, 0], [1, 1, 1], [5, 6, 7, 8]),
+        _rec("t", "p0", 0, "fast", 4, 1.0, 16, [2], [1], [5, 6, 7, 8]),
+        _rec("t", "p1", 1, "ar", 4, 1.0, 32, [0, 0, 0], [1, 1, 1], [1, 2, 3, 4]),
+        _rec("t", "p1", 1, "fast", 4, 2.0, 8, [1, 0], [1, 1], [1, 2, 3, 9]),     # differs at token 3
+        _rec("t", "p2", 2, "fast", 4, 1.0, 8, [3], [0], [1, 1, 1, 1]),           # no AR for p2 yet
+    ]
+    s = summarize(recs, n_resamples=200)
+    c = s.cells[("t", "fast")]
+    assert c["n"] == 2
+    assert c["S"] == pytest.approx((2.0 + 0.5) / 2)
+    assert c["pass_speedup"] == pytest.approx((2.0 + 4.0) / 2)
+    assert c["A"] == pytest.approx((2 + 0.5) / 2)
+    assert c["G"] == pytest.approx((3 + 1.5) / 2)
+    assert c["matches"] == 1
+    assert [(m["prompt_id"], m["first_mismatch"]) for m in s.mismatches] == [("p1", 3)]
+    assert len(s.unpaired) == 1 and s.unpaired[0]["prompt_id"] == "p2"
+    ar = s.cells[("t", "ar")]
+    assert ar["S"] == 1.0 and ar["lo"] == 1.0 and ar["hi"] == 1.0 and ar["A"] == 0.0
