@@ -1,0 +1,92 @@
+"""The training recipe: tokenizer files, the depth sampler, and a few real training steps that save a checkpoint
+``dasspec.load_model`` reads back."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import dasspec
+from dasspec.testing import random_model
+from dasspec.corpus import Document
+from dasspec.train import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, sample_depth, save_tokenizer,
+                           train, train_tokenizer)
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer: 3 + 4 = 7\n#### 7\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 8
+
+
+def test_tokenizer_round_trip_and_special_ids(tmp_path):
+    tok = train_tokenizer(TEXTS, vocab_size=300)
+    save_tokenizer(tok, tmp_path)
+    t = dasspec.load_tokenizer(tmp_path)
+    assert (t.bos_id, t.eos_ids, t.pad_id) == (tok.token_to_id(BOS), [tok.token_to_id(EOS)], tok.token_to_id(PAD))
+    assert len({t.bos_id, t.eos_ids[0], t.pad_id}) == 3
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # é ✓\n"
+    ids = t.encode(text)
+    assert ids[0] == t.bos_id and t.bos_id not in ids[1:]
+    assert t.decode(ids) == text                       # byte-level: exact, even for unseen characters
+    assert t.encode(text, add_special_tokens=False) == ids[1:]
+    assert json.loads((tmp_path / "special_tokens_map.json").read_text())["eos_token"] == EOS
+
+
+def test_depth_sampler_follows_huginn_scheme():
+    rng = np.random.default_rng(0)
+    draws = [sample_depth(rng, 32, 0.5, 8) for _ in range(4000)]
+    r = np.array([n + k for n, k in draws])
+    assert all(k == min(8, n + k) and n == max(n + k - 8, 0) for n, k in draws)
+    assert 31.0 < r.mean() < 35.0                      # E[Poisson(LogNormal)] + 1 = 33
+    assert r.min() >= 1 and np.quantile(r, 0.05) < 20 and np.quantile(r, 0.95) > 50
+    floored = [sample_depth(rng, 32, 0.5, 8, min_depth=12, max_depth=40) for _ in range(2000)]
+    assert min(n + k for n, k in floored) >= 12 and max(n + k for n, k in floored) <= 40
+
+
+def test_training_smoke_saves_a_loadable_checkpoint(tmp_path):
+    docs = [Document("stdlib", f"d{i}.py", t) for i, t in enumerate(TEXTS * 4)]
+    cfg = replace(PRESETS["micro"], max_steps=25, lr=1e-2, warmup_steps=3, val_fraction=0.1, eval_tokens=128)
+    summary = train(cfg, tmp_path, docs=docs, progress=False)
+    with open(tmp_path / "train_log.csv") as f:
+        losses = [float(row["loss"]) for row in csv.DictReader(f)]
+    assert len(losses) == 25 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-5:]) < losses[0] - 0.5       # it learns the repeated texts
+    model = dasspec.load_model(tmp_path, device="cpu")
+    assert model.config.family == "huginn" and model.R == cfg.mean_recurrence
+    assert model.tokenizer is not None and model.tokenizer.eos_ids == model.config.eos_token_id
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == model.config.eos_token_id[0] and gen["dasspec"] == {}
+    ids = torch.tensor(model.tokenizer.encode(TEXTS[0] + TEXTS[2]))
+    m = depth_agreement(model, ids, depths=(1, 2), window=len(ids))
+    assert m["agreement"][model.R] == 1.0 and set(m["agreement"]) == {1, 2, model.R}
+    assert summary["val"]["tokens"] > 0 and summary["steps"] == 25
+
+
+def test_depth_agreement_counts_argmax_matches():
+    model = random_model("huginn", seed=1)
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    m = depth_agreement(model, ids, depths=(1, 8), R=8, window=40)
+    assert m["agreement"][8] == 1.0 and m["tokens"] == 39
+    with torch.no_grad():
+        a = model(ids[None], num_steps=1)[0, :-1].argmax(-1)
+        b = model(ids[None], num_steps=8)[0, :-1].argmax(-1)
+    assert m["agreement"][1] == pytest.approx(float((a == b).float().mean()))
+
+
+def test_presets_build_valid_huginn_configs():
+    for name, cfg in PRESETS.items():
+        mc = cfg.model_config(0, 1, 2)
+        assert mc.family == "huginn" and mc.tie_embeddings and mc.qk_bias, name
+        assert mc.embed_scale == pytest.approx(math.sqrt(cfg.n_embd))
+        assert mc.init_std == pytest.approx(math.sqrt(2 / (5 * cfg.n_embd)))
+    tiny = PRESETS["tiny"].model_config(0, 1, 2)
+    assert tiny.block_size >= 4096 and tiny.mean_recurrence == 32 and tiny.head_dim == 64
+    assert isinstance(PRESETS["tiny"], TrainConfig)
