@@ -175,9 +175,8 @@ def test_factorial_tiny_run(model, tmp_path):
 # --- timing statistics, sweep and cost -----------------------------------------------------------------------
 
 def _res(n, t, accepted=(1,), target=(1,)):
-    return SimpleNamespace(stats=SimpleNamespace(new_tokens=n, wall_time=t, A=sum(accepted) / len(accepted),
-                                                 G=(sum(accepted) + sum(target)) / len(accepted),
-                                                 verify_events=len(accepted)), tokens=[1] * n)
+    stats = SimpleNamespace(new_tokens=n, wall_time=t, accepted=list(accepted), target_tokens=list(target))
+    return SimpleNamespace(stats=stats, tokens=[1] * n)
 
 
 def test_speedup_is_mean_of_paired_throughput_ratios():
@@ -185,8 +184,10 @@ def test_speedup_is_mean_of_paired_throughput_ratios():
     arm = [_res(10, 1.0), _res(20, 0.5)]           # 10 and 40 tokens/s -> ratios 2 and 4
     assert common.speedup_ratios(arm, ar).tolist() == [2.0, 4.0]
     assert common.speedup_ratios(arm, ar).mean() == 3.0
-    assert common.mean_A([_res(1, 1, (2, 4)), _res(1, 1, (1,))]) == 2.0      # mean of per-prompt A_p (eq. 9)
-    assert common.mean_G([_res(1, 1, (2, 4), (1, 0))]) == 3.5
+    # A and G: means over prompts of the per-prompt means (eq. 9-10), not pooled over verifications
+    two = [_res(1, 1, (2, 4), (0, 1)), _res(1, 1, (1,), (1,))]
+    assert common.mean_A(two) == 2.0
+    assert common.mean_G(two) == pytest.approx((3.5 + 2.0) / 2)
     assert common.bootstrap_ci(np.array([3.0, 3.0, 3.0])) == (3.0, 3.0)
     lo, hi = common.bootstrap_ci(np.array([1, 2, 3, 4]), np.array([2, 2, 2, 2]))
     assert 0.5 <= lo <= 1.25 <= hi <= 2.0

@@ -1,9 +1,11 @@
 """What the probes share: GSM8K prompts, the target's greedy trajectories, paired timed runs against AR, the
-paper's summary statistics (S eq. 8, A eq. 9, G eq. 10, prompt bootstrap) and table output (markdown + CSV)."""
+paper's summary statistics (S eq. 8, A eq. 9, G eq. 10 and the prompt bootstrap, from dasspec.bench.metrics) and
+table output (markdown + CSV)."""
 
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..bench import metrics
 from ..generate import GenerationResult, generate
 from ..model import LoopedLM
 
@@ -104,7 +107,8 @@ class Arm:
 def run_paired(model: LoopedLM, prompts: Sequence[Sequence[int]], arms: Sequence[Arm], max_new_tokens: int,
                num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0, progress: bool = True,
                warmup: bool = True) -> dict[str, list[GenerationResult]]:
-    """Run AR and every arm on every prompt; per prompt the arms are interleaved (their order rotates from prompt
+    """The timing protocol of the benchmark runner (dasspec/bench/runner.py) for arms that share a method but differ
+    in knobs: run AR and every arm on every prompt; per prompt the arms are interleaved (their order rotates from prompt
     to prompt so slow drift of a shared machine does not favour one arm).  Returns results by arm name, with
     full-depth AR under "ar"."""
     names = [a.name for a in arms]
@@ -118,9 +122,13 @@ def run_paired(model: LoopedLM, prompts: Sequence[Sequence[int]], arms: Sequence
                      **common, **arm.knobs)
     out: dict[str, list[GenerationResult]] = {a.name: [] for a in all_arms}
     bar = tqdm(total=len(prompts) * len(all_arms), desc="paired runs", disable=not progress, leave=False)
+    cuda = model.device.type == "cuda"
     for i, prompt in enumerate(prompts):
         shift = i % len(all_arms)
         for arm in all_arms[shift:] + all_arms[:shift]:
+            gc.collect()                 # outside the timed region, as in the benchmark runner
+            if cuda:
+                torch.cuda.synchronize()
             out[arm.name].append(generate(model, list(prompt), method=arm.method, max_new_tokens=max_new_tokens,
                                           **common, **arm.knobs))
             bar.update()
@@ -132,47 +140,41 @@ def run_paired(model: LoopedLM, prompts: Sequence[Sequence[int]], arms: Sequence
 # Summary statistics (paper eq. 8-10) and the paired prompt bootstrap
 # --------------------------------------------------------------------------------------------------------------
 
-def throughput(res: GenerationResult) -> float:
-    """Retained output tokens per second, prefill included (the n_p,a / t_p,a of eq. 8)."""
-    s = res.stats
-    if s.wall_time <= 0:
-        raise ValueError("a run with zero wall time cannot be timed")
-    return s.new_tokens / s.wall_time
-
-
 def speedup_ratios(arm: Sequence[GenerationResult], ar: Sequence[GenerationResult]) -> np.ndarray:
-    """Per-prompt throughput ratios (n_a/t_a) / (n_AR/t_AR); their mean is the speedup S of eq. 8."""
+    """Per-prompt throughput ratios (n_a/t_a) / (n_AR/t_AR), prefill included; their mean is S of eq. (8)."""
     if len(arm) != len(ar):
         raise ValueError(f"paired runs differ in length: {len(arm)} vs {len(ar)} prompts")
-    return np.array([throughput(a) / throughput(b) for a, b in zip(arm, ar)])
+    return metrics.throughput_ratios([r.stats.new_tokens for r in arm], [r.stats.wall_time for r in arm],
+                                     [r.stats.new_tokens for r in ar], [r.stats.wall_time for r in ar])
 
 
-def bootstrap_ci(values: np.ndarray, den: np.ndarray | None = None, n: int = 10_000, level: float = 0.95,
-                 seed: int = 0) -> tuple[float, float]:
-    """Percentile interval over ``n`` resamples of prompts: of the mean of per-prompt ``values``, or with ``den``
-    of the pooled ratio sum(values) / sum(den) (e.g. matches over positions).  NaNs for fewer than 2 prompts."""
+def bootstrap_ci(values: np.ndarray, den: np.ndarray | None = None, seed: int = 0) -> tuple[float, float]:
+    """95% prompt-bootstrap interval (bench.metrics' resampling): of the mean of per-prompt ``values``, or with
+    ``den`` of the pooled ratio sum(values) / sum(den) (e.g. matches over positions).  NaNs under 2 prompts."""
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, len(values), size=(n, len(values)))
     if den is None:
-        stats = values[idx].mean(1)
-    else:
-        stats = values[idx].sum(1) / np.asarray(den, dtype=float)[idx].sum(1)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+        return metrics.bootstrap_ci(values, seed=seed)
+    idx = metrics.bootstrap_indices(len(values), metrics.N_RESAMPLES, np.random.default_rng(seed))
+    stats = values[idx].sum(1) / np.asarray(den, dtype=float)[idx].sum(1)
+    lo, hi = np.quantile(stats, [0.025, 0.975])
     return float(lo), float(hi)
 
 
+def _mean(per_prompt: list) -> float:
+    m = metrics.mean_over_prompts(per_prompt)
+    return float("nan") if m is None else float(m)
+
+
 def mean_A(results: Sequence[GenerationResult]) -> float:
-    """A = mean over prompts of A_p (eq. 9); prompts without verification events are skipped."""
-    vals = [r.stats.A for r in results if r.stats.verify_events]
-    return float(np.mean(vals)) if vals else float("nan")
+    """A = mean over prompts of A_p (eq. 9), prompts without verification events skipped."""
+    return _mean([metrics.accepted_length(r.stats.accepted) for r in results])
 
 
 def mean_G(results: Sequence[GenerationResult]) -> float:
     """G = mean over prompts of G_p (eq. 10)."""
-    vals = [r.stats.G for r in results if r.stats.verify_events]
-    return float(np.mean(vals)) if vals else float("nan")
+    return _mean([metrics.committed_progress(r.stats.accepted, r.stats.target_tokens) for r in results])
 
 
 def same_tokens(results: Sequence[GenerationResult], reference: Sequence[GenerationResult]) -> int:
