@@ -39,6 +39,8 @@ def _common() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's; "
+                   "1 is much faster on an oversubscribed machine)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
 
@@ -90,12 +92,18 @@ def _wave_budget(args: argparse.Namespace, model) -> dict:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    import torch
+
     import dasspec
 
     from . import channels, common, cost, factorial, grid, maturity, sweep
 
     name = args.probe
     progress = not args.no_progress
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
     R = model.R if args.num_steps is None else args.num_steps
