@@ -1,0 +1,158 @@
+"""Lookahead decoding (Fu et al. 2024), verified by the full-depth target.
+
+One pass carries two branches on top of the verified prefix (root = the anchor at position p = n):
+
+* the *lookahead branch*: a 2-D Jacobi window of ``ngram - 1`` levels x ``window`` columns.  Level 0 is the root
+  followed by W-1 guessed tokens (positions p..p+W-1); level l, column i sits at position p+l+i and sees level 0
+  up to column i and column i of levels 1..l - a causal chain of consecutive positions.  The argmax at the top
+  level (l = N-2) refines the trajectory one position further;
+* the *verification branch*: up to ``guess_set`` n-grams (N-1 tokens each) from the pool whose key is the root,
+  each a chain hanging off the root at positions p+1..p+N-1 that sees only the root and its own prefix.
+
+Both are one ``TreeLayout`` (every window token's visible set is its chain of ancestors, positions are depths),
+so ``verify_tree`` runs the pass; only the n-gram chains are candidates and only the winner's K/V are compacted
+into place.  After the pass, every column i yields an N-gram (level 0..N-2 of column i + its top-level argmax)
+that enters the pool under key level0[i] (LRU, at most G per key), and the window slides by one level
+(level l <- level l+1, the top level <- the new argmax), as in the reference's ALWAYS_FWD_ONE.
+
+Differences from the reference (``hao-ai-lab/LookaheadDecoding``), on purpose:
+
+* the dropped-bonus bug is fixed (issue #56): when all N-1 tokens of the best n-gram match, the target's token
+  after them is emitted too, so up to N tokens are committed per pass (the reference stops at N-1);
+* the window starts full - every level drawn from the prompt tokens with a fixed seed - rather than being grown
+  one level per forward; n-grams enter the pool only after N-2 passes, when levels 1..N-2 hold model outputs,
+  which is when the reference's pool receives its first entries.  Warm-up passes are therefore full-width;
+* within ``ngram - 1`` positions of the model's context end (no room for the window) a step is a plain AR step.
+
+Knobs: ``window`` W (7), ``ngram`` N (5), ``guess_set`` G (7) - the README / Spec-Bench setting - and
+``pool_from_prompt`` (False; True seeds the pool with the prompt's N-grams).  A pass has at most
+W(N-1) + G(N-1) positions.  The pool is created per request; its host-side updates (W dict inserts per pass)
+and the window bookkeeping are inside the timed draft phase.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..decoding import Decoding
+from ..methods import MethodSpec, positive_int, register
+from ..verify import TreeLayout, verify_chain, verify_tree
+
+
+def lookahead_parents(W: int, N: int, g: int) -> tuple[list[int], list[int]]:
+    """Parents of the pass's T = W(N-1) + g(N-1) inputs in order [root, level0[1:], level1, ..., level N-2,
+    guess_1, ..., guess_g], and the last node of each guess (the candidate leaves)."""
+    parents = [-1] + list(range(W - 1))                 # level 0: the root's chain
+    for level in range(1, N - 1):
+        lo = level * W                                   # index of (level, column 0)
+        parents += [lo - W + i for i in range(W)]        # column i's parent: same column, one level down
+    leaves = []
+    for _ in range(g):
+        base = len(parents)
+        parents += [0] + [base + j for j in range(N - 2)]
+        leaves.append(len(parents) - 1)
+    return parents, leaves
+
+
+def lookahead_positions(W: int, N: int) -> np.ndarray:
+    """Position offset (from the root) of every window node, level-major: level l column i -> l + i."""
+    return (np.arange(N - 1)[:, None] + np.arange(W)[None, :]).reshape(-1)
+
+
+class NgramPool:
+    """key token -> up to G (N-1)-token continuations, least recently inserted first (LRU on insert)."""
+
+    def __init__(self, G: int):
+        self.G = G
+        self.table: dict[int, dict[tuple, None]] = {}
+
+    def insert(self, key: int, gram: tuple) -> None:
+        d = self.table.get(key)
+        if d is None:
+            d = self.table[key] = {}
+        elif gram in d:
+            del d[gram]                      # re-inserting refreshes it
+        d[gram] = None
+        if len(d) > self.G:
+            del d[next(iter(d))]
+
+    def get(self, key: int) -> list[tuple]:
+        d = self.table.get(key)
+        return list(d) if d else []
+
+
+class LookaheadState:
+    def __init__(self, dec: Decoding, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
+        self.W, self.N, self.G = W, N, G
+        prompt = dec.tokens[: dec.P].cpu().numpy()
+        rng = np.random.default_rng(seed)
+        self.window = prompt[rng.integers(0, len(prompt), size=(N - 1, W))]   # [level, column]; [0, 0] unused
+        self.pool = NgramPool(G)
+        self.passes = 0
+        if pool_from_prompt:
+            for i in range(len(prompt) - N + 1):
+                self.pool.insert(int(prompt[i]), tuple(int(t) for t in prompt[i + 1: i + N]))
+        device = dec.tokens.device
+        self.layouts = [TreeLayout(*lookahead_parents(W, N, g), device=device) for g in range(G + 1)]
+
+    def inputs(self, root: int) -> tuple[list[int], TreeLayout]:
+        """Host token list for slots [n+1, n+T) and the pass layout."""
+        cands = self.pool.get(root)
+        flat = self.window.reshape(-1)[1:].tolist()
+        for c in cands:
+            flat.extend(c)
+        return flat, self.layouts[len(cands)]
+
+    def update(self, root: int, top: list[int]) -> None:
+        """Pool the column N-grams (after warm-up) and slide the window by one level."""
+        W, N = self.W, self.N
+        win = self.window
+        if self.passes >= N - 2:
+            keys = win[0].tolist()
+            keys[0] = root
+            grams = np.concatenate((win[1:], np.asarray(top)[None, :]), axis=0).T.tolist()   # [W, N-1]
+            for key, gram in zip(keys, grams):
+                self.pool.insert(key, tuple(gram))
+        win[:-1] = win[1:]
+        win[-1] = top
+        self.passes += 1
+
+
+def run_lookahead(dec: Decoding, knobs: dict) -> None:
+    W, N, G = knobs["window"], knobs["ngram"], knobs["guess_set"]
+    dec.prefill()
+    device = dec.tokens.device
+    block = dec.model.config.block_size
+    with dec.timer("draft"):
+        state = LookaheadState(dec, W, N, G, knobs["pool_from_prompt"])
+    top_lo = W * (N - 2)                     # index of (level N-2, column 0) in the pass
+    while not dec.done:
+        n = dec.n
+        root = dec.generated[-1]
+        with dec.timer("draft"):
+            flat, layout = state.inputs(root)
+            T = layout.size
+            if n + T <= block:
+                dec.tokens[n + 1: n + T] = torch.tensor(flat, dtype=torch.long, device=device)
+        if n + T > block:
+            verify_chain(dec)
+            continue
+        verdict = verify_tree(dec, layout)
+        with dec.timer("draft"):
+            state.update(root, verdict.pred[top_lo: top_lo + W].tolist())
+
+
+def _validate(knobs: dict, R: int) -> dict:
+    positive_int(knobs, "window", "ngram", "guess_set")
+    if knobs["ngram"] < 2:
+        raise ValueError(f"ngram must be >= 2 (an n-gram is a key plus at least one token), got {knobs['ngram']}")
+    if not isinstance(knobs["pool_from_prompt"], bool):
+        raise ValueError(f"pool_from_prompt must be true or false, got {knobs['pool_from_prompt']!r}")
+    return knobs
+
+
+register(MethodSpec("lookahead", run_lookahead,
+                    lambda cfg: {"window": 7, "ngram": 5, "guess_set": 7, "pool_from_prompt": False}, _validate,
+                    lambda kn: (kn["window"] + kn["guess_set"]) * (kn["ngram"] - 1),
+                    doc="Lookahead decoding: Jacobi window + n-gram pool, candidates verified in the same pass"))

@@ -1,0 +1,97 @@
+"""Prompt Lookup Decoding (Saxena 2023), verified by the full-depth target.
+
+Each step looks for the longest n-gram (n = ``max_ngram`` down to 1) that ends the committed text (prompt +
+generated, anchor included) and also occurs earlier in it; the first (earliest) earlier occurrence wins and the
+up to ``num_pred`` tokens that followed it are the draft.  Defaults ``max_ngram=3``, ``num_pred=10`` are the
+original PLD's.  As in Hugging Face's ``PromptLookupCandidateGenerator`` (and unlike the original notebook) a
+continuation that runs into the end of the text is truncated rather than skipped, and a step with no match is a
+plain AR step - never a dummy draft token.
+
+The draft is verified as a chain with the bonus token: the verifier input is [anchor, d_1..d_k] (k + 1
+positions) and up to k + 1 tokens are committed per pass.  Matching runs on a host copy of the text kept
+incrementally; it is vectorised over all end positions and n-gram sizes (numpy), inside the timed draft phase.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..decoding import Decoding
+from ..methods import MethodSpec, positive_int, register
+from ..verify import TreeLayout, verify_chain, verify_tree
+
+
+def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
+    """The PLD draft for text ``seq`` (1-D ints): tokens after the earliest earlier occurrence of the longest
+    suffix n-gram, n <= max_ngram; empty when nothing matches."""
+    L = seq.shape[0]
+    if L < 2:
+        return seq[:0]
+    n_max = min(max_ngram, L - 1)
+    # run[e] = how many tokens ending at e (< L-1) equal the text's last tokens, capped at n_max.
+    ends = L - 1
+    run = np.zeros(ends, dtype=np.int64)
+    alive = np.ones(ends, dtype=bool)
+    for k in range(n_max):
+        # compare seq[e-k] with seq[L-1-k] for e in [k, L-2]
+        eq = np.zeros(ends, dtype=bool)
+        eq[k:] = seq[: ends - k] == seq[L - 1 - k]
+        alive &= eq
+        run += alive
+    for n in range(n_max, 0, -1):
+        hits = np.flatnonzero(run >= n)
+        if hits.size:
+            start = int(hits[0]) + 1
+            return seq[start: start + num_pred]
+    return seq[:0]
+
+
+class PromptLookup:
+    """Host copy of the committed text, appended incrementally, and the per-step draft."""
+
+    def __init__(self, dec: Decoding, max_ngram: int, num_pred: int):
+        self.max_ngram, self.num_pred = max_ngram, num_pred
+        self.text = np.empty(dec.P + dec.stop.max_new_tokens + 1, dtype=np.int64)
+        self.text[: dec.P] = dec.tokens[: dec.P].cpu().numpy()
+        self.P = dec.P
+        self.fed = 0                              # generated tokens copied so far
+
+    def propose(self, dec: Decoding) -> np.ndarray:
+        gen = dec.generated
+        self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
+        self.fed = len(gen)
+        k = min(self.num_pred, dec.budget - 1)   # leave room for the target's token
+        if k < 1:
+            return self.text[:0]
+        return find_draft(self.text[: self.P + self.fed], self.max_ngram, k)
+
+
+def run_pld(dec: Decoding, knobs: dict) -> None:
+    dec.prefill()
+    with dec.timer("draft"):
+        lookup = PromptLookup(dec, knobs["max_ngram"], knobs["num_pred"])
+    layouts: dict[int, TreeLayout] = {}
+    device = dec.tokens.device
+    while not dec.done:
+        with dec.timer("draft"):
+            draft = lookup.propose(dec)
+            k = int(draft.shape[0])
+            if k:
+                n = dec.n
+                dec.tokens[n + 1: n + 1 + k] = torch.from_numpy(draft).to(device)
+                layout = layouts.get(k) or layouts.setdefault(k, TreeLayout.chain(k + 1, device))
+        if k:
+            verify_tree(dec, layout)
+        else:
+            verify_chain(dec)
+
+
+def _validate(knobs: dict, R: int) -> dict:
+    positive_int(knobs, "max_ngram", "num_pred")
+    return knobs
+
+
+register(MethodSpec("pld", run_pld, lambda cfg: {"max_ngram": 3, "num_pred": 10}, _validate,
+                    lambda kn: kn["num_pred"] + 1,
+                    doc="prompt lookup decoding: longest suffix n-gram match in the text, chain draft + bonus"))

@@ -1,0 +1,289 @@
+"""SAM-Decoding (Hu et al., ACL 2025), SAM-only mode, verified by the full-depth target.
+
+A suffix automaton (SAM) over the request's text - prompt + committed tokens, built online, O(1) amortised per
+token - tracks the longest suffix of the text that occurred earlier (the *match*: a state and its length).  Each
+step transitions the match by the anchor (without committing it), and drafts the tokens that followed the
+match's first occurrence: ``min(n_predicts, 1 + floor(alpha * match_len)) - 1`` of them, verified as a chain with
+the bonus token.  When *no* token follows that occurrence (a repeat overlapping the end of the text), the match
+is shortened along suffix links until one does; the reference's SAM-only mode drafts nothing there, and its
+``to_anc`` (used with auxiliary drafters) climbs until a full ``n_predicts`` tokens follow, which trades a long
+recent match for a one-token match in the prompt - both would make loops, common in small models, undraftable.  As in the reference the automaton holds the committed text up to (excluding) the anchor, so a
+match always points at an earlier occurrence; after a step the old anchor and the accepted tokens are added.
+
+Optionally a *static* automaton over a corpus (``static_corpus``: a .jsonl file with "text" or "ids" per line,
+a .json list of strings / id lists, or a plain-text file = one document; documents are joined with EOS) is
+matched too (transitions only, never extended).  When its match minus ``len_bias`` is longer than the dynamic
+one, the draft is a tree from the static automaton: best-first over the top-8 transitions of each state by
+occurrence count (priority = product of count ratios along the path), at most 8 nodes per depth, as many nodes as
+the formula above allows; it is verified with ``verify_tree``.  The static automaton is built (in the timed
+region) on first use and cached per file; the dynamic one is rebuilt for every request.
+
+Knobs: ``n_predicts`` (40, verifier positions including the anchor), ``alpha`` (4.0), ``len_threshold`` (1: the
+shortest match that drafts; below it the step is plain AR), ``len_bias`` (5) and ``static_corpus`` (None, the
+model-agnostic baseline).  Host work is pure Python per committed token (transition + extension), as in the
+reference, and is counted in the draft time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from ..decoding import Decoding
+from ..methods import MethodSpec, positive_int, register
+from ..verify import TreeLayout, verify_chain, verify_tree
+
+STATIC_TOPK = 8          # K: transitions kept per static state and nodes per depth of a static tree
+
+
+class SuffixAutomaton:
+    """Online suffix automaton over ``text`` (1-based end positions; ``text[0]`` is a sentinel).
+
+    State s: ``nxt[s]`` (token -> state), ``link[s]`` (suffix link), ``length[s]`` (longest string),
+    ``endpos[s]`` (end position of its first occurrence).  ``match``/``match_len``: the state and length of the
+    longest suffix of the text fed through ``advance`` that occurs in the automaton's text before it."""
+
+    def __init__(self):
+        self.nxt: list[dict[int, int]] = [{}]
+        self.link = [-1]
+        self.length = [0]
+        self.endpos = [0]
+        self.text: list[int] = [-1]
+        self.last = 0
+        self.match = 0
+        self.match_len = 0
+
+    def extend(self, token: int) -> None:
+        """Standard online construction: append ``token`` to the text."""
+        nxt, link, length, endpos = self.nxt, self.link, self.length, self.endpos
+        self.text.append(token)
+        pos = len(self.text) - 1
+        cur = len(nxt)
+        nxt.append({})
+        link.append(0)
+        length.append(pos)
+        endpos.append(pos)
+        p = self.last
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][token]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:
+                clone = len(nxt)
+                nxt.append(dict(nxt[q]))
+                link.append(link[q])
+                length.append(length[p] + 1)
+                endpos.append(endpos[q])
+                while p != -1 and nxt[p].get(token) == q:
+                    nxt[p][token] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+
+    def step(self, state: int, n: int, token: int) -> tuple[int, int]:
+        """Match transition: the longest suffix of (matched string + token) present in the automaton."""
+        nxt, link = self.nxt, self.link
+        while state and token not in nxt[state]:
+            state = link[state]
+            n = self.length[state]
+        if token in nxt[state]:
+            return nxt[state][token], n + 1
+        return 0, 0
+
+    def advance(self, tokens: Iterable[int]) -> None:
+        """Move the match over ``tokens`` (no extension)."""
+        s, m = self.match, self.match_len
+        for t in tokens:
+            s, m = self.step(s, m, t)
+        self.match, self.match_len = s, m
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Feed tokens: move the match first, then extend, so the match refers to an earlier occurrence."""
+        s, m = self.match, self.match_len
+        for t in tokens:
+            s, m = self.step(s, m, t)
+            self.extend(t)
+        self.match, self.match_len = s, m
+
+    def continuation(self, state: int, k: int) -> list[int]:
+        """Up to k tokens that followed the first occurrence of ``state``'s strings.  When nothing follows it
+        (the match ends at the end of the text - a self-overlapping repeat), shorter suffixes, whose first
+        occurrences end earlier, are tried along the suffix links."""
+        if state:
+            link, endpos, end = self.link, self.endpos, len(self.text) - 1
+            while endpos[state] == end and link[state] > 0:
+                state = link[state]
+        e = self.endpos[state]
+        return self.text[e + 1: e + 1 + k]
+
+
+class StaticAutomaton(SuffixAutomaton):
+    """A corpus automaton with occurrence counts and per-state top-K transitions (computed on demand)."""
+
+    def __init__(self, docs: Sequence[Sequence[int]], sep: int | None):
+        super().__init__()
+        for doc in docs:
+            for t in doc:
+                self.extend(int(t))
+            if sep is not None and (not doc or doc[-1] != sep):
+                self.extend(sep)
+        # cnt[s] = |endpos(s)|: 1 for every non-clone state, summed up the suffix-link tree (longest first).
+        cnt = [0] * len(self.nxt)
+        for s in range(1, len(self.nxt)):
+            if self.length[s] == self.endpos[s]:      # created by extend (its first end position is its length)
+                cnt[s] = 1
+        for s in sorted(range(1, len(self.nxt)), key=self.length.__getitem__, reverse=True):
+            cnt[self.link[s]] += cnt[s]
+        self.count = cnt
+        self._topk: dict[int, list[tuple[int, int]]] = {}
+
+    def top_next(self, state: int) -> list[tuple[int, int]]:
+        """(token, state) transitions of ``state``, most frequent first, at most STATIC_TOPK."""
+        top = self._topk.get(state)
+        if top is None:
+            cnt = self.count
+            top = sorted(self.nxt[state].items(), key=lambda kv: -cnt[kv[1]])[:STATIC_TOPK]
+            self._topk[state] = top
+        return top
+
+    def tree(self, state: int, root: int, size: int) -> tuple[list[int], list[int]]:
+        """Best-first draft tree of ``size`` nodes from the match ``state`` (root token = the anchor): a node's
+        priority is the product of count(child)/count(parent) along its path; at most STATIC_TOPK per depth.
+        Returns (tokens, parents), parents before children."""
+        tokens, parents, per_depth = [], [], {}
+        heap = [(-1.0, 0, root, state, -1, 0)]       # (-priority, tiebreak, token, state, parent, depth)
+        order = 1
+        while heap and len(tokens) < size:
+            negp, _, tok, s, par, d = heapq.heappop(heap)
+            if per_depth.get(d, 0) >= STATIC_TOPK:
+                continue
+            per_depth[d] = per_depth.get(d, 0) + 1
+            me = len(tokens)
+            tokens.append(tok)
+            parents.append(par)
+            total = max(self.count[s], 1)
+            for t, c in self.top_next(s):
+                heapq.heappush(heap, (negp * self.count[c] / total, order, t, c, me, d + 1))
+                order += 1
+        return tokens, parents
+
+
+_STATIC: dict[tuple, StaticAutomaton] = {}
+
+
+def load_corpus(path: str, tokenizer) -> list[list[int]]:
+    """Documents of a static corpus as token ids (see the module docstring for the formats)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"static_corpus {path!r} is not a file")
+
+    def ids_of(item, where: str) -> list[int]:
+        if isinstance(item, dict):
+            item = item.get("ids", item.get("text"))
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ValueError(f"{where}: text documents need the model's tokenizer (give token ids instead)")
+            return list(tokenizer.encode(item))
+        if isinstance(item, list) and all(isinstance(t, int) for t in item):
+            return item
+        raise ValueError(f"{where}: expected a string, a list of token ids or an object with 'text' / 'ids'")
+
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            return [ids_of(json.loads(line), f"{path}:{i + 1}") for i, line in enumerate(f) if line.strip()]
+    if path.endswith(".json"):
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of documents")
+        return [ids_of(d, f"{path}[{i}]") for i, d in enumerate(data)]
+    with open(path) as f:
+        return [ids_of(f.read(), path)]
+
+
+def static_automaton(path: str, model) -> StaticAutomaton:
+    st = os.stat(path) if os.path.isfile(path) else None
+    key = (os.path.abspath(path), st and st.st_mtime_ns, st and st.st_size, id(model.tokenizer))
+    sam = _STATIC.get(key)
+    if sam is None:
+        eos = model.config.eos_token_id
+        sam = _STATIC[key] = StaticAutomaton(load_corpus(path, model.tokenizer), eos[0] if eos else None)
+    return sam
+
+
+def run_sam(dec: Decoding, knobs: dict) -> None:
+    n_pred, alpha = knobs["n_predicts"], knobs["alpha"]
+    threshold, bias = knobs["len_threshold"], knobs["len_bias"]
+    dec.prefill()
+    device = dec.tokens.device
+    with dec.timer("draft"):
+        dyn = SuffixAutomaton()
+        dyn.add(dec.tokens[: dec.P].tolist())
+        static = None
+        if knobs["static_corpus"]:
+            static = static_automaton(knobs["static_corpus"], dec.model)
+            static.match = static.match_len = 0
+            static.advance(dec.tokens[: dec.P].tolist())
+        fed = 0                                   # generated tokens already in the automata (all but the anchor)
+        chains: dict[int, TreeLayout] = {}
+    while not dec.done:
+        layout = None
+        with dec.timer("draft"):
+            gen = dec.generated
+            new = gen[fed: len(gen) - 1]
+            dyn.add(new)
+            if static is not None:
+                static.advance(new)
+            fed = len(gen) - 1
+            anchor = gen[-1]
+            s_d, m_d = dyn.step(dyn.match, dyn.match_len, anchor)
+            s_s, m_s = static.step(static.match, static.match_len, anchor) if static is not None else (0, 0)
+            use_static = static is not None and m_s - bias > m_d
+            m = m_s if use_static else m_d
+            size = min(n_pred, 1 + int(m * alpha), dec.budget, dec.model.config.block_size - dec.n)
+            n = dec.n
+            if m >= threshold and size > 1:
+                if use_static:
+                    toks, parents = static.tree(s_s, anchor, size)
+                    if len(toks) > 1:
+                        dec.tokens[n + 1: n + len(toks)] = torch.tensor(toks[1:], dtype=torch.long, device=device)
+                        layout = TreeLayout(parents, device=device)
+                else:
+                    draft = dyn.continuation(s_d, size - 1)
+                    if draft:
+                        k = len(draft)
+                        dec.tokens[n + 1: n + 1 + k] = torch.tensor(draft, dtype=torch.long, device=device)
+                        layout = chains.get(k) or chains.setdefault(k, TreeLayout.chain(k + 1, device))
+        if layout is None:
+            verify_chain(dec)
+        else:
+            verify_tree(dec, layout)
+
+
+def _validate(knobs: dict, R: int) -> dict:
+    positive_int(knobs, "n_predicts", "len_threshold")
+    a = knobs["alpha"]
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+        raise ValueError(f"alpha must be a number > 0, got {a!r}")
+    b = knobs["len_bias"]
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise ValueError(f"len_bias must be an integer >= 0, got {b!r}")
+    c = knobs["static_corpus"]
+    if c is not None:
+        if not isinstance(c, (str, os.PathLike)) or not os.path.isfile(c):
+            raise ValueError(f"static_corpus must be a path to a corpus file, got {c!r}")
+        knobs["static_corpus"] = os.fspath(c)
+    return knobs
+
+
+register(MethodSpec("sam", run_sam,
+                    lambda cfg: {"n_predicts": 40, "alpha": 4.0, "len_threshold": 1, "len_bias": 5,
+                                 "static_corpus": None},
+                    _validate, lambda kn: kn["n_predicts"],
+                    doc="SAM-Decoding: suffix-automaton retrieval over the request's text (+ optional corpus)"))
