@@ -75,6 +75,21 @@ def longest_earlier_suffix(s: list[int], t: list[int]) -> int:
     return best
 
 
+def sam_draft_brute(text: list[int], match: list[int], k: int) -> list[int]:
+    """Next token = the one after the first occurrence of the match, which then grows by it; a match whose first
+    occurrence ends the text loses leading tokens until one ends earlier."""
+    out, s = [], list(match)
+    while s and len(out) < k:
+        while s and occurrences(text, s)[0] == len(text):
+            s = s[1:]
+        if not s:
+            break
+        nxt = text[occurrences(text, s)[0]]
+        out.append(nxt)
+        s.append(nxt)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(15))
 def test_suffix_automaton_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
@@ -89,12 +104,22 @@ def test_suffix_automaton_matches_brute_force(seed: int) -> None:
         if m:
             assert sam.endpos[s] == occurrences(seen, (seen + [t])[-m:])[0]   # first occurrence
             for k in (1, 4, 40):
-                ends = [occurrences(seen, (seen + [t])[-j:])[0] for j in range(m, 0, -1)]
-                e = next((e for e in ends if e < len(seen)), ends[-1])   # longest match with a follower
-                assert sam.continuation(s, k) == seen[e: e + k]
+                assert sam.draft(s, k) == sam_draft_brute(seen, (seen + [t])[-m:], k)
         sam.add([t])
         assert (sam.match, sam.match_len) == (s, m)
     assert sam.text[1:] == text
+
+
+def test_sam_drafts_through_loops() -> None:
+    """The reference continuation where it is long enough; a run keeps drafting past the end of the text."""
+    sam = SuffixAutomaton()
+    sam.add([5, 6, 7, 8, 9, 10, 5, 6])
+    s, m = sam.step(sam.match, sam.match_len, 7)
+    assert m == 3 and sam.draft(s, 3) == [8, 9, 10]
+    sam = SuffixAutomaton()
+    sam.add([5, 6, 7] + [9] * 4)
+    s, m = sam.step(sam.match, sam.match_len, 9)
+    assert m == 4 and sam.draft(s, 6) == [9] * 6
 
 
 def test_static_automaton_counts_and_trees() -> None:

@@ -4,10 +4,12 @@ A suffix automaton (SAM) over the request's text - prompt + committed tokens, bu
 token - tracks the longest suffix of the text that occurred earlier (the *match*: a state and its length).  Each
 step transitions the match by the anchor (without committing it), and drafts the tokens that followed the
 match's first occurrence: ``min(n_predicts, 1 + floor(alpha * match_len)) - 1`` of them, verified as a chain with
-the bonus token.  When *no* token follows that occurrence (a repeat overlapping the end of the text), the match
-is shortened along suffix links until one does; the reference's SAM-only mode drafts nothing there, and its
-``to_anc`` (used with auxiliary drafters) climbs until a full ``n_predicts`` tokens follow, which trades a long
-recent match for a one-token match in the prompt - both would make loops, common in small models, undraftable.  As in the reference the automaton holds the committed text up to (excluding) the anchor, so a
+the bonus token.  Where that occurrence is followed by fewer tokens than wanted (a repeat that overlaps the end of
+the text) the draft walks on: the match grows by each drafted token and, on reaching the end of the text, is
+shortened along its suffix link (``SuffixAutomaton.draft``).  Whenever enough tokens follow, the draft is the
+reference's; where they do not, the reference's SAM-only mode drafts only what follows (nothing, for a run of one
+token) and its ``to_anc`` (used with auxiliary drafters) trades the long match for a short one with a full
+continuation, often a one-token match in the prompt - both would leave loops, common in small models, undrafted.  As in the reference the automaton holds the committed text up to (excluding) the anchor, so a
 match always points at an earlier occurrence; after a step the old anchor and the accepted tokens are added.
 
 Optionally a *static* automaton over a corpus (``static_corpus``: a .jsonl file with "text" or "ids" per line,
@@ -112,16 +114,24 @@ class SuffixAutomaton:
             self.extend(t)
         self.match, self.match_len = s, m
 
-    def continuation(self, state: int, k: int) -> list[int]:
-        """Up to k tokens that followed the first occurrence of ``state``'s strings.  When nothing follows it
-        (the match ends at the end of the text - a self-overlapping repeat), shorter suffixes, whose first
-        occurrences end earlier, are tried along the suffix links."""
-        if state:
-            link, endpos, end = self.link, self.endpos, len(self.text) - 1
-            while endpos[state] == end and link[state] > 0:
-                state = link[state]
-        e = self.endpos[state]
-        return self.text[e + 1: e + 1 + k]
+    def draft(self, state: int, k: int) -> list[int]:
+        """Up to k tokens read off the text after the first occurrence of the match ``state``: each next token is
+        the one that followed the match's first occurrence, and the match then grows by it.  This is exactly the
+        continuation of that occurrence while it lasts; when the match reaches the end of the text (a repeat that
+        overlaps itself) it is shortened along its suffix link - whose first occurrence ends earlier - and the
+        walk goes on, so loops draft as far as they repeat."""
+        nxt, link, endpos, text = self.nxt, self.link, self.endpos, self.text
+        end = len(text) - 1
+        out: list[int] = []
+        while state and len(out) < k:
+            if endpos[state] == end:
+                if link[state] == 0:
+                    break
+                state = link[state]          # its endpos set is a strict superset, so it ends earlier
+            t = text[endpos[state] + 1]
+            out.append(t)
+            state = nxt[state][t]
+        return out
 
 
 class StaticAutomaton(SuffixAutomaton):
@@ -255,7 +265,7 @@ def run_sam(dec: Decoding, knobs: dict) -> None:
                         dec.tokens[n + 1: n + len(toks)] = torch.tensor(toks[1:], dtype=torch.long, device=device)
                         layout = TreeLayout(parents, device=device)
                 else:
-                    draft = dyn.continuation(s_d, size - 1)
+                    draft = dyn.draft(s_d, size - 1)
                     if draft:
                         k = len(draft)
                         dec.tokens[n + 1: n + 1 + k] = torch.tensor(draft, dtype=torch.long, device=device)
