@@ -143,6 +143,8 @@ def test_resuming_with_a_different_setup_is_refused(model, tmp_path):
         bench(model, tmp_path, plan(["mature-spec"], prompts=1, task=toy_task(cap=CAP + 1)))
     with pytest.raises(ValueError, match="different setup.*mature-spec"):
         bench(model, tmp_path, plan(["mature-spec"], prompts=1, knobs={"mature-spec": {"draft_depth": 3}}))
+    with pytest.raises(ValueError, match="different setup.*weights"):     # same name and size, other weights
+        bench(random_model("huginn", seed=1), tmp_path, plan(["mature-spec"], prompts=1))
 
 
 def test_unknown_methods_and_bad_knobs_fail_before_any_run(model, tmp_path):
@@ -245,3 +247,24 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
     assert main(argv[:-3] + ["--methods", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_quick_preset_fills_only_unset_flags_and_drops_tasks_without_data(monkeypatch, tmp_path, capsys):
+    from dasspec.bench.cli import QUICK, _apply_preset, _available
+    from dasspec.bench.runner import resolve_tasks
+
+    args = Namespace(preset="quick", tasks=None, prompts=None, max_new_tokens=None, shots=[], threads=None)
+    _apply_preset(args)
+    assert (args.tasks, args.prompts, args.max_new_tokens, args.shots, args.threads) == (
+        QUICK["tasks"], 3, 64, ["gsm8k=2"], 1)
+    args = Namespace(preset="quick", tasks="mbpp", prompts=5, max_new_tokens=8, shots=["gsm8k=1"], threads=2)
+    _apply_preset(args)
+    assert (args.tasks, args.prompts, args.max_new_tokens, args.shots, args.threads) == ("mbpp", 5, 8,
+                                                                                      ["gsm8k=1"], 2)
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    tasks = resolve_tasks(["humaneval", "gsm8k"], {"*": 64}, {"gsm8k": 2})
+    assert [(t.name, t.cap) for t in tasks] == [("humaneval", 64), ("gsm8k", 64)] and tasks[1].shots == 2
+    assert [t.name for t in _available(tasks, None, preset=True)] == ["humaneval"]
+    assert "leaving out gsm8k" in capsys.readouterr().err
+    assert _available(tasks, None, preset=False) == tasks          # outside the preset the run itself fails

@@ -14,7 +14,9 @@ import argparse
 import sys
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
-QUICK = {"tasks": "humaneval,gsm8k", "prompts": 3, "max_new_tokens": 64, "shots": ["gsm8k=2"]}
+# One intra-op thread: on a shared 2-core CPU two threads per process contend so badly that a generation can take
+# 10-40x longer (measured: 16 tokens of the bundled model in 2 s with one thread, 27-89 s with two, under load).
+QUICK = {"tasks": "humaneval,gsm8k", "prompts": 3, "max_new_tokens": 64, "shots": ["gsm8k=2"], "threads": 1}
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp"
 
 
@@ -37,7 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder: records.jsonl, report.md, summary.csv, "
                                                 "prompts.jsonl, speedup.png, accept.png (resumable)")
     p.add_argument("--preset", choices=["quick"], help="quick: bundled model, HumanEval (+GSM8K when its data is "
-                                                       "found), 3 prompts, cap 64, every registered method")
+                                                       "found), 3 prompts, cap 64, every registered method, "
+                                                       "one CPU thread")
     p.add_argument("--model", default=None, help="checkpoint folder or HF repo id (default: the bundled model)")
     p.add_argument("--tasks", default=None, help=f"comma-separated (default {DEFAULT_TASKS})")
     p.add_argument("--methods", default=None, help="comma-separated registered methods (default: all); AR is "
@@ -77,6 +80,8 @@ def _apply_preset(args: argparse.Namespace) -> None:
     args.prompts = args.prompts or QUICK["prompts"]
     args.max_new_tokens = args.max_new_tokens or QUICK["max_new_tokens"]
     args.shots = args.shots or QUICK["shots"]
+    if args.threads is None:
+        args.threads = QUICK["threads"]
 
 
 def _available(tasks, data, preset: bool) -> list:

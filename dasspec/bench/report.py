@@ -160,7 +160,9 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
         f"Model `{info.get('model', '?')}` ({info.get('family', '?')}, {info.get('parameters', 0) / 1e6:.2f}M "
         f"parameters, context {info.get('context', '?')}), R = {info.get('num_steps')}, {info.get('dtype')} on "
         f"{where}, torch {env.get('torch', '?')}; {len(sessions)} session(s). Prompts: {info.get('split')} split, "
-        f"selection seed {info.get('select_seed')}.",
+        f"selection seed {info.get('select_seed')}; "
+        + ", ".join(f"{task_label(t)} N = {s.cells[(t, 'ar')]['n']}" for t in s.tasks if (t, "ar") in s.cells)
+        + ".",
         "",
         "## Speedup over paired full-depth AR",
         "",
@@ -186,7 +188,8 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
         out.append(f"- {task_label(t)}: cap {ti.get('cap')}, {ti.get('shots')} demonstrations, stop "
                    f"{json.dumps(ti.get('stop', []))}")
     out += ["", "## Method knobs", ""]
-    for m, mi in info.get("methods", {}).items():
+    for m, mi in sorted(info.get("methods", {}).items(), key=lambda kv: _sorted(info["methods"], METHOD_ORDER)
+                        .index(kv[0])):
         out.append(f"- {method_label(m)} (`{m}`{', stateful' if mi.get('stateful') else ''}): "
                    f"`{json.dumps(mi.get('knobs', {}))}`")
     out += ["", "## Outputs that differ from AR", ""]
@@ -202,11 +205,18 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
     else:
         out.append(f"None: all {len(s.rows)} paired outputs equal AR's tokens.")
     cross = sum(c["cross_session"] for c in s.cells.values())
-    if cross or s.unpaired or skipped:
+    thin = any(c["bootstrap"].startswith("moving-block") and c["n"] <= metrics.STATEFUL_BLOCK
+               for c in s.cells.values())
+    if cross or s.unpaired or skipped or thin:
         out += ["", "## Notes", ""]
     if cross:
         out.append(f"- {cross} method runs are paired with an AR run from another session (the folder was "
                    "resumed); pairs within one session are the paper's protocol.")
+    for (t, m), c in sorted(s.cells.items()):
+        if c["bootstrap"].startswith("moving-block") and c["n"] <= metrics.STATEFUL_BLOCK:
+            out.append(f"- {method_label(m)} on {task_label(t)}: {c['n']} requests <= one block of "
+                       f"{metrics.STATEFUL_BLOCK}, so its moving-block interval is the point estimate (not "
+                       "informative; use more prompts).")
     if s.unpaired:
         out.append(f"- {len(s.unpaired)} records have no AR record for their prompt yet and are not counted.")
     for sk in skipped or []:
@@ -249,7 +259,7 @@ def plot(s: Summary, out: Path) -> list[Path]:
     for name, key, ylabel, title in (
             ("speedup.png", "S", "speedup over AR (×)", "Throughput speedup over paired AR, 95% CI"),
             ("accept.png", "A", "accepted draft tokens per verification (A)", "Accepted length A")):
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(s.tasks) * max(1, len(methods) / 3)), 4))
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(s.tasks) * max(1, len(methods) / 3)), 4.6))
         for i, m in enumerate(methods):
             vals, err = [], [[], []]
             for t in s.tasks:
@@ -268,7 +278,8 @@ def plot(s: Summary, out: Path) -> list[Path]:
         ax.set_xticks(x, [task_label(t) for t in s.tasks])
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.legend(fontsize=8, ncols=min(4, len(methods)))
+        ax.legend(fontsize=8, ncols=min(4, len(methods)), loc="upper center", bbox_to_anchor=(0.5, -0.1),
+                  frameon=False)
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=120)

@@ -159,10 +159,18 @@ def prepare_prompts(plan: BenchPlan, tokenizer, block_size: int) -> tuple[list[P
     return prompts, skipped
 
 
+def weights_fingerprint(model: LoopedLM) -> str:
+    """A short digest of the weights (float64 sums per tensor), so a retrained model is not resumed into old
+    records under the same name."""
+    with torch.no_grad():
+        sums = [f"{float(p.sum(dtype=torch.float64)):.6e}" for p in model.parameters()]
+    return hashlib.sha1(",".join(sums).encode()).hexdigest()[:16]
+
+
 def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: dict[str, dict]) -> dict:
     return {
         "model": model_name, "family": model.config.family,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in model.parameters()), "weights": weights_fingerprint(model),
         "context": model.config.block_size,
         "device": model.device.type, "dtype": str(model.dtype).replace("torch.", ""), "num_steps": R,
         "init_scale": plan.init_scale, "gen_seed": plan.gen_seed, "split": plan.split, "select_seed": plan.seed,
@@ -171,7 +179,7 @@ def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: d
     }
 
 
-PINNED = ("model", "parameters", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed")
+PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed")
 
 
 def merge_run_info(path: Path, new: dict) -> dict:
