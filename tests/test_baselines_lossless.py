@@ -151,9 +151,9 @@ def test_bundled_model_matches_ar() -> None:
     for i, text in enumerate(prompts):
         ids = model.tokenizer.encode(text)[-64:]   # the prompt's end (where generation starts) keeps CPU time low
         init = float(i % 2)                        # zero and seeded-random initial states, alternating
-        ref = dasspec.generate(model, ids, "ar", max_new_tokens=12, init_scale=init, seed=i)
+        ref = dasspec.generate(model, ids, "ar", max_new_tokens=10, init_scale=init, seed=i)
         for method, knobs in BUNDLED_CASES:
-            out = dasspec.generate(model, ids, method, max_new_tokens=12, init_scale=init, seed=i, **knobs)
+            out = dasspec.generate(model, ids, method, max_new_tokens=10, init_scale=init, seed=i, **knobs)
             assert out.tokens == ref.tokens, (i, method, knobs)
             accepted[method] += sum(out.stats.accepted)
     assert all(accepted.values()), f"a drafter never had a draft accepted: {accepted}"
