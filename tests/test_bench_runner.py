@@ -234,16 +234,16 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
     from dasspec.cli import main
 
     ckpt = char_checkpoint(tmp_path / "ckpt")
-    argv = ["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "mature-spec", "--prompts", "2",
+    argv = ["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "mature-spec", "--prompts", "1",
             "--max-new-tokens", "4", "--knobs", "mature-spec:draft_depth=2,block=2", "--bootstrap", "100",
             "--out", str(tmp_path / "out"), "--no-warmup"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| Method | HumanEval speedup [95% CI] | A |" in out and "| Mature-Spec |" in out
     recs = load_records(tmp_path / "out" / "records.jsonl")
-    assert len(recs) == 4 and {r["cap"] for r in recs} == {4}
+    assert len(recs) == 2 and {r["cap"] for r in recs} == {4}
     assert main(argv + ["--quiet"]) == 0                          # resumed: nothing left to run
-    assert len(load_records(tmp_path / "out" / "records.jsonl")) == 4
+    assert len(load_records(tmp_path / "out" / "records.jsonl")) == 2
     assert main(["bench", "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
     assert main(argv[:-3] + ["--methods", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
