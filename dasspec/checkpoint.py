@@ -24,8 +24,14 @@ from .model import LoopedLM
 
 BUNDLED_DIR = Path(__file__).parent / "assets" / "dasspec-tiny"
 
-# Tensors some checkpoints carry that the runtime recomputes or ties.
+# Tensors some checkpoints carry that the runtime recomputes: Huginn's RoPE table (a persistent buffer) and, from
+# some exporters, HF rotary ``*.inv_freq`` buffers.  A tied head's duplicate ``lm_head.weight`` is handled apart.
 _IGNORED = {"freqs_cis"}
+_IGNORED_SUFFIXES = (".inv_freq",)
+
+
+def _ignored(name: str) -> bool:
+    return name in _IGNORED or name.endswith(_IGNORED_SUFFIXES)
 
 
 class CheckpointError(ValueError):
@@ -149,8 +155,8 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) of the {cfg.family} layout, e.g. "
                               f"{', '.join(missing[:4])}")
-    allowed_extra = set(_IGNORED) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    unexpected = [k for k in shapes if k not in expected and k not in allowed_extra]
+    allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unexpected = [k for k in shapes if k not in expected and k not in allowed_extra and not _ignored(k)]
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} tensor(s) the {cfg.family} layout does not use, "
                               f"e.g. {', '.join(unexpected[:4])}")
@@ -158,6 +164,16 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
         if shapes[k] != shape:
             raise CheckpointError(f"shape mismatch for {k}: checkpoint {list(shapes[k])}, config implies "
                                   f"{list(shape)}")
+    if cfg.tie_embeddings and "lm_head.weight" in shapes:
+        _check_tied_copy(files, shapes)
+
+    # Everything that can fail cheaply fails before the (possibly many GB of) weights are read.
+    tokenizer = None
+    if (folder / "tokenizer.json").exists():
+        from .tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(folder)
+    gen = folder / "generation_config.json"
+    generation_defaults = read_json(gen) if gen.exists() else {}
 
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
@@ -176,12 +192,28 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
     model.source = str(folder)
-    gen = folder / "generation_config.json"
-    model.generation_defaults = read_json(gen) if gen.exists() else {}
-    if (folder / "tokenizer.json").exists():
-        from .tokenizer import load_tokenizer
-        model.tokenizer = load_tokenizer(folder)
+    model.generation_defaults = generation_defaults
+    model.tokenizer = tokenizer
     return model
+
+
+def _check_tied_copy(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
+    """A tied checkpoint may also store lm_head.weight (Huginn does); it must be the embedding's copy, or the config's
+    tie_embeddings is wrong and tying would silently replace a trained head.  A few rows are compared (cheap)."""
+    wte, head = "transformer.wte.weight", "lm_head.weight"
+    if shapes[head] != shapes[wte]:
+        raise CheckpointError(f"config.json ties the head to the embedding, but {head} {list(shapes[head])} has "
+                              f"another shape than {wte} {list(shapes[wte])}; is tie_embeddings wrong?")
+    V = shapes[wte][0]
+    rows = sorted({0, 1, V // 2, V - 2, V - 1} & set(range(V)))
+    picked = []
+    for name in (wte, head):
+        with safe_open(files[name], "pt") as f:
+            sl = f.get_slice(name)
+            picked.append(torch.stack([sl[r: r + 1][0] for r in rows]))
+    if not torch.equal(picked[0], picked[1]):
+        raise CheckpointError(f"config.json ties the head to the embedding (tie_embeddings), but the checkpoint's "
+                              f"{head} differs from {wte}; set tie_embeddings to false to use the stored head")
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:

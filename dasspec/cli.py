@@ -47,8 +47,9 @@ def knobs_from_args(args: argparse.Namespace) -> dict:
 class TextStreamer:
     """Prints decoded text as chunks arrive (HF streamer protocol: put / end)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None):
+        # resolve sys.stdout now, not at import: redirect_stdout / capture replace it after this module loads
+        self.tok, self.out = tokenizer, out if out is not None else sys.stdout
         self.ids: list[int] = []
         self.printed = 0
 

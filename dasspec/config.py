@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 FAMILIES = ("huginn", "raven-llama", "raven-olmo")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Huginn's <|begin_text|>, <|end_text|>, <|end_turn|>, <|pad|>.  The Raven converters copied Huginn's config.json,
+# so every Raven config.json carries these ids although they mean nothing (or ordinary words) in its vocabulary.
+HUGINN_SPECIAL_IDS = frozenset({65504, 65505, 65508, 65509})
 
 
 class ConfigError(ValueError):
@@ -85,10 +89,22 @@ class LoopedConfig:
         if self.n_heads * self.head_dim != self.n_embd:
             raise ConfigError(f"n_heads*head_dim must equal n_embd, got {self.n_heads}*{self.head_dim}"
                               f" != {self.n_embd}")
+        if self.qk_bias and self.n_kv_heads != self.n_heads:
+            raise ConfigError(f"qk_bias needs as many key/value heads as query heads, got num_key_value_heads="
+                              f"{self.n_kv_heads} and n_heads={self.n_heads}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default", None):
                 raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+            if kind == "llama3":
+                # transformers requires all four keys; defaulting any of them would silently move the RoPE bands
+                missing = [k for k in _LLAMA3_KEYS if self.rope_scaling.get(k) is None]
+                if missing:
+                    raise ConfigError(f"rope_scaling (llama3) is missing {', '.join(missing)}")
+                lo, hi = float(self.rope_scaling["low_freq_factor"]), float(self.rope_scaling["high_freq_factor"])
+                if not (float(self.rope_scaling["factor"]) > 0 and 0 < lo < hi):
+                    raise ConfigError(f"rope_scaling (llama3) needs factor > 0 and 0 < low_freq_factor < "
+                                      f"high_freq_factor, got {self.rope_scaling}")
         return self
 
     # --- Hugging Face config.json <-> LoopedConfig -------------------------------------------------
@@ -113,12 +129,22 @@ class LoopedConfig:
         n_layers = cfg.get("n_layers", cfg.get("num_hidden_layers"))
         if n_layers is not None and int(n_layers) != n_prelude + n_core + n_coda:
             raise ConfigError(f"n_layers={n_layers} != prelude {n_prelude} + core {n_core} + coda {n_coda}")
-        init_values = cfg.get("init_values") or {}
+        # Read, never derive: Raven keeps Huginn's std but sets embed_scale 1.0, which sqrt(n_embd) would break.
+        init_values = cfg.get("init_values")
+        if not isinstance(init_values, dict):
+            raise ConfigError("config.json is missing required field init_values (with std and embed_scale)")
+        for key in ("std", "embed_scale"):
+            if init_values.get(key) is None:
+                raise ConfigError(f"config.json is missing required field init_values.{key}")
         if float(cfg.get("test_time_noise") or 0.0) != 0.0:
             raise ConfigError("test_time_noise != 0 makes the target non-deterministic; set it to 0")
         # Huginn's RoPE base is `rope_base`; Raven's is `rope_theta` (its `rope_base` is a stale Huginn leftover).
         rope_theta = float(need("rope_base") if family == "huginn" else need("rope_theta"))
-        eos = cfg.get("eos_token_id")
+        special = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        if family != "huginn":   # stale copies of Huginn's ids; the tokenizer files give the real ones
+            special = {k: ([i for i in v if i not in HUGINN_SPECIAL_IDS] if isinstance(v, (list, tuple))
+                           else (None if v in HUGINN_SPECIAL_IDS else v)) for k, v in special.items()}
+        eos = special["eos_token_id"]
         eos_list = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)])
         if family == "huginn":  # the RoPE table Huginn ships has block_size rows: a hard context cap
             block_size = int(need("block_size"))
@@ -137,12 +163,12 @@ class LoopedConfig:
             rope_theta=rope_theta,
             rope_scaling=cfg.get("rope_scaling") or None,
             tie_embeddings=bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False))),
-            embed_scale=float(init_values.get("embed_scale", 1.0)),
-            init_std=float(init_values.get("std", 0.0)),
+            embed_scale=float(init_values["embed_scale"]),
+            init_std=float(init_values["std"]),
             block_size=block_size,
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=special["bos_token_id"],
             eos_token_id=eos_list,
-            pad_token_id=cfg.get("pad_token_id"),
+            pad_token_id=special["pad_token_id"],
         )
         return out.validate()
 

@@ -1,6 +1,6 @@
 """LoopedLM: prelude P, shared core F applied R times, coda H (paper eq. 1), exposed as three primitives.
 
-    inj = model.prelude(ids, span, cache)                         # P(x), projected through the adapter's e-half
+    inj = model.prelude(ids, span, cache)                         # e = P(x), the injected prelude output
     h   = model.core_step(h, inj, span, cache, read=(kappa, nu))  # h <- F(h, e): adapter + core layers
     z   = model.readout(h, span, cache)                           # H(h): (ln_f) + coda + ln_f + head, float32
 
@@ -8,8 +8,9 @@ Every decoder composes these; none reaches into layers.  ``read`` is the verifie
 keys from depth kappa, values from depth nu.  The draft-side rows of the call are stored at ``own`` depths
 (default: the read depths), which is where verification and AR materialise depth r (``read = own = (r, r)``).
 
-The adapter acts on concat[h, e]; its e-half is applied once per call in ``prelude`` (e does not change across the
-recurrence) and only the h-half runs per step.
+The adapter acts on concat[h, e] in one matmul per step, exactly as the upstream modeling files do.  Hoisting its
+e-half out of the loop would save ~1% of the core FLOPs but changes fp32 rounding at every step, and a recurrence
+amplifies that: on random checkpoints the logits drifted ~1e-4 from the upstream formulation at depth 8.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import DepthCache
@@ -115,7 +115,7 @@ class LoopedLM(nn.Module):
 
     # --- the three primitives ----------------------------------------------------------------------------
     def prelude(self, ids: Tensor, span: Span, cache: DepthCache | None = None) -> Tensor:
-        """Token ids [B, W] -> the injected embedding (prelude output through the adapter's e-half) [B, W, d].
+        """Token ids [B, W] -> the injected embedding e (the prelude output) [B, W, d].
         With a cache, prelude K/V are written at the span's rows."""
         t = self.transformer
         x = t.wte(ids)
@@ -123,14 +123,14 @@ class LoopedLM(nn.Module):
             x = x * self.config.embed_scale
         for i, block in enumerate(t.prelude):
             x = block(x, span, cache.prelude_kv(i) if cache is not None else None)
-        return F.linear(x, t.adapter.weight[:, self.config.n_embd:])
+        return x
 
     def core_step(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
                   read: tuple[int, int] = (1, 1), own: tuple[int, int] | None = None) -> Tensor:
         """One recurrence: h <- core(adapter(concat[h, e])).  Prefix keys are read at depth read[0] (kappa) and
         values at read[1] (nu); the span's own K/V are stored at ``own`` (default ``read``)."""
         t = self.transformer
-        x = F.linear(h, t.adapter.weight[:, : self.config.n_embd]) + inj
+        x = t.adapter(torch.cat(torch.broadcast_tensors(h, inj), dim=-1))
         own = read if own is None else own
         for i, block in enumerate(t.core_block):
             x = block(x, span, cache.core_kv(i, read, own) if cache is not None else None)

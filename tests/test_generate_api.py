@@ -1,0 +1,145 @@
+"""``dasspec.generate`` on checkpoints with a tokenizer: prompt forms, stop tokens taken from the tokenizer files
+(never Raven's stale Huginn ids), streaming, and bad input failing with a message that names the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.generate import default_stop_ids
+from reference_impl import write_checkpoint, write_tokenizer
+from reference_impl import single_thread  # noqa: F401  (autouse fixture)
+
+TEXT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def raven(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("gen") / "raven", "raven-llama", vocab_size=320,
+                              tokenizer=write_tokenizer("raven-llama"), mean_recurrence=3)
+    return dasspec.load_model(folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def huginn(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("gen") / "huginn", "huginn", vocab_size=320,
+                              tokenizer=write_tokenizer("huginn"), mean_recurrence=3,
+                              config_edits={"block_size": 64})
+    return dasspec.load_model(folder, device="cpu")
+
+
+def test_text_prompt(raven):
+    tok = raven.tokenizer
+    ids = tok.encode(TEXT)
+    assert ids[0] == tok.bos_id == tok.token_to_id("<|begin_of_text|>")        # the tokenizer's BOS, not 65504
+    out = dasspec.generate(raven, TEXT, max_new_tokens=6, eos=False)
+    assert len(out.tokens) == 6 and out.text == tok.decode(out.tokens)
+    assert out.stats.prompt_tokens == len(ids) and out.stats.new_tokens == 6
+    assert out.stats.prefill_passes == raven.config.mean_recurrence == 3        # default depth R
+    assert out.stop_reason == "max_new_tokens"
+
+
+def test_prompt_forms_agree(raven):
+    ids = raven.tokenizer.encode(TEXT)
+    runs = [dasspec.generate(raven, x, max_new_tokens=5, num_steps=2, eos=False).tokens
+            for x in (TEXT, ids, torch.tensor(ids), torch.tensor([ids]))]
+    assert all(r == runs[0] for r in runs)
+
+
+def test_stop_ids_come_from_the_tokenizer(raven, huginn):
+    # Raven's config.json says eos 65505 (Huginn's); the tokenizer says <|end_of_text|>
+    assert raven.config.eos_token_id == []
+    assert default_stop_ids(raven) == [raven.tokenizer.token_to_id("<|end_of_text|>")]
+    tok = huginn.tokenizer
+    assert default_stop_ids(huginn) == [tok.token_to_id("<|end_text|>"), tok.token_to_id("<|end_turn|>")]
+
+
+def test_tokenizer_eos_stops_generation(raven, tmp_path):
+    free = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False).tokens
+    i = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    eos_text = raven.tokenizer.backend.id_to_token(free[i])
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
+                              tokenizer=write_tokenizer("raven-llama"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_text, "bos_token": "<|begin_of_text|>"}))
+    model = dasspec.load_model(folder, device="cpu")
+    out = dasspec.generate(model, TEXT, max_new_tokens=8, num_steps=2)
+    assert out.tokens == free[: i + 1] and out.stop_reason == "eos"
+    out = dasspec.generate(model, TEXT, max_new_tokens=8, num_steps=2, eos=False)
+    assert out.tokens == free
+
+
+def test_stop_token_and_string(raven):
+    free = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False).tokens
+    out = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False, stop=[free[3]])
+    assert out.tokens == free[: free.index(free[3]) + 1] and out.stop_reason == "eos"
+    full_text = raven.tokenizer.decode(free)
+    piece = next(raven.tokenizer.decode([t]) for t in free[2:] if raven.tokenizer.decode([t]).strip())
+    out = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False, stop=piece)
+    assert out.stop_reason == "stop_string" and piece not in out.text and full_text.startswith(out.text)
+
+
+def test_streamer_receives_every_token_once(raven):
+    class Collect:
+        def __init__(self):
+            self.ids, self.ended = [], 0
+
+        def put(self, chunk):
+            self.ids.extend(chunk.reshape(-1).tolist())
+
+        def end(self):
+            self.ended += 1
+
+    s = Collect()
+    out = dasspec.generate(raven, TEXT, max_new_tokens=7, num_steps=2, streamer=s, eos=False)
+    assert s.ids == out.tokens and s.ended == 1
+
+
+def test_deterministic_and_seeded(raven):
+    a = dasspec.generate(raven, TEXT, max_new_tokens=6, num_steps=2, seed=1, eos=False).tokens
+    b = dasspec.generate(raven, TEXT, max_new_tokens=6, num_steps=2, seed=1, eos=False).tokens
+    assert a == b
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(input_ids=[]), ValueError, "empty prompt"),
+    (dict(num_steps=0), ValueError, "num_steps must be >= 1, got 0"),
+    (dict(num_steps=-2), ValueError, "num_steps must be >= 1, got -2"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1, got 0"),
+    (dict(input_ids=[3, 320, 4]), ValueError, r"token id 320 is outside the vocabulary \[0, 320\)"),
+    (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch 1"),
+    (dict(method="beam"), ValueError, "unknown method 'beam'"),
+    (dict(gamma=4), ValueError, "method 'ar' does not take gamma"),
+])
+def test_bad_input_is_named(raven, kwargs, error, message):
+    args = dict(input_ids=TEXT, max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        dasspec.generate(raven, **args)
+
+
+def test_prompt_too_long_is_named(huginn):
+    assert huginn.config.block_size == 64
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 exceeds the model "
+                                         r"context of 64"):
+        dasspec.generate(huginn, list(range(60)), max_new_tokens=5)
+    assert len(dasspec.generate(huginn, list(range(60)), max_new_tokens=4, eos=False).tokens) == 4
+
+
+def test_empty_text_without_bos_is_named(tmp_path):
+    folder = write_checkpoint(tmp_path / "olmo", "raven-olmo", vocab_size=320, tokenizer=write_tokenizer("raven-olmo"))
+    model = dasspec.load_model(folder, device="cpu")
+    assert model.tokenizer.bos_id is None and model.tokenizer.encode("") == []       # OLMo adds no BOS
+    with pytest.raises(ValueError, match="empty prompt"):
+        dasspec.generate(model, "", max_new_tokens=3)
+
+
+def test_text_prompt_without_tokenizer_is_named(tmp_path):
+    model = dasspec.load_model(write_checkpoint(tmp_path / "m", "raven-olmo"), device="cpu")
+    assert model.tokenizer is None
+    with pytest.raises(ValueError, match="a text prompt needs a tokenizer"):
+        dasspec.generate(model, TEXT, max_new_tokens=3)
