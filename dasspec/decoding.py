@@ -35,6 +35,33 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA allocator peak, or the process's peak RSS on Linux)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Peak bytes since ``reset_peak_memory``: CUDA memory allocated, or resident memory of the process (model
+    weights included) on CPU.  None when the platform does not tell."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Decoding:
     def __init__(self, model: LoopedLM, prompt: list[int], stop: StopRule, num_steps: int | None = None,
                  init_scale: float = 1.0, seed: int = 0, width: int = 1, method: str = "ar",
@@ -63,6 +90,7 @@ class Decoding:
                 f"the depth cache needs {need / 2**20:.1f} MiB ({bytes_per_token(cfg, self.R, dtype)} B/token x "
                 f"{self.capacity} positions at R={self.R}) but only {free / 2**20:.1f} MiB is free on {device}; "
                 "lower max_new_tokens or num_steps, or use bfloat16")
+        reset_peak_memory(device)
         self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype)
         self.tokens = torch.zeros(self.capacity + 1, dtype=torch.long, device=device)
         self.tokens[:P] = torch.as_tensor(prompt, dtype=torch.long, device=device)
@@ -71,7 +99,7 @@ class Decoding:
         self.generated: list[int] = []
         self.done = False
         self.streamer = streamer
-        self.stats = GenerationStats(method=method, prompt_tokens=P)
+        self.stats = GenerationStats(method=method, prompt_tokens=P, cache_bytes=self.cache.nbytes)
         self.timer = PhaseTimer(self.stats, device)
         self._t0 = time.perf_counter()
 
@@ -136,6 +164,7 @@ class Decoding:
             torch.cuda.synchronize()
         self.stats.wall_time = time.perf_counter() - self._t0
         self.stats.new_tokens = len(self.generated)
+        self.stats.peak_memory = peak_memory(self.model.device)
         if self.streamer is not None:
             self.streamer.end()
         return self.stats

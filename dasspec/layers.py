@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
@@ -61,19 +63,27 @@ def rope_tables(cfg: LoopedConfig, n_pos: int) -> tuple[Tensor, Tensor]:
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """Rotate x [B, W, heads, hd] by per-position angles (cos/sin [W, 1, hd/2]); math in float32.
+def rope_operands(cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-call rotation operands from cos/sin [W, hd/2], built once per span and shared by every layer:
+    interleaved -> complex e^{i theta} [W, 1, hd/2]; half -> (cat(cos, cos), cat(sin, sin)) [W, 1, hd]."""
+    if interleaved:
+        return torch.complex(cos, sin).unsqueeze(1)
+    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
-    interleaved: pairs (2j, 2j+1) (Huginn's complex form); otherwise halves (HF rotate_half)."""
+
+def apply_rope(x: Tensor, rot: Tensor | tuple[Tensor, Tensor], interleaved: bool) -> Tensor:
+    """Rotate x [B, W, heads, hd] by per-position angles; math in float32.
+
+    interleaved: pairs (2j, 2j+1) rotated as complex numbers (Huginn's freqs_cis form);
+    otherwise halves: x * cos + rotate_half(x) * sin (HF Llama / OLMo)."""
     xf = x.float()
     if interleaved:
-        pairs = xf.unflatten(-1, (-1, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+        out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * rot).flatten(-2)
     else:
+        cos, sin = rot
         a, b = xf.chunk(2, dim=-1)
-        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    return out.to(x.dtype)
+        out = xf * cos + torch.cat((-b, a), dim=-1) * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,8 +95,8 @@ class Span:
     """The W query positions of one model call, shared by every layer and every recurrence step of that call.
 
     Cache rows [0, n) hold the verified prefix; the call's draft-side rows are [n, start + W), of which the last
-    W (rows [start, start + W)) are the queries computed now and written now.  ``cos``/``sin`` are the RoPE
-    angles of the queries' *positions* (which equal their rows except for tree drafts and probes).  ``mask``
+    W (rows [start, start + W)) are the queries computed now and written now.  ``rot`` holds the RoPE
+    rotation of the queries' *positions* (see ``rope_operands``) (which equal their rows except for tree drafts and probes).  ``mask``
     [W, start + W] (bool, True = visible; it may hide prefix rows too) is None when a single query sees every
     row up to its own, or when ``causal`` is set (a block starting at row 0, where top-left and bottom-right
     causal alignment agree)."""
@@ -94,8 +104,7 @@ class Span:
     n: int
     start: int
     W: int
-    cos: Tensor
-    sin: Tensor
+    rot: Tensor | tuple[Tensor, Tensor]
     mask: Tensor | None = None
     causal: bool = False
 
@@ -166,7 +175,7 @@ class Attention(nn.Module):
         qk = qkv[:, :, : H + Hkv]
         if self.qk_bias is not None:
             qk = qk + self.qk_bias.view(2 * H, hd)
-        qk = apply_rope(qk, span.cos, span.sin, self.interleaved)
+        qk = apply_rope(qk, span.rot, self.interleaved)
         q = qk[:, :, :H].transpose(1, 2)
         k = qk[:, :, H:].transpose(1, 2)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .cache import DepthCache
 from .config import LoopedConfig
-from .layers import Block, RMSNorm, Span, rope_tables
+from .layers import Block, RMSNorm, Span, rope_operands, rope_tables
 
 _MASK32 = 0xFFFFFFFF
 _TRUNC = 3.0                                   # initial states are truncated at +-3 std, as in Huginn's like-init
@@ -93,14 +93,14 @@ class LoopedLM(nn.Module):
             cos, sin = self.rope_cos[start: start + W], self.rope_sin[start: start + W]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)           # [W, 1, hd/2] broadcasts over heads
+        rot = rope_operands(cos, sin, self.config.rope_style == "interleaved")
         causal = False
         if mask is None and W > 1:
             if start == 0:
                 causal = True
             else:
                 mask = torch.ones(W, start + W, dtype=torch.bool, device=self.device).tril(start)
-        return Span(n=n, start=start, W=W, cos=cos, sin=sin, mask=mask, causal=causal)
+        return Span(n=n, start=start, W=W, rot=rot, mask=mask, causal=causal)
 
     def initial_state(self, positions: Tensor, init_scale: float = 1.0, seed: int = 0) -> Tensor:
         """The checkpoint's initialisation for the given absolute positions: truncated normal with

@@ -29,6 +29,8 @@ class GenerationStats:
     verify_time: float = 0.0
     wall_time: float = 0.0
     stop_reason: str = ""
+    cache_bytes: int = 0                 # the depth cache allocated for this request
+    peak_memory: int | None = None       # CUDA: peak allocated; CPU: peak resident set of the process
 
     @property
     def verify_events(self) -> int:
@@ -66,7 +68,7 @@ class GenerationStats:
             "prefill_updates": self.prefill_updates,
             "prefill_time": self.prefill_time, "draft_time": self.draft_time, "verify_time": self.verify_time,
             "wall_time": self.wall_time, "tokens_per_second": self.tokens_per_second,
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason, "cache_bytes": self.cache_bytes, "peak_memory": self.peak_memory,
         }
 
 

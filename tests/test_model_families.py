@@ -11,7 +11,7 @@ import torch
 
 import dasspec
 from dasspec.decoding import Decoding
-from dasspec.layers import apply_rope, rope_inv_freq
+from dasspec.layers import apply_rope, rope_inv_freq, rope_operands
 from dasspec.stopping import StopRule
 from dasspec.testing import tiny_config
 from reference_impl import (LAYOUTS, LLAMA3_MINI, huginn_freqs_cis, raven_inv_freq, rotate_half,
@@ -120,8 +120,8 @@ def test_interleaved_rope_is_huginns_complex_rotation():
     x = torch.randn(1, 5, 3, cfg.head_dim)
     pos = torch.tensor([0, 1, 7, 100, 255])
     table = huginn_freqs_cis(cfg.rope_theta, cfg.head_dim, 256)[0, :, 0]         # [n_pos, hd/2, 2]
-    cos, sin = table[pos, :, 0][:, None], table[pos, :, 1][:, None]
-    ours = apply_rope(x, cos, sin, interleaved=True)
+    cos, sin = table[pos, :, 0], table[pos, :, 1]
+    ours = apply_rope(x, rope_operands(cos, sin, interleaved=True), interleaved=True)
     xc = torch.view_as_complex(x.reshape(1, 5, 3, -1, 2).contiguous())
     rot = torch.complex(table[pos, :, 0], table[pos, :, 1])[None, :, None, :]
     want = torch.view_as_real(xc * rot).reshape(x.shape)
@@ -133,7 +133,7 @@ def test_half_rope_is_hf_rotate_half():
     x = torch.randn(1, 4, 2, cfg.head_dim)
     pos = torch.tensor([0, 3, 50, 200])
     freqs = pos.float()[:, None] * raven_inv_freq(cfg.rope_theta, cfg.head_dim, None)[None]
-    ours = apply_rope(x, freqs.cos()[:, None], freqs.sin()[:, None], interleaved=False)
+    ours = apply_rope(x, rope_operands(freqs.cos(), freqs.sin(), interleaved=False), interleaved=False)
     emb = torch.cat((freqs, freqs), -1)[None, :, None]
     torch.testing.assert_close(ours, x * emb.cos() + rotate_half(x) * emb.sin(), rtol=0, atol=1e-6)
 

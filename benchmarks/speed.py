@@ -1,0 +1,153 @@
+"""Speed benchmark (issue 8): every decoder and every baseline on the same prompts, in one process, interleaved per
+prompt, each paired with full-depth AR; prints and writes, per method:
+
+    tokens/s | measured speedup S over AR (eq. 8, 95% CI) | pass-count speedup | efficiency | A | G | memory
+
+* pass-count speedup: AR's sequential core passes / the method's, per prompt (tokens-normalised), averaged like S.
+  It is what the method would gain if a core pass cost the same at every width - hardware independent.
+* efficiency = measured S / pass-count speedup: how much of that limit the hardware delivers.  Wider passes
+  (DAS-Wave drafts W_j positions, verifies gamma) cost more than one-position passes, so efficiency < 1.
+* memory: peak resident memory of the process during the generation on CPU (peak allocated on CUDA), and the
+  depth cache allocated for it.
+
+    python benchmarks/speed.py --out runs/speed                      # bundled model, HumanEval + GSM8K
+    python benchmarks/speed.py --model PATH --tasks gsm8k --prompts 10 --threads 2 --out runs/speed-gsm
+
+Results are resumable (records.jsonl, the benchmark harness's format); ``--report-only`` rebuilds the tables.
+This is a benchmark, never a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+METHODS = ["ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam"]
+BASELINES = ["pld", "lookahead", "token-recycling", "sam"]
+
+
+def speed_table(out: Path, n_resamples: int = 10_000) -> tuple[str, list[dict]]:
+    from dasspec.bench import metrics
+    from dasspec.bench.report import method_label, pair_with_ar
+    from dasspec.bench.runner import RECORDS, load_records
+
+    records = load_records(out / RECORDS)
+    rows, _ = pair_with_ar(records)
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_method[row["method"]].append(row)
+    mem: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        mem[r["method"]].append(r)
+    table = []
+    for method in sorted(by_method, key=lambda m: METHODS.index(m) if m in METHODS else len(METHODS)):
+        g = sorted(by_method[method], key=lambda x: (x["task"], x["prompt_index"]))
+        stateful = any(x["stateful"] for x in g)
+        cell = metrics.summarize_speedup([x["ratio"] for x in g], stateful, n_resamples)
+        S, passes = cell["S"], metrics.speedup([x["pass_ratio"] for x in g])
+        peaks = [r.get("peak_memory") for r in mem[method] if r.get("peak_memory")]
+        table.append({
+            "method": method, "prompts": len(g), "matches": sum(x["match"] for x in g),
+            "tokens_per_second": float(np.mean([x["tokens_per_second"] for x in g])),
+            "S": S, "lo": cell["lo"], "hi": cell["hi"], "pass_speedup": passes, "efficiency": S / passes,
+            "A": metrics.mean_over_prompts([x["A_p"] for x in g]),
+            "G": metrics.mean_over_prompts([x["G_p"] for x in g]),
+            "peak_memory_mib": max(peaks) / 2**20 if peaks else None,
+            "cache_mib": max(r.get("cache_bytes", 0) for r in mem[method]) / 2**20,
+        })
+    fastest = max((t for t in table if t["method"] in BASELINES), key=lambda t: t["S"], default=None)
+
+    def f(x, d=2):
+        return "–" if x is None else f"{x:.{d}f}"
+
+    lines = ["| method | tok/s | speedup S [95% CI] | pass-count speedup | efficiency | A | G | peak mem (MiB) "
+             "| cache (MiB) | = AR |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        name = method_label(t["method"]) + (" (fastest baseline)" if fastest is t else "")
+        ci = "" if t["method"] == "ar" else f" [{f(t['lo'])}, {f(t['hi'])}]"
+        lines.append(f"| {name} | {f(t['tokens_per_second'], 1)} | {f(t['S'])}×{ci} | {f(t['pass_speedup'])}× | "
+                     f"{f(t['efficiency'])} | {f(t['A'])} | {f(t['G'])} | {f(t['peak_memory_mib'], 0)} | "
+                     f"{f(t['cache_mib'], 1)} | {t['matches']}/{t['prompts']} |")
+    return "\n".join(lines), table
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from dasspec.bench.report import method_label
+
+    rows = [t for t in table if t["method"] != "ar"]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.bar(x - 0.2, [t["pass_speedup"] for t in rows], 0.4, label="pass-count speedup (limit)", color="#c8d6e5")
+    ax.bar(x + 0.2, [t["S"] for t in rows], 0.4, label="measured speedup S", color="#2e86de",
+           yerr=[[t["S"] - t["lo"] for t in rows], [t["hi"] - t["S"] for t in rows]], capsize=3)
+    for i, t in enumerate(rows):
+        ax.text(i + 0.2, t["hi"] + 0.1, f"{t['efficiency']:.2f}", ha="center", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(x, [method_label(t["method"]) for t in rows], rotation=20, ha="right")
+    ax.set_ylabel("× over full-depth AR")
+    ax.set_title("Measured vs pass-count speedup (numbers: efficiency)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--tasks", default="humaneval,gsm8k")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--shots", action="append", default=[], metavar="TASK=N", help="e.g. gsm8k=2")
+    p.add_argument("--knobs", action="append", default=[], metavar="METHOD:NAME=VALUE[,...]")
+    p.add_argument("--data", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, = cores)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--fresh", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    import dasspec
+    from dasspec.bench.runner import BenchPlan, clear_results, parse_knobs, resolve_tasks, run_bench
+
+    out = Path(args.out)
+    if not args.report_only:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.fresh:
+            clear_results(out)
+        model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+        shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
+        tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
+        plan = BenchPlan(tasks=tasks, methods=args.methods.split(","), knobs=parse_knobs(args.knobs),
+                         prompts=args.prompts, data=args.data)
+        run_bench(model, plan, out, model_name=args.model or "bundled")
+    text, table = speed_table(out)
+    (out / "speed.md").write_text(text + "\n")
+    with open(out / "speed.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    (out / "speed.json").write_text(json.dumps(table, indent=2))
+    plot(table, out / "speed.png")
+    print(text)
+    print(f"\nwritten: {out / 'speed.md'}, speed.csv, speed.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
