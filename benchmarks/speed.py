@@ -102,6 +102,8 @@ def plot(table: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dasspec.cli import add_exec_flags, load_for_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--report-only", action="store_true")
+    add_exec_flags(p)
     p.add_argument("--fresh", action="store_true")
     args = p.parse_args(argv)
 
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if args.fresh:
             clear_results(out)
-        model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+        model = load_for_args(args)
         shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
         tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
         plan = BenchPlan(tasks=tasks, methods=args.methods.split(","), knobs=parse_knobs(args.knobs),

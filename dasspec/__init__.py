@@ -6,6 +6,7 @@ mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small loo
 
 from __future__ import annotations
 
+from .accel import optimize
 from .cache import CacheCapacityError, DepthCache
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, LoopedConfig
@@ -24,6 +25,6 @@ def load_model(source=None, device=None, dtype=None) -> LoopedLM:
     return load_checkpoint(source, device=device, dtype=dtype)
 
 
-__all__ = ["load_model", "load_tokenizer", "generate", "GenerationResult", "LoopedLM", "LoopedConfig",
+__all__ = ["optimize", "load_model", "load_tokenizer", "generate", "GenerationResult", "LoopedLM", "LoopedConfig",
            "DepthCache", "ReadPolicy", "parse_policy", "Tokenizer", "method_names", "save_checkpoint",
            "CheckpointError", "ConfigError", "CacheCapacityError", "__version__"]

@@ -28,17 +28,20 @@ def bytes_per_token(cfg: LoopedConfig, R: int, dtype: torch.dtype) -> int:
 
 class DepthCache:
     def __init__(self, cfg: LoopedConfig, R: int, capacity: int, device: torch.device | str,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, zeroed: bool = False):
         self.R, self.capacity = R, capacity
         hkv, hd = cfg.n_kv_heads, cfg.head_dim
         shape = (hkv, capacity, hd)
+        # Static-shape attention reads every row (masked); rows never written must hold finite values, since a
+        # masked weight of 0 times a garbage NaN is still NaN.
+        new = torch.zeros if zeroed else torch.empty
         try:
-            self.core_k = torch.empty(cfg.n_core, R, *shape, device=device, dtype=dtype)
-            self.core_v = torch.empty_like(self.core_k)
-            self.pre_k = torch.empty(cfg.n_prelude, *shape, device=device, dtype=dtype)
-            self.pre_v = torch.empty_like(self.pre_k)
-            self.coda_k = torch.empty(cfg.n_coda, *shape, device=device, dtype=dtype)
-            self.coda_v = torch.empty_like(self.coda_k)
+            self.core_k = new(cfg.n_core, R, *shape, device=device, dtype=dtype)
+            self.core_v = new(cfg.n_core, R, *shape, device=device, dtype=dtype)
+            self.pre_k = new(cfg.n_prelude, *shape, device=device, dtype=dtype)
+            self.pre_v = new(cfg.n_prelude, *shape, device=device, dtype=dtype)
+            self.coda_k = new(cfg.n_coda, *shape, device=device, dtype=dtype)
+            self.coda_v = new(cfg.n_coda, *shape, device=device, dtype=dtype)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError subclasses RuntimeError
             need = bytes_per_token(cfg, R, dtype) * capacity
             raise CacheCapacityError(
@@ -47,6 +50,9 @@ class DepthCache:
         self.bytes_per_token = bytes_per_token(cfg, R, dtype)
         self.n = 0
         self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.core_k, self.core_v, self.pre_k, self.pre_v, self.coda_k, self.coda_v
 
     @property
     def nbytes(self) -> int:

@@ -44,6 +44,24 @@ def knobs_from_args(args: argparse.Namespace) -> dict:
     return knobs
 
 
+def add_exec_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("execution (GPU options; see dasspec.accel)")
+    g.add_argument("--static-shapes", action="store_true", help="fixed-shape attention over the whole cache")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model primitives (implies static)")
+    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs via torch.compile reduce-overhead")
+
+
+def load_for_args(args: argparse.Namespace):
+    """load_model + the execution flags shared by generate / bench / probe / the speed benchmark."""
+    import dasspec
+
+    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+    if getattr(args, "static_shapes", False) or getattr(args, "compile", False) or getattr(args, "cuda_graphs",
+                                                                                             False):
+        dasspec.optimize(model, static_shapes=True, compile=args.compile, cuda_graphs=args.cuda_graphs)
+    return model
+
+
 class TextStreamer:
     """Prints decoded text as chunks arrive (HF streamer protocol: put / end)."""
 
@@ -71,7 +89,7 @@ class TextStreamer:
 def cmd_generate(args: argparse.Namespace) -> int:
     import dasspec
 
-    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_for_args(args)
     if model.tokenizer is None:
         raise SystemExit(f"{args.model}: no tokenizer.json next to the weights; cannot encode --prompt")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -116,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="print only the final text, no streaming")
     g.add_argument("--stats-json", default=None, help="write tokens, text and statistics to this JSON file")
     add_knob_flags(g)
+    add_exec_flags(g)
     g.set_defaults(func=cmd_generate)
 
     for module in ("dasspec.bench.cli", "dasspec.probes.cli", "dasspec.train"):

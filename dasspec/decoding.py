@@ -91,7 +91,12 @@ class Decoding:
                 f"{self.capacity} positions at R={self.R}) but only {free / 2**20:.1f} MiB is free on {device}; "
                 "lower max_new_tokens or num_steps, or use bfloat16")
         reset_peak_memory(device)
-        self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype)
+        self.static = bool(getattr(model, "static_shapes", False))
+        self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype, zeroed=self.static)
+        if getattr(model, "compiled", False):
+            from torch._dynamo import mark_static_address
+            for t in self.cache.tensors():          # CUDA graphs replay into the same cache storage
+                mark_static_address(t)
         self.tokens = torch.zeros(self.capacity + 1, dtype=torch.long, device=device)
         self.tokens[:P] = torch.as_tensor(prompt, dtype=torch.long, device=device)
         positions = torch.arange(self.capacity, device=device)
@@ -118,6 +123,12 @@ class Decoding:
         """Prompt + committed tokens (host copy), for drafters that match on text."""
         return self.tokens[: self.P + len(self.generated)].tolist()
 
+    def span(self, start: int, W: int, positions: Tensor | None = None, mask: Tensor | None = None):
+        """The model span for queries at rows [start, start+W) over the current verified prefix (static-shape
+        form when the model is set up for it)."""
+        return self.model.span(self.cache.n, start, W, positions=positions, mask=mask,
+                               static_capacity=self.capacity if self.static else None)
+
     # --- the full-depth target pass --------------------------------------------------------------------
     def target_pass(self, start: int, W: int, positions: Tensor | None = None,
                     mask: Tensor | None = None, logit_rows: slice | None = None) -> Tensor:
@@ -125,7 +136,7 @@ class Decoding:
         aligned core steps from the target's own initial states (never draft states), readout.  Writes the
         block's K/V at every depth into scratch rows [start, start+W).  Returns float32 logits [W', V]."""
         model, cache = self.model, self.cache
-        span = model.span(cache.n, start, W, positions=positions, mask=mask)
+        span = self.span(start, W, positions=positions, mask=mask)
         inj = model.prelude(self.tokens[start: start + W].unsqueeze(0), span, cache)
         h = self.h0[:, start: start + W] if positions is None else self.h0[:, positions]
         for r in range(1, self.R + 1):

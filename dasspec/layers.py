@@ -107,6 +107,13 @@ class Span:
     rot: Tensor | tuple[Tensor, Tensor]
     mask: Tensor | None = None
     causal: bool = False
+    # Static-shape form (CUDA graphs / torch.compile): the rows to write as a device tensor, and visibility over
+    # *every* cache row ([W, capacity]), split into verified-prefix rows and draft-side rows.  Layers then
+    # never slice by a Python int, so one compiled graph serves every position.
+    rows: Tensor | None = None
+    visible: Tensor | None = None
+    vis_prefix: Tensor | None = None
+    vis_own: Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -128,24 +135,38 @@ class LayerKV:
         return self.k_prefix is self.k_own and self.v_prefix is self.v_own
 
 
-def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -> Tensor:
-    """Eq. (2)-(3) with the two key/value sources kept apart: [Pi_C, Pi_U] = softmax(q [K_C; K_U]^T),
-    O = Pi_C V_C + Pi_U V_U.  q: [1, H, W, hd] -> [1, H, W, hd].  A span mask covers both parts."""
+def _two_source_attention(q: Tensor, kp: Tensor, vp: Tensor, mp: Tensor | None, ko: Tensor, vo: Tensor,
+                          mo: Tensor | None, scale: float) -> Tensor:
+    """Eq. (2)-(3) with the two key/value sources kept apart: [Pi_C, Pi_U] = softmax(q [K_C; K_U]^T / sqrt(d_h)),
+    O = Pi_C V_C + Pi_U V_U.  q [1, H, W, hd]; K/V [H_kv, rows, hd]; masks [W, rows] (True = visible) or None."""
     _, H, W, hd = q.shape
-    hkv = kv.k_own.shape[0]
+    hkv = ko.shape[0]
     g = H // hkv
     qg = q.reshape(hkv, g * W, hd)                                   # GQA: query groups share a kv head
-    n, end = span.n, span.end
-    s = torch.cat((torch.matmul(qg, kv.k_prefix[:, :n].transpose(-1, -2)),
-                   torch.matmul(qg, kv.k_own[:, n:end].transpose(-1, -2))), dim=-1)
-    if span.mask is not None:
-        s = s.masked_fill(~span.mask.repeat(g, 1), float("-inf"))
-    elif span.causal:
-        s = s.masked_fill(~torch.ones(W, W, dtype=torch.bool, device=q.device).tril().repeat(g, 1),
-                          float("-inf"))
-    p = torch.softmax(s.float() * scale, dim=-1).to(q.dtype)
-    out = torch.matmul(p[..., :n], kv.v_prefix[:, :n]) + torch.matmul(p[..., n:], kv.v_own[:, n:end])
+    sp = torch.matmul(qg, kp.transpose(-1, -2))
+    so = torch.matmul(qg, ko.transpose(-1, -2))
+    if mp is not None:
+        sp = sp.masked_fill(~mp.repeat(g, 1), float("-inf"))
+    if mo is not None:
+        so = so.masked_fill(~mo.repeat(g, 1), float("-inf"))
+    p = torch.softmax(torch.cat((sp, so), dim=-1).float() * scale, dim=-1).to(q.dtype)
+    m = kp.shape[1]
+    out = torch.matmul(p[..., :m], vp) + torch.matmul(p[..., m:], vo)
     return out.reshape(1, H, W, hd)
+
+
+def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -> Tensor:
+    """Prefix rows [0, n) from the read depths, draft-side rows [n, end) from the own depths (see above)."""
+    n, end, W = span.n, span.end, span.W
+    if span.rows is not None:                                        # static shapes: every row, masked
+        return _two_source_attention(q, kv.k_prefix, kv.v_prefix, span.vis_prefix, kv.k_own, kv.v_own,
+                                     span.vis_own, scale)
+    if span.mask is not None:
+        mp, mo = span.mask[:, :n], span.mask[:, n:]
+    else:
+        mp, mo = None, (torch.ones(W, W, dtype=torch.bool, device=q.device).tril() if span.causal else None)
+    return _two_source_attention(q, kv.k_prefix[:, :n], kv.v_prefix[:, :n], mp, kv.k_own[:, n:end],
+                                 kv.v_own[:, n:end], mo, scale)
 
 
 class Attention(nn.Module):
@@ -183,6 +204,15 @@ class Attention(nn.Module):
             self.capture.append((q, k, v))
         if kv is None:                                # full forward without cache
             y = F.scaled_dot_product_attention(q, k, v, is_causal=W > 1, enable_gqa=Hkv != H)
+        elif span.rows is not None and kv.contiguous:            # static shapes: attend over every row
+            kv.k_own.index_copy_(1, span.rows, k[0])
+            kv.v_own.index_copy_(1, span.rows, v[0])
+            y = F.scaled_dot_product_attention(q, kv.k_own.unsqueeze(0), kv.v_own.unsqueeze(0),
+                                               attn_mask=span.visible, enable_gqa=Hkv != H)
+        elif span.rows is not None:
+            kv.k_own.index_copy_(1, span.rows, k[0])
+            kv.v_own.index_copy_(1, span.rows, v[0])
+            y = _split_softmax_attention(q, kv, span, 1.0 / math.sqrt(hd))
         else:
             kv.k_own[:, span.start: span.end] = k[0]
             kv.v_own[:, span.start: span.end] = v[0]

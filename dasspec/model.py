@@ -66,6 +66,7 @@ class LoopedLM(nn.Module):
         cos, sin = rope_tables(cfg, cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.static_shapes = False              # set by dasspec.accel.optimize (GPU execution options)
         self.tokenizer = None                   # attached by load_model when the folder has tokenizer.json
         self.generation_defaults: dict = {}     # knobs from generation_config.json
         self.source: str | None = None
@@ -84,9 +85,10 @@ class LoopedLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def span(self, n: int, start: int, W: int, positions: Tensor | None = None,
-             mask: Tensor | None = None) -> Span:
+             mask: Tensor | None = None, static_capacity: int | None = None) -> Span:
         """Describe one call: queries at cache rows [start, start+W) over a verified prefix of n rows.
-        ``positions`` (default: the rows) set RoPE; ``mask`` [W, start+W] overrides causal visibility."""
+        ``positions`` (default: the rows) set RoPE; ``mask`` [W, start+W] overrides causal visibility.
+        ``static_capacity``: build the static-shape form (visibility over all cache rows, rows as a tensor)."""
         if start + W > self.config.block_size:
             raise ValueError(f"position {start + W - 1} is beyond the model context ({self.config.block_size})")
         if positions is None:
@@ -94,6 +96,8 @@ class LoopedLM(nn.Module):
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         rot = rope_operands(cos, sin, self.config.rope_style == "interleaved")
+        if static_capacity is not None:
+            return self._static_span(n, start, W, rot, mask, static_capacity)
         causal = False
         if mask is None and W > 1:
             if start == 0:
@@ -101,6 +105,19 @@ class LoopedLM(nn.Module):
             else:
                 mask = torch.ones(W, start + W, dtype=torch.bool, device=self.device).tril(start)
         return Span(n=n, start=start, W=W, rot=rot, mask=mask, causal=causal)
+
+    def _static_span(self, n: int, start: int, W: int, rot, mask: Tensor | None, capacity: int) -> Span:
+        dev = self.device
+        cols = torch.arange(capacity, device=dev)
+        rows = torch.arange(start, start + W, device=dev)
+        if mask is None:
+            visible = cols[None, :] <= rows[:, None]
+        else:
+            visible = torch.zeros(W, capacity, dtype=torch.bool, device=dev)
+            visible[:, : start + W] = mask
+        prefix = cols < n
+        return Span(n=n, start=start, W=W, rot=rot, rows=rows, visible=visible, vis_prefix=visible & prefix,
+                    vis_own=visible & ~prefix)
 
     def initial_state(self, positions: Tensor, init_scale: float = 1.0, seed: int = 0) -> Tensor:
         """The checkpoint's initialisation for the given absolute positions: truncated normal with

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import add_exec_flags, load_for_args
+
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
 # One intra-op thread: on a shared 2-core CPU two threads per process contend so badly that a generation can take
 # 10-40x longer (measured: 16 tokens of the bundled model in 2 s with one thread, 27-89 s with two, under load).
@@ -69,6 +71,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the CIs")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from --out's records")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no table on stdout")
+    add_exec_flags(p)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -126,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_for_args(args)
     if args.fresh:
         from .runner import clear_results
         clear_results(args.out)

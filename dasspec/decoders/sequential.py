@@ -25,7 +25,7 @@ def propose_sequential(dec: Decoding, d: int, b: int, policy: ReadPolicy) -> Ten
     reads = [policy.depths(j, R) for j in range(1, d + 1)]       # hoisted out of the token loop
     for i in range(b):
         row = n + i
-        span = model.span(n, row, 1)
+        span = dec.span(row, 1)
         inj = model.prelude(tokens[row: row + 1].unsqueeze(0), span, cache)
         h = dec.h0[:, row: row + 1]
         for j, read in enumerate(reads, 1):

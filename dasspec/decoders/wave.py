@@ -47,7 +47,7 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
         W = min(gamma, w_init + j)
         if not carry and j:
             H[:, :W] = dec.h0[:, n: n + W]
-        span = model.span(n, n, W)
+        span = dec.span(n, W)
         inj = model.prelude(Z[:W].unsqueeze(0), span, cache)
         h = H[:, :W]
         for u in range(k):
