@@ -107,9 +107,10 @@ def write(rows: list[dict], out, setup: dict) -> None:
                   ("With 95% prompt-bootstrap intervals and paired gains over Aligned", detail)], rows)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for pol in dict.fromkeys(r["policy"] for r in rows):
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    for i, pol in enumerate(pols):
         rr = [r for r in rows if r["policy"] == pol]
-        x = [r["d"] for r in rr]
+        x = [r["d"] * 2 ** (0.06 * (i - (len(pols) - 1) / 2)) for r in rr]     # side by side, not on top
         y = [r["agreement"] for r in rr]
         err = [[r["agreement"] - r["ci_low"] for r in rr], [r["ci_high"] - r["agreement"] for r in rr]]
         ax.errorbar(x, y, yerr=np.nan_to_num(np.array(err)), marker="o", ms=4, capsize=3, label=LABELS.get(pol, pol))

@@ -77,6 +77,7 @@ def write(rows: list[dict], out, setup: dict) -> None:
         for bar, r in zip(bars, rows):
             ax.annotate(f"A={r['A']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.15 * max(r[key] for r in rows))          # room for the A labels
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

@@ -91,14 +91,22 @@ def write(rows: list[dict], out, setup: dict) -> None:
                  [("", summary), ("Mean over core layers, prompts and positions", markdown_table(mean, cols)),
                   ("Per core layer, r = 1 and 2", markdown_table(per_layer, ["layer"] + cols))], rows)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    r = [row["r"] for row in mean]
     for ch, color in zip(CHANNELS, ("tab:blue", "tab:orange", "tab:green")):
-        ax.plot([r["r"] for r in mean], [r[f"cos_{ch}"] for r in mean], marker="o", ms=3, label=ch.upper(),
-                color=color)
-    ax.set_xlabel("recurrence depth r")
+        cos = [row[f"cos_{ch}"] for row in mean]
+        ax.plot(r, cos, marker="o", ms=3, label=ch.upper(), color=color)
+        gap = [max(1.0 - c, 1e-7) for c in cos[:-1]]                # depth R itself is 0 by definition
+        ax2.plot(r[:-1], gap, marker="o", ms=3, label=ch.upper(), color=color)
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("recurrence depth r")
+        a.grid(alpha=0.3)
     ax.set_ylabel(f"cosine to r = R = {R}")
-    ax.set_title("Q/K/V maturity (mean over core layers)")
-    ax.grid(alpha=0.3)
+    ax.set_title("Q/K/V maturity (mean over core layers)", fontsize=10)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("1 - cosine")
+    ax2.set_title("distance from the final depth (log scale)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{out}/maturity.png", dpi=130)
