@@ -14,7 +14,8 @@ One block, anchor x_t fixed at position n:
 Latent states are carried across rounds (``carry=False`` re-initialises them every round); provisional K/V live
 in scratch rows and are overwritten by the next round.  Read depths: Deep K/V by default.  For the depth-relative
 policies the "draft depth" r of an update is the wave clock - the number of updates the anchor has received
-(j*k + u + 1, capped at R) - since carried states have no single recurrence depth.
+(j*k + u + 1, capped at R) - since carried states have no single recurrence depth; without carry every state
+restarts each round, so r = u + 1.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
     Z = dec.tokens[n: n + w + 1]              # Z[0] is the anchor; guesses live in the token scratch
     Z[1:] = Z[0]
     H = dec.h0[:, n: n + w].clone()           # carried states; inactive positions still hold their init
-    reads = [policy.depths(min(R, j * k + u + 1), R) for j in range(rounds) for u in range(k)]
+    # The depth r of an update for depth-relative policies: with carry, updates the anchor has had so far (the
+    # wave clock); without carry the states restart every round, so u + 1.
+    reads = [policy.depths(min(R, (j * k if carry else 0) + u + 1), R) for j in range(rounds) for u in range(k)]
     updates = 0
     for j in range(rounds):
         W = min(gamma, w_init + j)

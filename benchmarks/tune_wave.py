@@ -1,0 +1,99 @@
+"""Tune DAS-Wave's budget (k, J, gamma, W_init) on the *development* prompts, as the paper tuned its settings
+before freezing them (Appendix A.2).  Each configuration is paired with full-depth AR on the same dev prompts in
+the same process, configurations interleaved per prompt; prints S (eq. 8), the pass-count speedup, A and G.
+
+    python benchmarks/tune_wave.py --out runs/tune --ks 1,2 --rounds 16,24,32 --gammas 32
+
+The chosen setting goes into the model folder's generation_config.json ("dasspec": {"das-wave": {...}}), which
+``dasspec.generate`` reads as the model's defaults.  Never tune on the evaluation prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--tasks", default="humaneval,gsm8k")
+    p.add_argument("--prompts", type=int, default=4, help="dev prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--shots", action="append", default=[], metavar="TASK=N")
+    p.add_argument("--ks", default="1,2")
+    p.add_argument("--rounds", default="16,24,32")
+    p.add_argument("--gammas", default="32")
+    p.add_argument("--w-inits", default="2")
+    p.add_argument("--policy", default="deep-kv")
+    p.add_argument("--data", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    from tqdm.auto import tqdm
+
+    import dasspec
+    from dasspec.bench import metrics
+    from dasspec.bench.runner import BenchPlan, prepare_prompts, resolve_tasks
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = dasspec.load_model(args.model)
+    shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
+    tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
+    plan = BenchPlan(tasks=tasks, methods=["das-wave"], prompts=args.prompts, split="dev", data=args.data)
+    prompts, skipped = prepare_prompts(plan, model.tokenizer, model.config.block_size)
+    ints = lambda s: [int(x) for x in s.split(",")]                                      # noqa: E731
+    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "policy": args.policy}
+               for k, J, g, w in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
+                                                   ints(args.w_inits)) if w <= g]
+    arms = [("ar", {})] + [("das-wave", c) for c in configs]
+    rows: dict[int, list[dict]] = {i: [] for i in range(len(arms))}
+    dasspec.generate(model, prompts[0].ids, "das-wave", max_new_tokens=16)            # warm-up
+    bar = tqdm(total=len(prompts) * len(arms), desc="tune", unit="gen")
+    for pi, pr in enumerate(prompts):
+        order = list(range(len(arms)))
+        order = order[pi % len(arms):] + order[: pi % len(arms)]                        # interleave
+        for a in order:
+            method, knobs = arms[a]
+            res = dasspec.generate(model, pr.ids, method, max_new_tokens=pr.task.cap, stop=list(pr.task.stop),
+                                   **knobs)
+            rows[a].append(res.stats)
+            bar.update(1)
+    bar.close()
+    ar = rows[0]
+    table = []
+    for a, (method, knobs) in enumerate(arms[1:], 1):
+        s = rows[a]
+        for x, y in zip(s, ar):
+            assert x.new_tokens == y.new_tokens, "a tuned arm diverged from AR"
+        ratio = metrics.throughput_ratios([x.new_tokens for x in s], [x.wall_time for x in s],
+                                          [y.new_tokens for y in ar], [y.wall_time for y in ar])
+        passes = metrics.throughput_ratios([x.new_tokens for x in s], [x.sequential_passes for x in s],
+                                           [y.new_tokens for y in ar], [y.sequential_passes for y in ar])
+        table.append({**{k: v for k, v in knobs.items()}, "S": float(np.mean(ratio)),
+                      "pass_speedup": float(np.mean(passes)), "A": float(np.mean([x.A for x in s])),
+                      "G": float(np.mean([x.G for x in s]))})
+    table.sort(key=lambda t: -t["S"])
+    lines = ["| k | J | gamma | W_init | S (dev) | pass-count | A | G |", "|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['S']:.2f}× | "
+                     f"{t['pass_speedup']:.2f}× | {t['A']:.2f} | {t['G']:.2f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.md").write_text(f"dev prompts: {len(prompts)} ({args.tasks}), cap {args.max_new_tokens}, "
+                                 f"torch threads {torch.get_num_threads()}\n\n" + "\n".join(lines) + "\n")
+    (out / "tune.json").write_text(json.dumps(table, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
