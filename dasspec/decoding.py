@@ -131,10 +131,14 @@ class Decoding:
 
     # --- the full-depth target pass --------------------------------------------------------------------
     def target_pass(self, start: int, W: int, positions: Tensor | None = None,
-                    mask: Tensor | None = None, logit_rows: slice | None = None) -> Tensor:
+                    mask: Tensor | None = None, logit_rows: slice | None = None, phase: str = "verify") -> Tensor:
         """Run the target at full depth on token slots [start, start+W) over the verified prefix: prelude, R
         aligned core steps from the target's own initial states (never draft states), readout.  Writes the
-        block's K/V at every depth into scratch rows [start, start+W).  Returns float32 logits [W', V]."""
+        block's K/V at every depth into scratch rows [start, start+W).  Returns float32 logits [W', V].
+        Counts R sequential core passes and R*W position-updates for ``phase`` (verify or prefill)."""
+        st = self.stats
+        setattr(st, phase + "_passes", getattr(st, phase + "_passes") + self.R)
+        setattr(st, phase + "_updates", getattr(st, phase + "_updates") + self.R * W)
         model, cache = self.model, self.cache
         span = self.span(start, W, positions=positions, mask=mask)
         inj = model.prelude(self.tokens[start: start + W].unsqueeze(0), span, cache)
@@ -145,11 +149,9 @@ class Decoding:
 
     def prefill(self) -> None:
         with self.timer("prefill"):
-            logits = self.target_pass(0, self.P, logit_rows=slice(-1, None))
+            logits = self.target_pass(0, self.P, logit_rows=slice(-1, None), phase="prefill")
             self.cache.commit(self.P)
             first = int(logits[-1].argmax())
-        self.stats.prefill_passes += self.R
-        self.stats.prefill_updates += self.R * self.P
         self.tokens[self.P] = first
         self.emit([first])
 

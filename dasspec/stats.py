@@ -32,6 +32,12 @@ class GenerationStats:
     cache_bytes: int = 0                 # the depth cache allocated for this request
     peak_memory: int | None = None       # CUDA: peak allocated; CPU: peak resident set of the process
 
+    def record(self, proposed: int, accepted: int, target_token: bool) -> None:
+        """One verification event: w_b proposals, a_b accepted (and kept), u_b."""
+        self.proposed.append(proposed)
+        self.accepted.append(accepted)
+        self.target_tokens.append(int(target_token))
+
     @property
     def verify_events(self) -> int:
         return len(self.accepted)

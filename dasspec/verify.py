@@ -39,8 +39,6 @@ def verify_chain(dec: Decoding, proposals: Tensor | list[int] | None = None) -> 
         logits = dec.target_pass(n, win)
         pred = logits.argmax(-1)
         host = torch.cat((pred, dec.tokens[n + 1: n + 1 + w])).tolist()   # one device->host transfer
-    dec.stats.verify_passes += dec.R
-    dec.stats.verify_updates += dec.R * win
     pred_h, prop_h = host[:win], host[win:]
     a = 0
     while a < w and prop_h[a] == pred_h[a]:
@@ -52,9 +50,7 @@ def verify_chain(dec: Decoding, proposals: Tensor | list[int] | None = None) -> 
         dec.tokens[n + 1 + a] = pred_h[a]
     dec.cache.commit(min(a + 1, win))
     kept = dec.emit(chunk)
-    dec.stats.proposed.append(w)
-    dec.stats.accepted.append(min(a, kept))
-    dec.stats.target_tokens.append(int(target_token and kept == len(chunk)))
+    dec.stats.record(w, min(a, kept), target_token and kept == len(chunk))
     return kept
 
 
@@ -161,10 +157,6 @@ def verify_tree(dec: Decoding, layout: TreeLayout) -> TreeVerdict:
         else:
             dec.cache.compact(n + torch.tensor(path, dtype=torch.long, device=toks.device))
         dec.tokens[n + 1: n + 2 + a] = torch.tensor(chunk, dtype=torch.long, device=toks.device)
-    dec.stats.verify_passes += dec.R
-    dec.stats.verify_updates += dec.R * T
     kept = dec.emit(chunk)
-    dec.stats.proposed.append(layout.proposals)
-    dec.stats.accepted.append(min(a, kept))
-    dec.stats.target_tokens.append(int(kept == len(chunk)))
+    dec.stats.record(layout.proposals, min(a, kept), kept == len(chunk))
     return TreeVerdict(kept, a, path, logits, pred)
