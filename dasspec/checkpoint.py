@@ -191,6 +191,8 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     cos, sin = rope_tables(cfg, cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        model.cpu_weight_layout()
     model.source = str(folder)
     model.generation_defaults = generation_defaults
     model.tokenizer = tokenizer

@@ -107,6 +107,7 @@ class Span:
     rot: Tensor | tuple[Tensor, Tensor]
     mask: Tensor | None = None
     causal: bool = False
+    bias: Tensor | None = None      # ``mask`` as an additive 0 / -inf float mask: CPU SDPA converts a bool mask per call
     # Static-shape form (CUDA graphs / torch.compile): the rows to write as a device tensor, and visibility over
     # *every* cache row ([W, capacity]), split into verified-prefix rows and draft-side rows.  Layers then
     # never slice by a Python int, so one compiled graph serves every position.
@@ -219,7 +220,8 @@ class Attention(nn.Module):
             if kv.contiguous:
                 K = kv.k_own[:, : span.end].unsqueeze(0)
                 V = kv.v_own[:, : span.end].unsqueeze(0)
-                y = F.scaled_dot_product_attention(q, K, V, attn_mask=span.mask, is_causal=span.causal,
+                y = F.scaled_dot_product_attention(q, K, V, attn_mask=span.mask if span.bias is None else span.bias,
+                                                   is_causal=span.causal,
                                                    enable_gqa=Hkv != H)
             else:
                 y = _split_softmax_attention(q, kv, span, 1.0 / math.sqrt(hd))

@@ -129,6 +129,22 @@ def test_save_checkpoint_round_trip(tmp_path):
     assert torch.equal(model(ids, num_steps=3, init_scale=0), back(ids, num_steps=3, init_scale=0))
 
 
+def test_cpu_load_stores_linear_weights_in_major_and_still_saves(folders, tmp_path):
+    """load_model on CPU re-strides every Linear weight (faster wide passes); values, shapes and saving unchanged."""
+    a = dasspec.load_model(folders["huginn"], device="cpu")
+    linears = [m for m in a.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
+    assert a.lm_head.weight is a.transformer.wte.weight                 # the tie survives
+    dasspec.save_checkpoint(a, tmp_path / "again")
+    b = dasspec.load_model(tmp_path / "again", device="cpu")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    fresh = random_model("huginn", seed=1)
+    ids = IDS % fresh.config.vocab_size
+    ref = fresh(ids, num_steps=3, init_scale=0)
+    torch.testing.assert_close(fresh.cpu_weight_layout()(ids, num_steps=3, init_scale=0), ref, rtol=0, atol=1e-5)
+
+
 def test_bad_dtype_is_named(folders):
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         dasspec.load_model(folders["single"], device="cpu", dtype="int8")

@@ -39,14 +39,14 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["huginn", "raven-llama", "raven-olmo"])
-@pytest.mark.parametrize("init_scale", [0.0, 1.0])
-def test_random_checkpoints_match_ar(family: str, init_scale: float) -> None:
-    # One layer per stage keeps 20 prompts x every case fast; the family's quirks (GQA, llama3 RoPE, q/k norm,
-    # sandwich norms) are all in that one layer.
+def test_random_checkpoints_match_ar(family: str) -> None:
+    # One layer per stage keeps 24 prompts x every case fast; the family's quirks (GQA, llama3 RoPE, q/k norm,
+    # sandwich norms) are all in that one layer.  Zero and seeded-random initial states alternate by prompt.
     model = random_model(family, seed=3, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
-    prompts = _prompts(model.config.vocab_size, 20, seed=11)
+    prompts = _prompts(model.config.vocab_size, 24, seed=11)
     accepted = 0
     for i, prompt in enumerate(prompts):
+        init_scale = float(i % 2)
         ref = dasspec.generate(model, prompt, "ar", max_new_tokens=10, init_scale=init_scale, seed=i, eos=False)
         assert len(ref.tokens) == 10
         for method, knobs in RANDOM_CASES:
@@ -129,3 +129,25 @@ def test_bundled_model_default_decoders_match_full_depth_ar() -> None:
             assert out.tokens == ref.tokens, (i, method)
             accepted += sum(out.stats.accepted)
     assert accepted > 0
+
+
+def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> None:
+    """The CPU shortcut (prelude recomputed from the first changed guess) is an optimisation only: proposals
+    equal those of recomputing the whole window's prelude every round."""
+    from dasspec.decoders.wave import propose_wave
+    from dasspec.decoding import Decoding
+    from dasspec.policy import parse_policy
+    from dasspec.stopping import StopRule
+
+    model = _bundled()
+    changed_late = 0
+    for i, text in enumerate(_bundled_prompts(8)):
+        ids = model.tokenizer.encode(text)
+        props = []
+        for incremental in (True, False):
+            dec = Decoding(model, ids, StopRule(40), width=20, method="das-wave")
+            dec.prefill()
+            props.append(propose_wave(dec, 19, 12, 8, 1, parse_policy("deep-kv"), incremental=incremental).clone())
+        assert torch.equal(props[0], props[1]), i
+        changed_late += int((props[0] != props[0][0]).any())
+    assert changed_late > 0, "every proposal repeated the anchor: the prelude shortcut went untested"

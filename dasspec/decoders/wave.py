@@ -6,7 +6,7 @@ One block, anchor x_t fixed at position n:
     H = initial states                  newly active positions start from the checkpoint's initialisation
     for j in 0..J-1:
         W_j = min(gamma, W_init + j)    the window grows by one position per round
-        e = P(Z[:W_j])                  guesses changed, so the prelude is recomputed
+        e = P(Z[:W_j])                  guesses changed, so the prelude is recomputed (on CPU from the first change)
         k times: H[:W_j] = F(H[:W_j], e)   all active positions in parallel, verified prefix read per policy
         Z[1:W_j+1] = argmax H(H[:W_j])  shifted readout: position i proposes token i+1
     verify(x_t, y_1..y_w = Z[1..w])     independent full-depth target (verify.py)
@@ -35,7 +35,7 @@ def wave_width(gamma: int, rounds: int, w_init: int) -> int:
 
 
 def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, policy: ReadPolicy,
-                 carry: bool = True) -> Tensor:
+                 carry: bool = True, incremental: bool | None = None) -> Tensor:
     model, cache, R = dec.model, dec.cache, dec.R
     n = dec.n
     w = wave_width(gamma, rounds, w_init)
@@ -45,16 +45,32 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
     # The depth r of an update for depth-relative policies: with carry, updates the anchor has had so far (the
     # wave clock); without carry the states restart every round, so u + 1.
     reads = [policy.depths(min(R, (j * k if carry else 0) + u + 1), R) for j in range(rounds) for u in range(k)]
-    updates = 0
+    # On CPU the prelude is recomputed only from the first guess that changed: the prelude is causal and its
+    # scratch K/V for the unchanged head of the window are still valid.  Finding that guess syncs with the host,
+    # which on a GPU (latency-bound, possibly graph-captured) costs more than recomputing the window.
+    if incremental is None:
+        incremental = model.device.type == "cpu" and not dec.static
+    inj = H.new_empty(H.shape) if incremental else None
+    Zp = Z.clone() if incremental else None              # the guesses the current ``inj`` was computed from
+    W_prev = updates = 0
     for j in range(rounds):
         W = min(gamma, w_init + j)
         if not carry and j:
             H[:, :W] = dec.h0[:, n: n + W]
         span = dec.span(n, W)
-        inj = model.prelude(Z[:W].unsqueeze(0), span, cache)
+        if incremental:
+            changed = (Z[:W_prev] != Zp[:W_prev]).nonzero()
+            c = int(changed[0, 0]) if len(changed) else W_prev
+            if c < W:
+                inj[:, c:W] = model.prelude(Z[c:W].unsqueeze(0), dec.span(n + c, W - c), cache)
+                Zp[c:W] = Z[c:W]
+            W_prev = W
+            e = inj[:, :W]
+        else:
+            e = model.prelude(Z[:W].unsqueeze(0), span, cache)
         h = H[:, :W]
         for u in range(k):
-            h = model.core_step(h, inj, span, cache, read=reads[j * k + u])
+            h = model.core_step(h, e, span, cache, read=reads[j * k + u])
         H[:, :W] = h
         Z[1: W + 1] = model.readout(h, span, cache)[0].argmax(-1)
         updates += k * W
