@@ -420,8 +420,10 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
 
 def write_generation_config(folder: Path, eos: int) -> None:
     path = Path(folder) / "generation_config.json"
-    keep = json.loads(path.read_text()).get("dasspec", {}) if path.exists() else {}
-    path.write_text(json.dumps({"eos_token_id": eos, "do_sample": False, "dasspec": keep}, indent=2) + "\n")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    # Tuned decoder defaults (benchmarks/tune_wave.py) and their provenance survive a retrain into the same folder.
+    keep = {k: old[k] for k in ("dasspec", "dasspec_tuning") if k in old}
+    path.write_text(json.dumps({"eos_token_id": eos, "do_sample": False, "dasspec": {}, **keep}, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
