@@ -24,6 +24,9 @@ class MethodSpec:
     doc: str = ""
     stateful: bool = False          # keeps drafter state across requests (bootstrap by blocks of requests)
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    # Fit defaulted knobs to the caller's explicit ones (e.g. a default W_init above a caller's smaller gamma);
+    # gets (knobs, names the caller set) and edits knobs in place.  Explicit values are never changed.
+    fit: Callable[[dict, set], None] = lambda knobs, explicit: None
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -58,6 +61,7 @@ def resolve_knobs(spec: MethodSpec, cfg: LoopedConfig, model_defaults: dict, use
         allowed = ", ".join(sorted(knobs)) or "none"
         raise ValueError(f"method {spec.name!r} does not take {', '.join(unknown)}; its knobs: {allowed}")
     knobs.update(user)
+    spec.fit(knobs, set(user))
     return spec.validate(knobs, R)
 
 

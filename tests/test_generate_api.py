@@ -143,3 +143,19 @@ def test_text_prompt_without_tokenizer_is_named(tmp_path):
     assert model.tokenizer is None
     with pytest.raises(ValueError, match="a text prompt needs a tokenizer"):
         dasspec.generate(model, TEXT, max_new_tokens=3)
+
+
+def test_model_default_w_init_fits_a_callers_smaller_gamma(raven, monkeypatch):
+    """Tuned generation_config defaults (W_init 48) must not break a caller's gamma=6; an explicit W_init > gamma
+    still fails with a message that names both."""
+    from dasspec.methods import get_method, resolve_knobs
+
+    monkeypatch.setattr(raven, "generation_defaults", {"dasspec": {"das-wave": {"gamma": 48, "w_init": 48}}})
+    spec = get_method("das-wave")
+    assert resolve_knobs(spec, raven.config, raven.generation_defaults, {}, 3)["w_init"] == 48
+    assert resolve_knobs(spec, raven.config, raven.generation_defaults, {"gamma": 6}, 3)["w_init"] == 6
+    ref = dasspec.generate(raven, TEXT, max_new_tokens=6, num_steps=3, eos=False)
+    out = dasspec.generate(raven, TEXT, "das-wave", max_new_tokens=6, num_steps=3, eos=False, gamma=6, rounds=3)
+    assert out.tokens == ref.tokens
+    with pytest.raises(ValueError, match=r"w_init \(8\) must be <= gamma \(6\)"):
+        dasspec.generate(raven, TEXT, "das-wave", max_new_tokens=6, num_steps=3, gamma=6, w_init=8)

@@ -106,7 +106,13 @@ def _defaults(cfg: LoopedConfig) -> dict:
             "policy": "deep-kv", "carry": True}
 
 
+def _fit(knobs: dict, explicit: set) -> None:
+    # A tuned default W_init (the bundled model's is 48) must not turn a caller's smaller gamma into an error.
+    if "w_init" not in explicit and isinstance(knobs["gamma"], int) and knobs["w_init"] > knobs["gamma"] >= 1:
+        knobs["w_init"] = knobs["gamma"]
+
+
 register(MethodSpec("das-wave", run_wave, _defaults, _validate,
                     lambda kn: wave_width(kn["gamma"], kn["rounds"], kn["w_init"]),
                     doc="DAS-Wave: carried parallel refinement + Deep K/V prefix reads + full-depth verifier",
-                    aliases=("wave",)))
+                    aliases=("wave",), fit=_fit))
