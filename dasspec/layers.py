@@ -96,10 +96,10 @@ class Span:
 
     Cache rows [0, n) hold the verified prefix; the call's draft-side rows are [n, start + W), of which the last
     W (rows [start, start + W)) are the queries computed now and written now.  ``rot`` holds the RoPE
-    rotation of the queries' *positions* (see ``rope_operands``) (which equal their rows except for tree drafts and probes).  ``mask``
-    [W, start + W] (bool, True = visible; it may hide prefix rows too) is None when a single query sees every
-    row up to its own, or when ``causal`` is set (a block starting at row 0, where top-left and bottom-right
-    causal alignment agree)."""
+    rotation of the queries' *positions* (see ``rope_operands``; they equal the rows except for tree drafts and
+    probes).  ``mask`` [W, start + W] (bool, True = visible; it may hide prefix rows too) is None when a single
+    query sees every row up to its own, or when ``causal`` is set (a block starting at row 0, where top-left and
+    bottom-right causal alignment agree)."""
 
     n: int
     start: int
@@ -107,7 +107,7 @@ class Span:
     rot: Tensor | tuple[Tensor, Tensor]
     mask: Tensor | None = None
     causal: bool = False
-    bias: Tensor | None = None      # ``mask`` as an additive 0 / -inf float mask: CPU SDPA converts a bool mask per call
+    bias: Tensor | None = None      # ``mask`` as additive 0 / -inf (CPU SDPA would convert a bool mask per call)
     # Static-shape form (CUDA graphs / torch.compile): the rows to write as a device tensor, and visibility over
     # *every* cache row ([W, capacity]), split into verified-prefix rows and draft-side rows.  Layers then
     # never slice by a Python int, so one compiled graph serves every position.

@@ -191,8 +191,8 @@ class LoopedLM(nn.Module):
     def cpu_weight_layout(self) -> "LoopedLM":
         """Store every Linear weight [out, in] with in-major strides (its transpose contiguous); values and shapes
         are unchanged.  CPU GEMM kernels then multiply a few-row activation without repacking the weight: on the
-        2-core machine a 25-position pass through the bundled model's projections runs about 3x faster and a
-        one-position pass the same (docs/performance.md).  Applied by load_model on CPU."""
+        2-core machine a 25-row product with the bundled model's projections runs 1.8-3.3x faster and a one-row
+        product the same (benchmarks/cpu_layout.py, docs/performance.md).  Applied by load_model on CPU."""
         for m in self.modules():
             if isinstance(m, nn.Linear) and m.weight.is_contiguous():   # a tied head is transposed once
                 m.weight.data = m.weight.data.t().contiguous().t()
