@@ -196,7 +196,7 @@ def test_mismatches_are_reported_and_fail_in_float32(model, tmp_path, extra_meth
 def test_stateful_methods_get_the_moving_block_bootstrap(model, tmp_path, extra_methods):
     bench(model, tmp_path, plan(["test-stateful", "mature-spec"], prompts=2))
     s, _ = write_report(tmp_path, n_resamples=100)
-    assert s.cells[("toy", "test-stateful")]["bootstrap"] == "moving-block(5)"
+    assert s.cells[("toy", "test-stateful")]["bootstrap"] == "moving-block(1)"   # 2 requests: block shrunk to n // 2
     assert s.cells[("toy", "mature-spec")]["bootstrap"] == "paired"
     assert json.loads((tmp_path / "run.json").read_text())["methods"]["test-stateful"]["stateful"] is True
 

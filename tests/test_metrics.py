@@ -126,6 +126,13 @@ def test_summarize_speedup_picks_the_bootstrap_by_statefulness():
     assert s["S"] == pytest.approx(2.0) and s["n"] == 20 and s["lo"] < 2.0 < s["hi"]
 
 
+def test_short_stateful_stream_shrinks_the_block_instead_of_collapsing_the_interval():
+    r = [1.2, 1.9, 1.4, 1.7]                     # 4 requests < one block of 5
+    s = metrics.summarize_speedup(r, stateful=True)
+    assert s["bootstrap"] == "moving-block(2)"
+    assert s["lo"] < s["S"] < s["hi"]
+
+
 def _rec(task, pid, idx, method, n, t, passes, accepted, target, tokens, stateful=False, session="s1"):
     return {"task": task, "prompt_id": pid, "prompt_index": idx, "method": method, "new_tokens": n,
             "wall_time": t, "sequential_passes": passes, "accepted": accepted, "target_tokens": target,

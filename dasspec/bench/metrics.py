@@ -93,8 +93,10 @@ def bootstrap_ci(values: Sequence[float], n_resamples: int = N_RESAMPLES, seed: 
 
 def summarize_speedup(ratios: Sequence[float], stateful: bool = False, n_resamples: int = N_RESAMPLES,
                       seed: int = 0) -> dict:
-    """S with its 95% CI; ``ratios`` in request order.  Stateful methods: moving blocks of 5 requests."""
-    block = STATEFUL_BLOCK if stateful else 1
+    """S with its 95% CI; ``ratios`` in request order.  Stateful methods: moving blocks of 5 requests, shrunk to
+    n // 2 for short streams (with fewer than two blocks every resample is the whole stream and the interval
+    collapses to a point); the block used is in the label."""
+    block = min(STATEFUL_BLOCK, max(1, len(ratios) // 2)) if stateful else 1
     lo, hi = bootstrap_ci(ratios, n_resamples, seed, block)
     return {"S": speedup(ratios), "lo": lo, "hi": hi, "n": len(ratios),
             "bootstrap": f"moving-block({block})" if stateful else "paired"}
