@@ -65,13 +65,20 @@ def load_for_args(args: argparse.Namespace):
 class TextStreamer:
     """Prints decoded text as chunks arrive (HF streamer protocol: put / end)."""
 
-    def __init__(self, tokenizer, out=None):
+    def __init__(self, tokenizer, out=None, prompt: str = ""):
         # resolve sys.stdout now, not at import: redirect_stdout / capture replace it after this module loads
         self.tok, self.out = tokenizer, out if out is not None else sys.stdout
         self.ids: list[int] = []
         self.printed = 0
+        self.prompt = prompt          # echoed with the first chunk: an input error raised before it prints alone
+
+    def _echo_prompt(self) -> None:
+        if self.prompt:
+            self.out.write(self.prompt)
+            self.prompt = ""
 
     def put(self, chunk) -> None:
+        self._echo_prompt()
         self.ids.extend(chunk.reshape(-1).tolist())
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):      # an incomplete UTF-8 sequence: wait for the next token
@@ -81,6 +88,7 @@ class TextStreamer:
         self.printed = len(text)
 
     def end(self) -> None:
+        self._echo_prompt()
         text = self.tok.decode(self.ids)
         self.out.write(text[self.printed:] + "\n")
         self.out.flush()
@@ -94,9 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.model}: no tokenizer.json next to the weights; cannot encode --prompt")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     ids = model.tokenizer.encode(prompt)
-    streamer = None if args.quiet else TextStreamer(model.tokenizer)
-    if not args.quiet:
-        sys.stdout.write(prompt)
+    streamer = None if args.quiet else TextStreamer(model.tokenizer, prompt=prompt)
     res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
                            num_steps=args.num_steps, init_scale=args.init_scale, stop=args.stop or None,
                            seed=args.seed, streamer=streamer, **knobs_from_args(args))

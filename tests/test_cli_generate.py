@@ -79,11 +79,13 @@ def test_hf_repo_id_from_cache(folder, api, capsys, monkeypatch, tmp_path):
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     (["--max-new-tokens", "200000"], "exceeds the model context"),
     (["--dtype", "float32", "--set", "gamma=3"], "method 'ar' does not take gamma"),
+    (["--method", "das-wave", "--gamma", "4", "--w-init", "5"], "w_init (5) must be <= gamma (4)"),
 ])
 def test_bad_arguments_exit_2_with_message(folder, capsys, argv, message):
     rc = main(["generate", "--model", str(folder), "--prompt", TEXT] + argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert rc == 2 and message in err and err.startswith("dasspec: error:")
+    assert out == ""                    # the prompt is echoed with the first token, so nothing precedes the error
 
 
 def test_bad_model_path(tmp_path, capsys):
