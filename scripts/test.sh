@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
 export DASSPEC_DATA="${DASSPEC_DATA:-$(cd .. && pwd)/shared/data}"
-python -m pytest "$@"
+# Two worker processes (each test runs single-threaded, see tests/conftest.py) halve the wall time on the 2-core
+# machine; DASSPEC_TEST_WORKERS=0 runs in one process.
+WORKERS=${DASSPEC_TEST_WORKERS:-$(python -c "import os; print(min(2, len(os.sched_getaffinity(0))))")}
+python -m pytest -n "$WORKERS" "$@"
