@@ -39,20 +39,15 @@ TINY = dict(vocab_size=512, n_embd=64, n_heads=4, n_kv_heads=4, head_dim=16, int
 def build(shape: str, device: torch.device, dtype: torch.dtype):
     from dasspec.model import LoopedLM
     from dasspec.testing import tiny_config
+    from dasspec.train import init_weights
 
     cfg = tiny_config("huginn", **(HUGINN if shape == "huginn" else TINY))
     with torch.device("meta"):
         model = LoopedLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif "qk_bias" in name:
-                p.zero_()
-            else:
-                p.normal_(0, cfg.init_std if "wte" in name else 1 / math.sqrt(p.shape[-1]), generator=g)
+    model = model.to_empty(device=device)
+    torch.manual_seed(0)
+    init_weights(model)                      # Huginn's own ("takase") initialisation, drawn on the device
+    model = model.to(dtype)
     from dasspec.layers import rope_tables
     cos, sin = rope_tables(cfg, cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
