@@ -56,8 +56,7 @@ def load_for_args(args: argparse.Namespace):
     import dasspec
 
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
-    if getattr(args, "static_shapes", False) or getattr(args, "compile", False) or getattr(args, "cuda_graphs",
-                                                                                             False):
+    if any(getattr(args, flag, False) for flag in ("static_shapes", "compile", "cuda_graphs")):
         dasspec.optimize(model, static_shapes=True, compile=args.compile, cuda_graphs=args.cuda_graphs)
     return model
 

@@ -20,19 +20,24 @@ from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
 
 
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` field of a Linux /proc file, in bytes (None when the platform does not tell)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_memory(device: torch.device) -> int | None:
     """Free bytes on the device (None when unknown)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -52,14 +57,7 @@ def peak_memory(device: torch.device) -> int | None:
     weights included) on CPU.  None when the platform does not tell."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/self/status", "VmHWM")
 
 
 class Decoding:
