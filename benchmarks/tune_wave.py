@@ -2,7 +2,7 @@
 before freezing them (Appendix A.2).  Each configuration is paired with full-depth AR on the same dev prompts in
 the same process, configurations interleaved per prompt; prints S (eq. 8), the pass-count speedup, A and G.
 
-    python benchmarks/tune_wave.py --out runs/tune --ks 1,2 --rounds 16,24,32 --gammas 32
+    python benchmarks/tune_wave.py --out runs/tune --ks 1,2 --rounds 16,24,32 --gammas 32 --guesses anchor,lookup
 
 The chosen setting goes into the model folder's generation_config.json ("dasspec": {"das-wave": {...}}), which
 ``dasspec.generate`` reads as the model's defaults.  Never tune on the evaluation prompts.
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", default="16,24,32")
     p.add_argument("--gammas", default="32")
     p.add_argument("--w-inits", default="2")
+    p.add_argument("--guesses", default="anchor", help="window seeds to try: anchor, lookup or both (comma list)")
     p.add_argument("--policy", default="deep-kv")
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -51,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = BenchPlan(tasks=tasks, methods=["das-wave"], prompts=args.prompts, split="dev", data=args.data)
     prompts, skipped = prepare_prompts(plan, model.tokenizer, model.config.block_size)
     ints = lambda s: [int(x) for x in s.split(",")]                                      # noqa: E731
-    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "policy": args.policy}
-               for k, J, g, w in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
-                                                   ints(args.w_inits)) if w <= g]
+    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "policy": args.policy}
+               for k, J, g, w, s in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
+                                                      ints(args.w_inits), args.guesses.split(",")) if w <= g]
     arms = [("ar", {})] + [("das-wave", c) for c in configs]
     rows: dict[int, list[dict]] = {i: [] for i in range(len(arms))}
     dasspec.generate(model, prompts[0].ids, "das-wave", max_new_tokens=16)            # warm-up
@@ -82,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                       "pass_speedup": float(np.mean(passes)), "A": float(np.mean([x.A for x in s])),
                       "G": float(np.mean([x.G for x in s]))})
     table.sort(key=lambda t: -t["S"])
-    lines = ["| k | J | gamma | W_init | S (dev) | pass-count | A | G |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | J | gamma | W_init | guesses | S (dev) | pass-count | A | G |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for t in table:
-        lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['S']:.2f}× | "
+        lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['guesses']} | {t['S']:.2f}× | "
                      f"{t['pass_speedup']:.2f}× | {t['A']:.2f} | {t['G']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import sys
 # Paper knobs get their own flags; any method knob can also be given as --set name=value.
 KNOB_FLAGS = {
     "gamma": int, "rounds": int, "w_init": int, "k": int, "draft_depth": int, "block": int, "policy": str,
+    "guesses": str,
 }
 
 
@@ -25,6 +26,8 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-depth", "-d", dest="draft_depth", type=int, help="sequential draft depth d")
     g.add_argument("--block", "-b", type=int, help="sequential draft block length b")
     g.add_argument("--policy", help="prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | k=..,v=..")
+    g.add_argument("--guesses", choices=("anchor", "lookup"),
+                   help="DAS-Wave window seed: repeat the anchor (paper) or a prompt-lookup continuation")
     g.add_argument("--carry", dest="carry", action="store_true", default=None, help="carry latent states (wave)")
     g.add_argument("--no-carry", dest="carry", action="store_false", help="re-initialise states every round")
     g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",

@@ -77,7 +77,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    time_budget_s: float = 80 * 60      # cosine schedule runs on wall-clock time (+ ~5 min setup and evaluation)
+    time_budget_s: float = 72 * 60      # cosine schedule runs on wall-clock time (+ ~5 min setup and evaluation)
     max_steps: int | None = None
     seed: int = 0
     device: str = "cpu"
@@ -413,9 +413,52 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
         "val": val["all"], "val_by_source": val, "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_training(out, summary)
     write_model_card(out, summary, sample_generations(out, max_new_tokens=64 if cfg.max_steps is None else 8),
                      pilots)
     return summary
+
+
+PAPER_HUGINN_AGREEMENT = {1: 0.4722, 2: 0.6362, 4: 0.7937, 8: 0.9127}   # paper Table 6, Huginn, Aligned
+
+
+def plot_training(folder: Path, summary: dict) -> Path:
+    """``train_loss.png``: left, the per-step loss of ``train_log.csv`` (and its 50-step mean) against tokens
+    seen; right, how the held-out depth-d readout agrees with depth R, next to the paper's Huginn-0125."""
+    from .probes.common import pyplot
+
+    rows = list(csv.DictReader(open(Path(folder) / "train_log.csv")))
+    tokens = np.array([float(r["tokens"]) for r in rows])
+    loss = np.array([float(r["loss"]) for r in rows])
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    ax.plot(tokens, loss, lw=0.5, alpha=0.35, color="tab:blue", label="one step")
+    if len(loss) >= 50:
+        ax.plot(tokens[49:], np.convolve(loss, np.ones(50) / 50, mode="valid"), color="tab:blue",
+                label="50-step mean")
+    R = summary["val"]["R"]
+    val_loss = {int(d): x for d, x in summary["val"]["loss"].items()}       # int keys in memory, str from JSON
+    ax.axhline(val_loss[R], color="tab:red", ls="--", lw=1, label=f"held-out, depth {R}")
+    ax.set(xlabel="training tokens", ylabel="cross-entropy (nats)",
+           title=f"training loss ({summary['train_s'] / 60:.0f} min, {summary['threads']} thread(s))")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    for name, v in summary["val_by_source"].items():
+        agree = sorted((int(d), x) for d, x in v["agreement"].items() if int(d) < R)
+        bx.plot([d for d, _ in agree], [x for _, x in agree], marker="o", lw=2 if name == "all" else 1,
+                label={"all": "this model (pooled)"}.get(name, name))
+    bx.plot(list(PAPER_HUGINN_AGREEMENT), list(PAPER_HUGINN_AGREEMENT.values()), marker="s", ls="--",
+            color="gray", label="Huginn-0125 (paper)")
+    bx.set_xscale("log", base=2)
+    bx.set(xlabel="readout depth d", ylabel=f"agreement with depth {R}", ylim=(0, 1.02),
+           title="held-out: depth-d vs depth-R argmax")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(folder) / "train_loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_generation_config(folder: Path, eos: int) -> None:
@@ -533,6 +576,8 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
                          + " | ".join(f"{x[d]:.3f}" for d in depths) + " |")
     lines += ["", "For comparison, the paper reports an aligned depth-d draft of Huginn-0125 agreeing with its "
               "depth-32 target about 0.47 / 0.64 / 0.79 / 0.91 at d = 1 / 2 / 4 / 8.", ""]
+    if (Path(folder) / "train_loss.png").exists():
+        lines += ["![training loss](train_loss.png)", ""]
     if pilots:
         lines += ["## Pilot runs (how the recipe was chosen)", "",
                   "Each row is a run of the same script with the listed changes; agreement with depth R "
@@ -548,7 +593,8 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
     lines += ["## Files", "",
               "`config.json` (Huginn-style), `model.safetensors`, `tokenizer.json` + `tokenizer_config.json` + "
               "`special_tokens_map.json`, `generation_config.json` (EOS; the `dasspec` section holds tuned "
-              "decoder defaults), `train_log.csv` (per-step loss), `train_summary.json` (everything above).", ""]
+              "decoder defaults), `train_log.csv` (per-step loss), `train_loss.png` (its plot), `train_summary.json` "
+              "(everything above).", ""]
     path = Path(folder) / "README.md"
     path.write_text("\n".join(lines))
     return path

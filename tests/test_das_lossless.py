@@ -7,6 +7,7 @@ import itertools
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,8 @@ RANDOM_CASES = (
     + [("das-wave", {"gamma": 8, "rounds": 5, "w_init": 2, "k": k, "policy": p, "carry": c})
        for (p, c), k in zip(itertools.product(POLICIES, (True, False)), (1, 2, 1, 2, 1, 2, 1, 2))]
     + [("das-wave", {"gamma": 5, "rounds": 7, "w_init": 1, "k": 1})]       # window capped at gamma
+    + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 6, "k": 1, "guesses": "lookup", "carry": c})
+       for c in (True, False)]                                            # lookup-seeded window
 )
 
 
@@ -94,6 +97,7 @@ BUNDLED_CASES = (
     + [("mature-spec", {"draft_depth": 3, "block": 6, "policy": p}) for p in POLICIES]
     + [("das-wave", {"gamma": 12, "rounds": 8, "k": 1, "policy": p, "carry": c})
        for p, c in itertools.product(POLICIES, (True, False))]
+    + [("das-wave", {"gamma": 12, "rounds": 2, "w_init": 12, "k": 1, "guesses": "lookup"})]
 )
 
 
@@ -151,3 +155,37 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
         assert torch.equal(props[0], props[1]), i
         changed_late += int((props[0] != props[0][0]).any())
     assert changed_late > 0, "every proposal repeated the anchor: the prelude shortcut went untested"
+
+
+def test_wave_lookup_guesses_seed_the_first_round() -> None:
+    """guesses="lookup": round 0 refines the prompt-lookup continuation (anchor repetition after it), so on a
+    text that repeats itself the first prelude call sees the repeated tokens, not copies of the anchor."""
+    from dasspec.drafters.pld import find_draft
+
+    model = random_model("huginn", seed=3, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
+    # A prompt in which the first generated token (the block's anchor) occurred before, followed by 9 tokens.
+    def first_token(prompt):
+        return dasspec.generate(model, prompt, "ar", max_new_tokens=1, eos=False).tokens[0]
+
+    anchor = next(a for a in range(20, model.config.vocab_size)
+                  if first_token([a] + list(range(10, 19)) + [3, 4]) == a)
+    prompt = [anchor] + list(range(10, 19)) + [3, 4]
+    seen = []
+    real = model.prelude
+
+    def spy(ids, span, cache=None):
+        seen.append(ids[0].tolist())
+        return real(ids, span, cache)
+
+    model.prelude = spy
+    for guesses in ("anchor", "lookup"):
+        seen.clear()
+        dasspec.generate(model, prompt, "das-wave", max_new_tokens=20, eos=False, gamma=8, rounds=2, w_init=8, k=1,
+                         guesses=guesses)
+        first = next(x for x in seen if len(x) == 8)              # round 0 of the first block: the whole window
+        assert first[0] == anchor
+        expected = find_draft(np.array(prompt + [anchor]), 3, 7).tolist()
+        if guesses == "anchor":
+            assert first == [anchor] * 8
+        else:
+            assert len(expected) == 7 and first == [anchor] + expected, (first, expected)

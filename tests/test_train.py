@@ -68,6 +68,8 @@ def test_training_smoke_saves_a_loadable_checkpoint(tmp_path):
     m = depth_agreement(model, ids, depths=(1, 2), window=len(ids))
     assert m["agreement"][model.R] == 1.0 and set(m["agreement"]) == {1, 2, model.R}
     assert summary["val"]["tokens"] > 0 and summary["steps"] == 25
+    assert (tmp_path / "train_loss.png").stat().st_size > 0
+    assert "![training loss](train_loss.png)" in (tmp_path / "README.md").read_text()
 
 
 def test_depth_agreement_counts_argmax_matches():

@@ -2,7 +2,8 @@
 
 One block, anchor x_t fixed at position n:
 
-    Z = [x_t, x_t, ...]                 provisional guesses seeded by repeating the anchor
+    Z = [x_t, x_t, ...]                 provisional guesses seeded by repeating the anchor (guesses="anchor", the
+                                        paper's) or by a prompt-lookup continuation (guesses="lookup")
     H = initial states                  newly active positions start from the checkpoint's initialisation
     for j in 0..J-1:
         W_j = min(gamma, W_init + j)    the window grows by one position per round
@@ -16,14 +17,23 @@ in scratch rows and are overwritten by the next round.  Read depths: Deep K/V by
 policies the "draft depth" r of an update is the wave clock - the number of updates the anchor has received
 (j*k + u + 1, capped at R) - since carried states have no single recurrence depth; without carry every state
 restarts each round, so r = u + 1.
+
+``guesses="lookup"`` (our extension, not in the paper) starts the window from the text that followed the latest
+suffix n-gram's earliest earlier occurrence (``drafters/pld.find_draft``), anchor repetition after it.  Refinement
+then starts near the Jacobi fixed point whenever the output repeats earlier text (a cycle of period p > 1 costs
+the anchor-seeded wave about one round per position); the verifier and so the output are unchanged.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+import numpy as np
+import torch
+
 from ..config import LoopedConfig
 from ..decoding import Decoding
+from ..drafters.pld import PromptLookup
 from ..methods import MethodSpec, positive_int, register
 from ..policy import ReadPolicy, parse_policy
 from ..verify import verify_chain
@@ -35,12 +45,17 @@ def wave_width(gamma: int, rounds: int, w_init: int) -> int:
 
 
 def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, policy: ReadPolicy,
-                 carry: bool = True, incremental: bool | None = None) -> Tensor:
+                 carry: bool = True, incremental: bool | None = None, seed: np.ndarray | None = None
+                 ) -> Tensor:
+    """The w proposals of one block.  ``seed`` (host tokens, optional) replaces the first guesses."""
     model, cache, R = dec.model, dec.cache, dec.R
     n = dec.n
     w = wave_width(gamma, rounds, w_init)
     Z = dec.tokens[n: n + w + 1]              # Z[0] is the anchor; guesses live in the token scratch
     Z[1:] = Z[0]
+    if seed is not None and len(seed):
+        m = min(len(seed), w)
+        Z[1: m + 1] = torch.from_numpy(seed[:m]).to(Z.device)
     H = dec.h0[:, n: n + w].clone()           # carried states; inactive positions still hold their init
     # The depth r of an update for depth-relative policies: with carry, updates the anchor has had so far (the
     # wave clock); without carry the states restart every round, so u + 1.
@@ -83,9 +98,13 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     g, J, w0, k = knobs["gamma"], knobs["rounds"], knobs["w_init"], knobs["k"]
     policy, carry = knobs["policy"], knobs["carry"]
     dec.prefill()
+    with dec.timer("draft"):
+        lookup = (PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0)) if knobs["guesses"] == "lookup"
+                  else None)
     while not dec.done:
         with dec.timer("draft"):
-            proposals = propose_wave(dec, g, J, w0, k, policy, carry)
+            seed = lookup.propose(dec) if lookup is not None else None
+            proposals = propose_wave(dec, g, J, w0, k, policy, carry, seed=seed)
         verify_chain(dec, proposals)
 
 
@@ -95,15 +114,21 @@ def _validate(knobs: dict, R: int) -> dict:
         raise ValueError(f"w_init ({knobs['w_init']}) must be <= gamma ({knobs['gamma']})")
     if not isinstance(knobs["carry"], bool):
         raise ValueError(f"carry must be true or false, got {knobs['carry']!r}")
+    if knobs["guesses"] not in GUESSES:
+        raise ValueError(f"guesses must be one of {', '.join(GUESSES)}, got {knobs['guesses']!r}")
+    positive_int(knobs, "max_ngram")
     knobs["policy"] = parse_policy(knobs["policy"])
     knobs["policy"].depths(1, R)
     return knobs
 
 
+GUESSES = ("anchor", "lookup")
+
+
 def _defaults(cfg: LoopedConfig) -> dict:
-    # Paper Table 5: gamma=32, J=24, W_init=2, k=2 (Huginn) / k=1 (Raven), Deep K/V, carry on.
+    # Paper Table 5: gamma=32, J=24, W_init=2, k=2 (Huginn) / k=1 (Raven), Deep K/V, carry on, anchor-seeded.
     return {"gamma": 32, "rounds": 24, "w_init": 2, "k": 2 if cfg.family == "huginn" else 1,
-            "policy": "deep-kv", "carry": True}
+            "policy": "deep-kv", "carry": True, "guesses": "anchor", "max_ngram": 3}
 
 
 def _fit(knobs: dict, explicit: set) -> None:

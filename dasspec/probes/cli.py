@@ -50,6 +50,8 @@ def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--rounds", "-J", type=int, default=None, help=f"{what} refinement rounds J (default: family)")
     p.add_argument("--w-init", dest="w_init", type=int, default=None, help=f"{what} initial width W_init")
     p.add_argument("-k", type=int, default=None, help=f"{what} core updates per round k (default: family)")
+    p.add_argument("--guesses", choices=("anchor", "lookup"), default=None,
+                   help=f"{what} window seed: anchor repetition (paper) or prompt lookup (default: the model's)")
 
 
 def add_parser(sub) -> None:
@@ -87,8 +89,9 @@ def _wave_budget(args: argparse.Namespace, model) -> dict:
 
     base = get_method("das-wave").defaults(model.config)
     base.update((model.generation_defaults.get("dasspec") or {}).get("das-wave") or {})
-    return {k: int(getattr(args, k) if getattr(args, k) is not None else base[k])
-            for k in ("gamma", "rounds", "w_init", "k")}
+    budget = {k: int(getattr(args, k) if getattr(args, k) is not None else base[k])
+              for k in ("gamma", "rounds", "w_init", "k")}
+    return budget | {"guesses": args.guesses or base["guesses"]}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

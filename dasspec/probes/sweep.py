@@ -22,7 +22,8 @@ SYMBOL = {"k": "k", "gamma": "gamma", "w_init": "W_init"}
 
 
 def arm_name(knobs: dict) -> str:
-    return f"gamma={knobs['gamma']},J={knobs['rounds']},W_init={knobs['w_init']},k={knobs['k']}"
+    name = f"gamma={knobs['gamma']},J={knobs['rounds']},W_init={knobs['w_init']},k={knobs['k']}"
+    return name + (f",guesses={knobs['guesses']}" if knobs.get("guesses", "anchor") != "anchor" else "")
 
 
 def plan(base: dict, values: dict[str, Sequence[int]]) -> list[tuple[str, int, dict]]:
