@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="1,2")
     p.add_argument("--rounds", default="16,24,32")
     p.add_argument("--gammas", default="32")
-    p.add_argument("--w-inits", default="2")
+    p.add_argument("--w-inits", default="2", help="comma list; 'g' means W_init = gamma (a full window at once)")
     p.add_argument("--guesses", default="anchor", help="window seeds to try: anchor, lookup or both (comma list)")
+    p.add_argument("--trims", default="false", help="trim settings to try: false, true or both (comma list)")
     p.add_argument("--policy", default="deep-kv")
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -52,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = BenchPlan(tasks=tasks, methods=["das-wave"], prompts=args.prompts, split="dev", data=args.data)
     prompts, skipped = prepare_prompts(plan, model.tokenizer, model.config.block_size)
     ints = lambda s: [int(x) for x in s.split(",")]                                      # noqa: E731
-    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "policy": args.policy}
-               for k, J, g, w, s in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
-                                                      ints(args.w_inits), args.guesses.split(",")) if w <= g]
+    bools = lambda s: [x.strip().lower() in ("1", "true", "on", "yes") for x in s.split(",")]     # noqa: E731
+    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "trim": t, "policy": args.policy}
+               for k, J, g, w, s, t in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
+                                                         args.w_inits.split(","), args.guesses.split(","),
+                                                         bools(args.trims))
+               for w in [g if w.strip() == "g" else int(w)] if w <= g]
     arms = [("ar", {})] + [("das-wave", c) for c in configs]
     rows: dict[int, list[dict]] = {i: [] for i in range(len(arms))}
     dasspec.generate(model, prompts[0].ids, "das-wave", max_new_tokens=16)            # warm-up
@@ -83,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                       "pass_speedup": float(np.mean(passes)), "A": float(np.mean([x.A for x in s])),
                       "G": float(np.mean([x.G for x in s]))})
     table.sort(key=lambda t: -t["S"])
-    lines = ["| k | J | gamma | W_init | guesses | S (dev) | pass-count | A | G |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | J | gamma | W_init | guesses | trim | S (dev) | pass-count | A | G |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
-        lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['guesses']} | {t['S']:.2f}× | "
+        lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['guesses']} | "
+                     f"{'on' if t['trim'] else 'off'} | {t['S']:.2f}× | "
                      f"{t['pass_speedup']:.2f}× | {t['A']:.2f} | {t['G']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

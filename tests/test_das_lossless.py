@@ -27,6 +27,8 @@ RANDOM_CASES = (
     + [("das-wave", {"gamma": 5, "rounds": 7, "w_init": 1, "k": 1})]       # window capped at gamma
     + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 6, "k": 1, "guesses": "lookup", "carry": c})
        for c in (True, False)]                                            # lookup-seeded window
+    + [("das-wave", {"gamma": 8, "rounds": 4, "w_init": 3, "k": 1, "trim": True, "guesses": g})
+       for g in ("anchor", "lookup")]                                     # trimmed proposals
 )
 
 
@@ -189,3 +191,28 @@ def test_wave_lookup_guesses_seed_the_first_round() -> None:
             assert first == [anchor] * 8
         else:
             assert len(expected) == 7 and first == [anchor] + expected, (first, expected)
+
+
+def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> None:
+    """trim=True: the proposals are the untrimmed ones up to and including the first position whose guess the
+    last round changed (found here by running one round fewer on a fixed-width window)."""
+    from dasspec.decoders.wave import propose_wave
+    from dasspec.decoding import Decoding
+    from dasspec.policy import parse_policy
+    from dasspec.stopping import StopRule
+
+    model = _bundled()
+    policy = parse_policy("deep-kv")
+    trimmed = 0
+    for text in _bundled_prompts(10):
+        ids = model.tokenizer.encode(text)
+        props = {}
+        for J, trim in ((3, False), (4, False), (4, True)):
+            dec = Decoding(model, ids, StopRule(40), width=20, method="das-wave")
+            dec.prefill()
+            props[J, trim] = propose_wave(dec, 16, J, 16, 1, policy, trim=trim).tolist()
+        before, after, got = props[3, False], props[4, False], props[4, True]
+        first = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), None)
+        assert got == (after if first is None else after[: first + 1]), text
+        trimmed += len(got) < len(after)
+    assert trimmed > 0, "no window was trimmed: the trim path went untested"

@@ -22,6 +22,10 @@ restarts each round, so r = u + 1.
 suffix n-gram's earliest earlier occurrence (``drafters/pld.find_draft``), anchor repetition after it.  Refinement
 then starts near the Jacobi fixed point whenever the output repeats earlier text (a cycle of period p > 1 costs
 the anchor-seeded wave about one round per position); the verifier and so the output are unchanged.
+
+``trim=True`` (also ours) sends the verifier only the proposals up to and including the first one the last round
+changed: every later proposal was read out from a window that still held the old guess there, so it is right only
+by chance, and the full-depth verifier pays R passes for every position it tests.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ def wave_width(gamma: int, rounds: int, w_init: int) -> int:
 
 
 def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, policy: ReadPolicy,
-                 carry: bool = True, incremental: bool | None = None, seed: np.ndarray | None = None
-                 ) -> Tensor:
-    """The w proposals of one block.  ``seed`` (host tokens, optional) replaces the first guesses."""
+                 carry: bool = True, incremental: bool | None = None, seed: np.ndarray | None = None,
+                 trim: bool = False) -> Tensor:
+    """The w proposals of one block (fewer with ``trim``).  ``seed`` (host tokens) replaces the first guesses."""
     model, cache, R = dec.model, dec.cache, dec.R
     n = dec.n
     w = wave_width(gamma, rounds, w_init)
@@ -87,7 +91,11 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
         for u in range(k):
             h = model.core_step(h, e, span, cache, read=reads[j * k + u])
         H[:, :W] = h
-        Z[1: W + 1] = model.readout(h, span, cache)[0].argmax(-1)
+        new = model.readout(h, span, cache)[0].argmax(-1)
+        if trim and j == rounds - 1 and rounds > 1:
+            changed = (new != Z[1: W + 1]).nonzero()
+            w = int(changed[0, 0]) + 1 if len(changed) else W
+        Z[1: W + 1] = new
         updates += k * W
     dec.stats.draft_passes += rounds * k
     dec.stats.draft_updates += updates
@@ -104,7 +112,7 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     while not dec.done:
         with dec.timer("draft"):
             seed = lookup.propose(dec) if lookup is not None else None
-            proposals = propose_wave(dec, g, J, w0, k, policy, carry, seed=seed)
+            proposals = propose_wave(dec, g, J, w0, k, policy, carry, seed=seed, trim=knobs["trim"])
         verify_chain(dec, proposals)
 
 
@@ -112,8 +120,9 @@ def _validate(knobs: dict, R: int) -> dict:
     positive_int(knobs, "gamma", "rounds", "w_init", "k")
     if knobs["w_init"] > knobs["gamma"]:
         raise ValueError(f"w_init ({knobs['w_init']}) must be <= gamma ({knobs['gamma']})")
-    if not isinstance(knobs["carry"], bool):
-        raise ValueError(f"carry must be true or false, got {knobs['carry']!r}")
+    for name in ("carry", "trim"):
+        if not isinstance(knobs[name], bool):
+            raise ValueError(f"{name} must be true or false, got {knobs[name]!r}")
     if knobs["guesses"] not in GUESSES:
         raise ValueError(f"guesses must be one of {', '.join(GUESSES)}, got {knobs['guesses']!r}")
     positive_int(knobs, "max_ngram")
@@ -128,7 +137,7 @@ GUESSES = ("anchor", "lookup")
 def _defaults(cfg: LoopedConfig) -> dict:
     # Paper Table 5: gamma=32, J=24, W_init=2, k=2 (Huginn) / k=1 (Raven), Deep K/V, carry on, anchor-seeded.
     return {"gamma": 32, "rounds": 24, "w_init": 2, "k": 2 if cfg.family == "huginn" else 1,
-            "policy": "deep-kv", "carry": True, "guesses": "anchor", "max_ngram": 3}
+            "policy": "deep-kv", "carry": True, "guesses": "anchor", "max_ngram": 3, "trim": False}
 
 
 def _fit(knobs: dict, explicit: set) -> None:
