@@ -2,7 +2,7 @@
 before freezing them (Appendix A.2).  Each configuration is paired with full-depth AR on the same dev prompts in
 the same process, configurations interleaved per prompt; prints S (eq. 8), the pass-count speedup, A and G.
 
-    python benchmarks/tune_wave.py --out runs/tune --ks 1,2 --rounds 16,24,32 --gammas 32 --guesses anchor,lookup
+    python benchmarks/tune_wave.py --out runs/tune --rounds 4,8 --gammas 48 --w-inits g --guesses anchor,copy
 
 The chosen setting goes into the model folder's generation_config.json ("dasspec": {"das-wave": {...}}), which
 ``dasspec.generate`` reads as the model's defaults.  Never tune on the evaluation prompts.
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", default="16,24,32")
     p.add_argument("--gammas", default="32")
     p.add_argument("--w-inits", default="2", help="comma list; 'g' means W_init = gamma (a full window at once)")
-    p.add_argument("--guesses", default="anchor", help="window seeds to try: anchor, lookup or both (comma list)")
+    p.add_argument("--guesses", default="anchor", help="window seeds to try: anchor, lookup, copy (comma list)")
     p.add_argument("--trims", default="false", help="trim settings to try: false, true or both (comma list)")
     p.add_argument("--policy", default="deep-kv")
     p.add_argument("--data", default=None)

@@ -26,8 +26,12 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-depth", "-d", dest="draft_depth", type=int, help="sequential draft depth d")
     g.add_argument("--block", "-b", type=int, help="sequential draft block length b")
     g.add_argument("--policy", help="prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | k=..,v=..")
-    g.add_argument("--guesses", choices=("anchor", "lookup"),
-                   help="DAS-Wave window seed: repeat the anchor (paper) or a prompt-lookup continuation")
+    g.add_argument("--guesses", choices=("anchor", "lookup", "copy"),
+                   help="DAS-Wave window seed: repeat the anchor (paper), prompt lookup, or a periodic copy of the "
+                        "latest match")
+    g.add_argument("--trim", dest="trim", action="store_true", default=None,
+                   help="DAS-Wave: verify only up to the first proposal the last round changed")
+    g.add_argument("--no-trim", dest="trim", action="store_false", help="DAS-Wave: verify every proposal (paper)")
     g.add_argument("--carry", dest="carry", action="store_true", default=None, help="carry latent states (wave)")
     g.add_argument("--no-carry", dest="carry", action="store_false", help="re-initialise states every round")
     g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",
@@ -35,7 +39,8 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict:
-    knobs = {k: getattr(args, k) for k in list(KNOB_FLAGS) + ["carry"] if getattr(args, k, None) is not None}
+    names = list(KNOB_FLAGS) + ["carry", "trim"]
+    knobs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     for item in getattr(args, "extra", []) or []:
         if "=" not in item:
             raise SystemExit(f"--set expects NAME=VALUE, got {item!r}")

@@ -77,7 +77,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    time_budget_s: float = 72 * 60      # cosine schedule runs on wall-clock time (+ ~5 min setup and evaluation)
+    time_budget_s: float = 80 * 60      # cosine schedule runs on wall-clock time (+ ~5 min setup and evaluation)
     max_steps: int | None = None
     seed: int = 0
     device: str = "cpu"

@@ -28,7 +28,7 @@ RANDOM_CASES = (
     + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 6, "k": 1, "guesses": "lookup", "carry": c})
        for c in (True, False)]                                            # lookup-seeded window
     + [("das-wave", {"gamma": 8, "rounds": 4, "w_init": 3, "k": 1, "trim": True, "guesses": g})
-       for g in ("anchor", "lookup")]                                     # trimmed proposals
+       for g in ("anchor", "lookup", "copy")]                             # trimmed proposals
 )
 
 
@@ -100,6 +100,8 @@ BUNDLED_CASES = (
     + [("das-wave", {"gamma": 12, "rounds": 8, "k": 1, "policy": p, "carry": c})
        for p, c in itertools.product(POLICIES, (True, False))]
     + [("das-wave", {"gamma": 12, "rounds": 2, "w_init": 12, "k": 1, "guesses": "lookup"})]
+    + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": g, "trim": True})
+       for g in ("lookup", "copy")]
 )
 
 
@@ -160,18 +162,15 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
 
 
 def test_wave_lookup_guesses_seed_the_first_round() -> None:
-    """guesses="lookup": round 0 refines the prompt-lookup continuation (anchor repetition after it), so on a
-    text that repeats itself the first prelude call sees the repeated tokens, not copies of the anchor."""
-    from dasspec.drafters.pld import find_draft
+    """guesses="lookup" / "copy": round 0 refines the text that followed an earlier occurrence of the suffix
+    (earliest / latest, ``find_draft`` / ``find_copy``), not copies of the anchor."""
+    from dasspec.drafters.pld import find_copy, find_draft
 
     model = random_model("huginn", seed=3, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
-    # A prompt in which the first generated token (the block's anchor) occurred before, followed by 9 tokens.
-    def first_token(prompt):
-        return dasspec.generate(model, prompt, "ar", max_new_tokens=1, eos=False).tokens[0]
-
-    anchor = next(a for a in range(20, model.config.vocab_size)
-                  if first_token([a] + list(range(10, 19)) + [3, 4]) == a)
-    prompt = [anchor] + list(range(10, 19)) + [3, 4]
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    # Every token occurs twice, whatever the anchor is: the earliest and the latest occurrence differ.
+    prompt = torch.randperm(V - 2, generator=g).add(2).tolist() + torch.randperm(V - 2, generator=g).add(2).tolist()
     seen = []
     real = model.prelude
 
@@ -180,17 +179,21 @@ def test_wave_lookup_guesses_seed_the_first_round() -> None:
         return real(ids, span, cache)
 
     model.prelude = spy
-    for guesses in ("anchor", "lookup"):
+    firsts = {}
+    for guesses in ("anchor", "lookup", "copy"):
         seen.clear()
         dasspec.generate(model, prompt, "das-wave", max_new_tokens=20, eos=False, gamma=8, rounds=2, w_init=8, k=1,
                          guesses=guesses)
         first = next(x for x in seen if len(x) == 8)              # round 0 of the first block: the whole window
-        assert first[0] == anchor
-        expected = find_draft(np.array(prompt + [anchor]), 3, 7).tolist()
+        anchor = first[0]
+        firsts[guesses] = first
         if guesses == "anchor":
             assert first == [anchor] * 8
         else:
-            assert len(expected) == 7 and first == [anchor] + expected, (first, expected)
+            find = find_copy if guesses == "copy" else find_draft
+            expected = find(np.array(prompt + [anchor]), 3, 7).tolist()
+            assert len(expected) == 7 and first == [anchor] + expected, (guesses, first, expected)
+    assert firsts["lookup"] != firsts["copy"]
 
 
 def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> None:

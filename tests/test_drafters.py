@@ -13,7 +13,7 @@ import torch
 import dasspec
 from dasspec.drafters import lookahead as la
 from dasspec.drafters import recycling as tr
-from dasspec.drafters.pld import find_draft
+from dasspec.drafters.pld import find_copy, find_draft
 from dasspec.drafters.sam import STATIC_TOPK, StaticAutomaton, SuffixAutomaton
 from dasspec.drafters.tree import TreeFiller, tree_from_choices
 from dasspec.methods import get_method, method_names
@@ -60,6 +60,34 @@ def test_pld_matcher_matches_brute_force(seed: int) -> None:
         for k in (1, 3, 10):
             got = find_draft(np.array(seq, dtype=np.int64), max_ngram, k).tolist()
             assert got == pld_brute(seq, max_ngram, k), (seq, max_ngram, k)
+
+
+def copy_brute(seq: list[int], max_ngram: int, k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix n-gram, then copy token by token from right after it,
+    reading the draft itself once the copy runs past the end of the text (LZ77)."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        pattern = seq[L - n:]
+        for idx in range(L - n - 1, -1, -1):        # every earlier occurrence, latest first
+            if seq[idx: idx + n] == pattern:
+                ext = list(seq)
+                for i in range(k):
+                    ext.append(ext[idx + n + i])
+                return ext[L:]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_copy_matcher_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    seq = random_text(rng, rng.randrange(1, 60), rng.choice([2, 4, 8, 30]))
+    for max_ngram in (1, 2, 3, 5):
+        for k in (1, 3, 10):
+            got = find_copy(np.array(seq, dtype=np.int64), max_ngram, k).tolist()
+            assert got == copy_brute(seq, max_ngram, k), (seq, max_ngram, k)
+    # runs and cycles extend to any length
+    assert find_copy(np.array([7, 1, 1, 1]), 3, 6).tolist() == [1] * 6
+    assert find_copy(np.array([9, 4, 5, 6, 4, 5, 6]), 3, 7).tolist() == [4, 5, 6, 4, 5, 6, 4]
 
 
 # --- SAM -----------------------------------------------------------------------------------------------------

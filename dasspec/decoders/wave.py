@@ -3,7 +3,7 @@
 One block, anchor x_t fixed at position n:
 
     Z = [x_t, x_t, ...]                 provisional guesses seeded by repeating the anchor (guesses="anchor", the
-                                        paper's) or by a prompt-lookup continuation (guesses="lookup")
+                                        paper's) or from earlier text (guesses="lookup" / "copy")
     H = initial states                  newly active positions start from the checkpoint's initialisation
     for j in 0..J-1:
         W_j = min(gamma, W_init + j)    the window grows by one position per round
@@ -18,10 +18,12 @@ policies the "draft depth" r of an update is the wave clock - the number of upda
 (j*k + u + 1, capped at R) - since carried states have no single recurrence depth; without carry every state
 restarts each round, so r = u + 1.
 
-``guesses="lookup"`` (our extension, not in the paper) starts the window from the text that followed the latest
-suffix n-gram's earliest earlier occurrence (``drafters/pld.find_draft``), anchor repetition after it.  Refinement
-then starts near the Jacobi fixed point whenever the output repeats earlier text (a cycle of period p > 1 costs
-the anchor-seeded wave about one round per position); the verifier and so the output are unchanged.
+``guesses="lookup"`` (our extension, not in the paper) starts the window from the text that followed the earliest
+earlier occurrence of the longest suffix n-gram, n <= max_ngram (``drafters/pld.find_draft``), anchor repetition
+after it.  Refinement then starts near the Jacobi fixed point whenever the output repeats earlier text (a cycle of
+period p > 1 costs the anchor-seeded wave about one round per position); the verifier, so the output, is
+unchanged.  ``guesses="copy"`` copies from the *latest* occurrence instead and continues into the copy
+(``drafters/pld.find_copy``), so a run of one token or a cycle of period p seeds the whole window.
 
 ``trim=True`` (also ours) sends the verifier only the proposals up to and including the first one the last round
 changed: every later proposal was read out from a window that still held the old guess there, so it is right only
@@ -30,17 +32,18 @@ by chance, and the full-depth verifier pays R passes for every position it tests
 
 from __future__ import annotations
 
-from torch import Tensor
-
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..config import LoopedConfig
 from ..decoding import Decoding
-from ..drafters.pld import PromptLookup
+from ..drafters.pld import PromptLookup, find_copy, find_draft
 from ..methods import MethodSpec, positive_int, register
 from ..policy import ReadPolicy, parse_policy
 from ..verify import verify_chain
+
+GUESSES = ("anchor", "lookup", "copy")      # how a block's window is seeded
 
 
 def wave_width(gamma: int, rounds: int, w_init: int) -> int:
@@ -107,8 +110,8 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     policy, carry = knobs["policy"], knobs["carry"]
     dec.prefill()
     with dec.timer("draft"):
-        lookup = (PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0)) if knobs["guesses"] == "lookup"
-                  else None)
+        find = {"lookup": find_draft, "copy": find_copy}.get(knobs["guesses"])
+        lookup = PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0), find) if find else None
     while not dec.done:
         with dec.timer("draft"):
             seed = lookup.propose(dec) if lookup is not None else None
@@ -129,9 +132,6 @@ def _validate(knobs: dict, R: int) -> dict:
     knobs["policy"] = parse_policy(knobs["policy"])
     knobs["policy"].depths(1, R)
     return knobs
-
-
-GUESSES = ("anchor", "lookup")
 
 
 def _defaults(cfg: LoopedConfig) -> dict:

@@ -22,14 +22,10 @@ from ..methods import MethodSpec, positive_int, register
 from ..verify import TreeLayout, verify_chain, verify_tree
 
 
-def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
-    """The PLD draft for text ``seq`` (1-D ints): tokens after the earliest earlier occurrence of the longest
-    suffix n-gram, n <= max_ngram; empty when nothing matches."""
+def suffix_runs(seq: np.ndarray, max_ngram: int) -> np.ndarray:
+    """run[e] (e < L-1) = how many tokens ending at e equal the text's last tokens, capped at max_ngram."""
     L = seq.shape[0]
-    if L < 2:
-        return seq[:0]
     n_max = min(max_ngram, L - 1)
-    # run[e] = how many tokens ending at e (< L-1) equal the text's last tokens, capped at n_max.
     ends = L - 1
     run = np.zeros(ends, dtype=np.int64)
     alive = np.ones(ends, dtype=bool)
@@ -39,7 +35,16 @@ def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
         eq[k:] = seq[: ends - k] == seq[L - 1 - k]
         alive &= eq
         run += alive
-    for n in range(n_max, 0, -1):
+    return run
+
+
+def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
+    """The PLD draft for text ``seq`` (1-D ints): tokens after the earliest earlier occurrence of the longest
+    suffix n-gram, n <= max_ngram; empty when nothing matches."""
+    if seq.shape[0] < 2:
+        return seq[:0]
+    run = suffix_runs(seq, max_ngram)
+    for n in range(min(max_ngram, seq.shape[0] - 1), 0, -1):
         hits = np.flatnonzero(run >= n)
         if hits.size:
             start = int(hits[0]) + 1
@@ -47,11 +52,28 @@ def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     return seq[:0]
 
 
+def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
+    """``num_pred`` tokens copied from after the *latest* earlier occurrence of the longest suffix n-gram,
+    continuing into the copy itself (LZ77-style): with the match p tokens back the draft repeats the text's last
+    p tokens, so a run of one token (p = 1) or a cycle of period p extends to any length.  Empty when nothing
+    matches."""
+    L = seq.shape[0]
+    if L < 2:
+        return seq[:0]
+    run = suffix_runs(seq, max_ngram)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        hits = np.flatnonzero(run >= n)
+        if hits.size:
+            p = L - 1 - int(hits[-1])                   # period: distance from the match's end to the text's end
+            return seq[L - p + np.arange(num_pred) % p]
+    return seq[:0]
+
+
 class PromptLookup:
     """Host copy of the committed text, appended incrementally, and the per-step draft."""
 
-    def __init__(self, dec: Decoding, max_ngram: int, num_pred: int):
-        self.max_ngram, self.num_pred = max_ngram, num_pred
+    def __init__(self, dec: Decoding, max_ngram: int, num_pred: int, find=find_draft):
+        self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
         self.text = np.empty(dec.P + dec.stop.max_new_tokens + 1, dtype=np.int64)
         self.text[: dec.P] = dec.tokens[: dec.P].cpu().numpy()
         self.P = dec.P
@@ -64,7 +86,7 @@ class PromptLookup:
         k = min(self.num_pred, dec.budget - 1)   # leave room for the target's token
         if k < 1:
             return self.text[:0]
-        return find_draft(self.text[: self.P + self.fed], self.max_ngram, k)
+        return self.find(self.text[: self.P + self.fed], self.max_ngram, k)
 
 
 def run_pld(dec: Decoding, knobs: dict) -> None:

@@ -50,8 +50,12 @@ def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--rounds", "-J", type=int, default=None, help=f"{what} refinement rounds J (default: family)")
     p.add_argument("--w-init", dest="w_init", type=int, default=None, help=f"{what} initial width W_init")
     p.add_argument("-k", type=int, default=None, help=f"{what} core updates per round k (default: family)")
-    p.add_argument("--guesses", choices=("anchor", "lookup"), default=None,
-                   help=f"{what} window seed: anchor repetition (paper) or prompt lookup (default: the model's)")
+    p.add_argument("--guesses", choices=("anchor", "lookup", "copy"), default=None,
+                   help=f"{what} window seed: anchor repetition (paper), prompt lookup or periodic copy "
+                        "(default: the model's)")
+    p.add_argument("--trim", dest="trim", action="store_true", default=None,
+                   help=f"{what}: verify only up to the first proposal the last round changed (default: the model's)")
+    p.add_argument("--no-trim", dest="trim", action="store_false", help=f"{what}: verify every proposal (paper)")
 
 
 def add_parser(sub) -> None:
@@ -91,7 +95,8 @@ def _wave_budget(args: argparse.Namespace, model) -> dict:
     base.update((model.generation_defaults.get("dasspec") or {}).get("das-wave") or {})
     budget = {k: int(getattr(args, k) if getattr(args, k) is not None else base[k])
               for k in ("gamma", "rounds", "w_init", "k")}
-    return budget | {"guesses": args.guesses or base["guesses"]}
+    trim = base["trim"] if args.trim is None else args.trim
+    return budget | {"guesses": args.guesses or base["guesses"], "trim": trim}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

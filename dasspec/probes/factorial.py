@@ -34,10 +34,10 @@ def interaction(Y: dict[tuple[int, int, int], float | np.ndarray]) -> float | np
 
 
 def run(model: LoopedLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, gamma: int, rounds: int,
-        w_init: int, k: int, guesses: str = "anchor", num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0,
-        progress: bool = True) -> tuple[list[dict], dict]:
+        w_init: int, k: int, guesses: str = "anchor", trim: bool = False, num_steps: int | None = None,
+        init_scale: float = 1.0, seed: int = 0, progress: bool = True) -> tuple[list[dict], dict]:
     """Rows per (carry, dK, dV) with G, A and per-prompt G values; and a summary with E_cKV and its interval."""
-    budget = dict(gamma=gamma, rounds=rounds, w_init=w_init, k=k, guesses=guesses)
+    budget = dict(gamma=gamma, rounds=rounds, w_init=w_init, k=k, guesses=guesses, trim=trim)
     G = np.zeros((len(COMBOS), len(prompts)))
     A = np.zeros_like(G)
     tokens = np.zeros_like(G)
@@ -69,7 +69,8 @@ def write(rows: list[dict], summary: dict, out, setup: dict) -> None:
     E = summary
     note = (f"E_cKV = {E['E_cKV']:.3f} tokens (95% prompt bootstrap [{E['E_ci_low']:.3f}, {E['E_ci_high']:.3f}]; "
             f"positive on {E['E_positive_prompts']} of {E['prompts']} prompts).  Budget: gamma = {rows[0]['gamma']}, "
-            f"J = {rows[0]['rounds']}, W_init = {rows[0]['w_init']}, k = {rows[0]['k']}, guesses = {rows[0]['guesses']}.")
+            f"J = {rows[0]['rounds']}, W_init = {rows[0]['w_init']}, k = {rows[0]['k']}, "
+            f"guesses = {rows[0]['guesses']}, trim = {rows[0]['trim']}.")
     csv_rows = rows + [{"carry": "E_cKV", "G": E["E_cKV"], "A": float("nan"),
                         "G_per_prompt": f"[{E['E_ci_low']:.4f}, {E['E_ci_high']:.4f}]"}]
     write_report(out, "factorial", "Carry x Deep K x Deep V factorial: committed progress G", setup,

@@ -23,7 +23,8 @@ SYMBOL = {"k": "k", "gamma": "gamma", "w_init": "W_init"}
 
 def arm_name(knobs: dict) -> str:
     name = f"gamma={knobs['gamma']},J={knobs['rounds']},W_init={knobs['w_init']},k={knobs['k']}"
-    return name + (f",guesses={knobs['guesses']}" if knobs.get("guesses", "anchor") != "anchor" else "")
+    name += f",guesses={knobs['guesses']}" if knobs.get("guesses", "anchor") != "anchor" else ""
+    return name + (",trim" if knobs.get("trim") else "")
 
 
 def plan(base: dict, values: dict[str, Sequence[int]]) -> list[tuple[str, int, dict]]:
