@@ -52,16 +52,6 @@ def pld_brute(seq: list[int], max_ngram: int, k: int) -> list[int]:
     return []
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_pld_matcher_matches_brute_force(seed: int) -> None:
-    rng = random.Random(seed)
-    seq = random_text(rng, rng.randrange(1, 60), rng.choice([2, 4, 8, 30]))
-    for max_ngram in (1, 2, 3, 5):
-        for k in (1, 3, 10):
-            got = find_draft(np.array(seq, dtype=np.int64), max_ngram, k).tolist()
-            assert got == pld_brute(seq, max_ngram, k), (seq, max_ngram, k)
-
-
 def copy_brute(seq: list[int], max_ngram: int, k: int) -> list[int]:
     """The latest earlier occurrence of the longest suffix n-gram, then copy token by token from right after it,
     reading the draft itself once the copy runs past the end of the text (LZ77)."""
@@ -77,15 +67,18 @@ def copy_brute(seq: list[int], max_ngram: int, k: int) -> list[int]:
     return []
 
 
+@pytest.mark.parametrize("find, brute", [(find_draft, pld_brute), (find_copy, copy_brute)], ids=["pld", "copy"])
 @pytest.mark.parametrize("seed", range(30))
-def test_copy_matcher_matches_brute_force(seed: int) -> None:
+def test_lookup_matchers_match_brute_force(find, brute, seed: int) -> None:
     rng = random.Random(seed)
     seq = random_text(rng, rng.randrange(1, 60), rng.choice([2, 4, 8, 30]))
     for max_ngram in (1, 2, 3, 5):
         for k in (1, 3, 10):
-            got = find_copy(np.array(seq, dtype=np.int64), max_ngram, k).tolist()
-            assert got == copy_brute(seq, max_ngram, k), (seq, max_ngram, k)
-    # runs and cycles extend to any length
+            got = find(np.array(seq, dtype=np.int64), max_ngram, k).tolist()
+            assert got == brute(seq, max_ngram, k), (seq, max_ngram, k)
+
+
+def test_copy_extends_runs_and_cycles() -> None:
     assert find_copy(np.array([7, 1, 1, 1]), 3, 6).tolist() == [1] * 6
     assert find_copy(np.array([9, 4, 5, 6, 4, 5, 6]), 3, 7).tolist() == [4, 5, 6, 4, 5, 6, 4]
 
