@@ -26,9 +26,8 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-depth", "-d", dest="draft_depth", type=int, help="sequential draft depth d")
     g.add_argument("--block", "-b", type=int, help="sequential draft block length b")
     g.add_argument("--policy", help="prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | k=..,v=..")
-    g.add_argument("--guesses", choices=("anchor", "lookup", "copy"),
-                   help="DAS-Wave window seed: repeat the anchor (paper), prompt lookup, or a periodic copy of the "
-                        "latest match")
+    g.add_argument("--guesses", help="DAS-Wave window seed: anchor (repeat it, the paper's) | lookup (prompt lookup) "
+                                     "| copy (periodic copy of the latest match)")
     g.add_argument("--trim", dest="trim", action="store_true", default=None,
                    help="DAS-Wave: verify only up to the first proposal the last round changed")
     g.add_argument("--no-trim", dest="trim", action="store_false", help="DAS-Wave: verify every proposal (paper)")

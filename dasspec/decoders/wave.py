@@ -43,7 +43,8 @@ from ..methods import MethodSpec, positive_int, register
 from ..policy import ReadPolicy, parse_policy
 from ..verify import verify_chain
 
-GUESSES = ("anchor", "lookup", "copy")      # how a block's window is seeded
+# guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)
+SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
 
 
 def wave_width(gamma: int, rounds: int, w_init: int) -> int:
@@ -52,17 +53,18 @@ def wave_width(gamma: int, rounds: int, w_init: int) -> int:
 
 
 def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, policy: ReadPolicy,
-                 carry: bool = True, incremental: bool | None = None, seed: np.ndarray | None = None,
+                 carry: bool = True, incremental: bool | None = None, guesses: np.ndarray | None = None,
                  trim: bool = False) -> Tensor:
-    """The w proposals of one block (fewer with ``trim``).  ``seed`` (host tokens) replaces the first guesses."""
+    """The w proposals of one block (fewer with ``trim``).  ``guesses`` (host tokens) replace the first anchor
+    copies in the initial window."""
     model, cache, R = dec.model, dec.cache, dec.R
     n = dec.n
     w = wave_width(gamma, rounds, w_init)
     Z = dec.tokens[n: n + w + 1]              # Z[0] is the anchor; guesses live in the token scratch
     Z[1:] = Z[0]
-    if seed is not None and len(seed):
-        m = min(len(seed), w)
-        Z[1: m + 1] = torch.from_numpy(seed[:m]).to(Z.device)
+    if guesses is not None and len(guesses):
+        m = min(len(guesses), w)
+        Z[1: m + 1] = torch.from_numpy(guesses[:m]).to(Z.device)
     H = dec.h0[:, n: n + w].clone()           # carried states; inactive positions still hold their init
     # The depth r of an update for depth-relative policies: with carry, updates the anchor has had so far (the
     # wave clock); without carry the states restart every round, so u + 1.
@@ -110,12 +112,12 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     policy, carry = knobs["policy"], knobs["carry"]
     dec.prefill()
     with dec.timer("draft"):
-        find = {"lookup": find_draft, "copy": find_copy}.get(knobs["guesses"])
+        find = SEEDERS[knobs["guesses"]]
         lookup = PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0), find) if find else None
     while not dec.done:
         with dec.timer("draft"):
-            seed = lookup.propose(dec) if lookup is not None else None
-            proposals = propose_wave(dec, g, J, w0, k, policy, carry, seed=seed, trim=knobs["trim"])
+            guesses = lookup.propose(dec) if lookup is not None else None
+            proposals = propose_wave(dec, g, J, w0, k, policy, carry, guesses=guesses, trim=knobs["trim"])
         verify_chain(dec, proposals)
 
 
@@ -126,8 +128,8 @@ def _validate(knobs: dict, R: int) -> dict:
     for name in ("carry", "trim"):
         if not isinstance(knobs[name], bool):
             raise ValueError(f"{name} must be true or false, got {knobs[name]!r}")
-    if knobs["guesses"] not in GUESSES:
-        raise ValueError(f"guesses must be one of {', '.join(GUESSES)}, got {knobs['guesses']!r}")
+    if knobs["guesses"] not in SEEDERS:
+        raise ValueError(f"guesses must be one of {', '.join(SEEDERS)}, got {knobs['guesses']!r}")
     positive_int(knobs, "max_ngram")
     knobs["policy"] = parse_policy(knobs["policy"])
     knobs["policy"].depths(1, R)

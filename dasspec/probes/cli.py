@@ -50,9 +50,8 @@ def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--rounds", "-J", type=int, default=None, help=f"{what} refinement rounds J (default: family)")
     p.add_argument("--w-init", dest="w_init", type=int, default=None, help=f"{what} initial width W_init")
     p.add_argument("-k", type=int, default=None, help=f"{what} core updates per round k (default: family)")
-    p.add_argument("--guesses", choices=("anchor", "lookup", "copy"), default=None,
-                   help=f"{what} window seed: anchor repetition (paper), prompt lookup or periodic copy "
-                        "(default: the model's)")
+    p.add_argument("--guesses", default=None, help=f"{what} window seed: anchor (the paper's) | lookup | copy "
+                                                   "(default: the model's)")
     p.add_argument("--trim", dest="trim", action="store_true", default=None,
                    help=f"{what}: verify only up to the first proposal the last round changed (default: the model's)")
     p.add_argument("--no-trim", dest="trim", action="store_false", help=f"{what}: verify every proposal (paper)")
