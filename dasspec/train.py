@@ -12,10 +12,13 @@ Depth is what the bundled model must learn to use: every step samples a recurren
 log-normal-Poisson scheme (``sample_depth``), starts from a random initial state (like-init, a fresh seed per
 step), runs ``r - k`` core steps without gradients and back-propagates through the last ``k``.  The loss is
 on the depth-r readout only.  ``depth_agreement`` measures what this buys: how often the depth-d readout's argmax
-equals the depth-R one.
+equals the depth-R one.  The sampler's mean ramps up from a few steps over the first part of the run (the Raven
+retrofit code's ``mean_recurrence_schedule``): shallow steps are cheap while the model is still learning token
+statistics, and a rerun of the flat-depth recipe sat on the unigram plateau for hundreds of steps (model card).
 
-On a CPU shared with other jobs, run with ``OMP_WAIT_POLICY=PASSIVE`` (spinning OpenMP threads stall when a core
-is taken) and ``--set threads=1``; the shipped model was trained that way (see its README.md).
+Schedules (learning rate, depth ramp) run on steps, so ``dasspec train`` gives the same run on any machine; only
+its duration changes.  ``time_budget_s`` is a safety stop.  On a CPU shared with other jobs, ``share_cpu`` drops
+to one thread while the others are busy (a spinning OpenMP thread waiting for a taken core stalls every op).
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ class TrainConfig:
     preset: str = "tiny"
     # model (Huginn layout)
     vocab_size: int = 4096
-    n_embd: int = 256
+    n_embd: int = 192
     n_heads: int = 4
-    intermediate_size: int = 704
+    intermediate_size: int = 512
     n_prelude: int = 1
     n_core: int = 2
     n_coda: int = 1
@@ -63,6 +66,11 @@ class TrainConfig:
     backprop_depth: int = 8             # k: gradient flows through the last k core steps
     min_depth: int = 1                  # floor on r (1 = Huginn's scheme, no floor)
     max_depth: int = 128
+    # depth curriculum (Raven retrofit recipe): the sampler's mean rises linearly from depth_warmup_start to
+    # mean_recurrence over the first depth_warmup_frac of max_steps; cheap shallow steps while the model is
+    # still learning token statistics, Huginn's scheme unchanged afterwards (0 = off)
+    depth_warmup_frac: float = 0.3
+    depth_warmup_start: int = 4
     init_scale: float = 1.0             # training initial state: like-init (0 = zero state)
     # data
     seq_len: int = 512
@@ -71,20 +79,23 @@ class TrainConfig:
     long_every: int = 8
     val_fraction: float = 0.02
     # optimisation
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    time_budget_s: float = 80 * 60      # cosine schedule runs on wall-clock time (+ ~5 min setup and evaluation)
-    max_steps: int | None = None
+    # Schedules run on steps (max_steps) so a run is the same on any machine; without max_steps the cosine runs
+    # on wall-clock time.  time_budget_s is otherwise only a safety stop (the card says when it cut a run short).
+    time_budget_s: float = 82 * 60
+    max_steps: int | None = 1500        # ~62 min with 2 threads on the 2-core CPU this recipe was made on
     seed: int = 0
     device: str = "cpu"
     threads: int = 2                    # CPU threads (0: leave torch's default)
     share_cpu: bool = True              # drop to 1 thread while other processes load the machine
     autocast_bf16: bool = False
     eval_tokens: int = 16384            # held-out tokens for the final validation loss / agreement
+    sample_tokens: int = 64             # greedy sample length in the model card
     log_every: int = 10
 
     def model_config(self, bos: int, eos: int, pad: int) -> LoopedConfig:
@@ -105,7 +116,7 @@ PRESETS: dict[str, TrainConfig] = {
     "micro": TrainConfig(preset="micro", vocab_size=512, n_embd=32, n_heads=2, intermediate_size=64, block_size=256,
                          mean_recurrence=4, backprop_depth=2, max_depth=8, seq_len=64, batch_size=2,
                          long_seq_len=128, long_every=4, warmup_steps=2, time_budget_s=120, max_steps=6,
-                         eval_tokens=256, log_every=1, threads=1),
+                         eval_tokens=256, sample_tokens=8, log_every=1, threads=1),
     # a larger model for a lent GPU (bf16 autocast)
     "cuda-small": TrainConfig(preset="cuda-small", vocab_size=8192, n_embd=512, n_heads=8, intermediate_size=1408, n_core=4,
                               n_prelude=2, n_coda=2, seq_len=2048, batch_size=16, long_seq_len=4096,
@@ -118,7 +129,7 @@ PRESETS: dict[str, TrainConfig] = {
 # Depth sampler
 # ---------------------------------------------------------------------------------------------------------------
 
-def sample_depth(rng: np.random.Generator, mean: int, sigma: float = 0.5, backprop: int = 8,
+def sample_depth(rng: np.random.Generator, mean: float, sigma: float = 0.5, backprop: int = 8,
                  min_depth: int = 1, max_depth: int = 128) -> tuple[int, int]:
     """Huginn's randomised recurrence (research/huginn.md section 1): rate ~ LogNormal(ln(mean) - sigma^2/2,
     sigma), r = Poisson(rate) + 1 (so E[r] ~ mean + 1), clipped to [min_depth, max_depth].
@@ -277,14 +288,25 @@ def pool_metrics(parts: list[dict]) -> dict:
 # The training loop
 # ---------------------------------------------------------------------------------------------------------------
 
+def run_fraction(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    """Fraction of the run done: by steps when max_steps is set (machine-independent), else by wall-clock."""
+    frac = step / cfg.max_steps if cfg.max_steps is not None else elapsed / cfg.time_budget_s
+    return min(max(frac, 0.0), 1.0)
+
+
+def mean_depth_at(cfg: TrainConfig, frac: float) -> float:
+    """The depth sampler's mean at run fraction ``frac``: the curriculum ramp, then mean_recurrence."""
+    if cfg.depth_warmup_frac <= 0 or frac >= cfg.depth_warmup_frac:
+        return float(cfg.mean_recurrence)
+    start = min(cfg.depth_warmup_start, cfg.mean_recurrence)
+    return start + (cfg.mean_recurrence - start) * frac / cfg.depth_warmup_frac
+
+
 def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
-    """Linear warmup over steps, then cosine to min_lr_frac * lr over the wall-clock budget (or max_steps)."""
+    """Linear warmup over steps, then cosine to min_lr_frac * lr over max_steps (or the wall-clock budget)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = elapsed / cfg.time_budget_s
-    if cfg.max_steps is not None:
-        frac = max(frac, step / cfg.max_steps)
-    frac = min(max(frac, 0.0), 1.0)
+    frac = run_fraction(cfg, step, elapsed)
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -342,8 +364,10 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
     log_f = open(log_path, "w", newline="")
     log = csv.DictWriter(log_f, fieldnames=fields)
     log.writeheader()
-    bar = tqdm(total=int(cfg.time_budget_s), unit="s", desc="train", disable=not progress,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}")
+    by_steps = cfg.max_steps is not None
+    bar = tqdm(total=cfg.max_steps if by_steps else int(cfg.time_budget_s), unit="step" if by_steps else "s",
+               desc="train", disable=not progress,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]")
     tokens = 0
     step = 0
     t0 = time.time()
@@ -361,8 +385,8 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
         if cfg.long_every and step % cfg.long_every == cfg.long_every - 1:
             T, B = cfg.long_seq_len, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len)
         x, y = get_batch(train_ids, rng, B, T, device)
-        n, k = sample_depth(rng, cfg.mean_recurrence, cfg.depth_sigma, cfg.backprop_depth, cfg.min_depth,
-                            cfg.max_depth)
+        mean_r = mean_depth_at(cfg, run_fraction(cfg, step, elapsed))
+        n, k = sample_depth(rng, mean_r, cfg.depth_sigma, cfg.backprop_depth, cfg.min_depth, cfg.max_depth)
         seed = int(rng.integers(0, 2 ** 31))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss = looped_loss(model, x, y, n, k, cfg.init_scale, seed)
@@ -384,7 +408,7 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
         if step % cfg.log_every == 0:
             log_f.flush()
         bar.set_postfix_str(f"step {step} loss {ema:.3f} r={n + k} {tokens / max(now, 1e-9):.0f} tok/s")
-        bar.update(min(now, cfg.time_budget_s) - bar.n)
+        bar.update(1 if by_steps else min(now, cfg.time_budget_s) - bar.n)
     bar.close()
     log_f.close()
     train_s = time.time() - t0
@@ -414,7 +438,7 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
     }
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_training(out, summary)
-    write_model_card(out, summary, sample_generations(out, max_new_tokens=64 if cfg.max_steps is None else 8),
+    write_model_card(out, summary, sample_generations(out, max_new_tokens=cfg.sample_tokens),
                      pilots)
     return summary
 
@@ -496,9 +520,12 @@ def _pilot_row(summary: dict, name: str) -> str:
     c, v = summary["config"], summary["val"]
     a = {int(k): x for k, x in v["agreement"].items()}
     loss = {int(k): x for k, x in v["loss"].items()}
-    recipe = (f"d={c['n_embd']}, core {c['n_core']}, mean r {c['mean_recurrence']}, k {c['backprop_depth']}, "
-              f"floor {c['min_depth']}, init {c['init_scale']:g}, T {c['seq_len']}x{c['batch_size']}, "
-              f"lr {c['lr']:g}")
+    ramp = c.get("depth_warmup_frac") or 0
+    recipe = (f"d={c['n_embd']}, core {c['n_core']}, mean r {c['mean_recurrence']}"
+              + (f" (ramp from {c['depth_warmup_start']} over {ramp:.0%})" if ramp else "")
+              + f", k {c['backprop_depth']}, floor {c['min_depth']}, init {c['init_scale']:g}, "
+              f"T {c['seq_len']}x{c['batch_size']}, lr {c['lr']:g}, "
+              + (f"cosine over {c['max_steps']} steps" if c["max_steps"] else "cosine over wall-clock"))
     return (f"| {name} | {recipe} | {summary['train_s'] / 60:.1f} | {summary['tokens_seen']:,} | "
             + " | ".join(f"{a[d]:.3f}" if d in a else "-" for d in CARD_DEPTHS)
             + f" | {loss[summary['val']['R']]:.3f} |")
@@ -550,14 +577,22 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
         f"* Depth: every step draws r from Huginn's log-normal-Poisson scheme (mean {c['mean_recurrence']}, "
         f"sigma {c['depth_sigma']}, r in [{c['min_depth']}, {c['max_depth']}]), starts from a fresh like-init "
         f"random state (scale {c['init_scale']:g}), runs r - k core steps without gradient and back-propagates "
-        f"through the last k = min({c['backprop_depth']}, r); loss on the depth-r readout only.",
+        f"through the last k = min({c['backprop_depth']}, r); loss on the depth-r readout only."
+        + (f" Curriculum (the Raven retrofit code's `mean_recurrence_schedule`): the sampler's mean rises linearly from "
+           f"{c['depth_warmup_start']} to {c['mean_recurrence']} over the first {c['depth_warmup_frac']:.0%} of "
+           "the steps." if c.get("depth_warmup_frac") else ""),
         f"* Sequences of {c['seq_len']} tokens x {c['batch_size']}, every {c['long_every']}th step "
         f"{c['long_seq_len']} tokens; AdamW (betas {tuple(c['betas'])}, weight decay {c['weight_decay']}), "
-        f"peak lr {c['lr']:g}, {c['warmup_steps']} warmup steps then cosine to {c['min_lr_frac']:g}x over the "
-        f"wall-clock budget ({c['time_budget_s'] / 60:.0f} min), grad clip {c['grad_clip']}.",
-        "* The step count depends on the machine's speed and load (the schedule runs on wall-clock time); for a "
-        f"machine-independent run of the same length use `--set max_steps={s['steps']} --minutes 10000` (cosine "
-        "over steps).", "",
+        f"peak lr {c['lr']:g}, {c['warmup_steps']} warmup steps then cosine to {c['min_lr_frac']:g}x over "
+        + (f"{c['max_steps']:,} steps, grad clip {c['grad_clip']}. The schedule runs on steps, so the run is "
+           "the same on a faster or slower machine (only its duration changes)."
+           if c["max_steps"] is not None else
+           f"the wall-clock budget ({c['time_budget_s'] / 60:.0f} min), grad clip {c['grad_clip']}. The step "
+           "count depends on the machine's speed and load; for a machine-independent run of the same length use "
+           f"`--set max_steps={s['steps']}`."),
+        *([f"* **Stopped early** by the {c['time_budget_s'] / 60:.0f}-minute safety budget at step {s['steps']} "
+           f"of {c['max_steps']}."] if c["max_steps"] is not None and s["steps"] < c["max_steps"] else []),
+        "",
         "## Depth: validation loss and agreement of the depth-d readout with depth R", "",
         f"Teacher-forced on held-out documents (up to {c['eval_tokens']:,} tokens of code and of GSM8K, windows "
         f"of {min(512, c['seq_len'])} tokens), initial state as in "
@@ -646,7 +681,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None, help="evaluation-data folder holding gsm8k/ and mbpp/ "
                                                 "(default: $DASSPEC_DATA or ../shared/data)")
     p.add_argument("--device", default=None, help="cpu (default for tiny) or cuda")
-    p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget (overrides preset)")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock safety stop (default 82); with --set max_steps=null the "
+                                                           "cosine runs over this budget instead of over steps")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override any TrainConfig field, e.g. --set mean_recurrence=16 (repeatable)")

@@ -15,8 +15,8 @@ import torch
 import dasspec
 from dasspec.testing import random_model
 from dasspec.corpus import Document
-from dasspec.train import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, sample_depth, save_tokenizer,
-                           train, train_tokenizer)
+from dasspec.train import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, lr_at, mean_depth_at,
+                           run_fraction, sample_depth, save_tokenizer, train, train_tokenizer)
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -49,6 +49,25 @@ def test_depth_sampler_follows_huginn_scheme():
     assert r.min() >= 1 and np.quantile(r, 0.05) < 20 and np.quantile(r, 0.95) > 50
     floored = [sample_depth(rng, 32, 0.5, 8, min_depth=12, max_depth=40) for _ in range(2000)]
     assert min(n + k for n, k in floored) >= 12 and max(n + k for n, k in floored) <= 40
+
+
+def test_schedules_run_on_steps_when_max_steps_is_set():
+    cfg = TrainConfig(max_steps=1000, time_budget_s=60, lr=1e-3, warmup_steps=10, min_lr_frac=0.1,
+                      mean_recurrence=32, depth_warmup_frac=0.25, depth_warmup_start=4)
+    # elapsed time does not move a step-based schedule: the same run on a slow or a fast machine
+    assert lr_at(cfg, 500, elapsed=1.0) == lr_at(cfg, 500, elapsed=1e6) == pytest.approx(0.55e-3)
+    assert lr_at(cfg, 4, 0.0) == pytest.approx(0.5e-3) and lr_at(cfg, 1000, 0.0) == pytest.approx(1e-4)
+    assert [mean_depth_at(cfg, run_fraction(cfg, s, 1e6)) for s in (0, 125, 250, 900)] == [4, 18, 32, 32]
+    # without max_steps the cosine runs on wall-clock time, and the curriculum with it
+    wall = replace(cfg, max_steps=None)
+    assert run_fraction(wall, 10 ** 6, 30.0) == 0.5 and lr_at(wall, 500, 30.0) == pytest.approx(0.55e-3)
+    assert mean_depth_at(replace(cfg, depth_warmup_frac=0.0), 0.0) == 32      # curriculum off
+
+
+def test_curriculum_lowers_sampled_depth_early():
+    rng = np.random.default_rng(0)
+    early = np.mean([sum(sample_depth(rng, 4.0, 0.5, 8)) for _ in range(2000)])
+    assert 4.0 < early < 6.0                            # E[r] = mean + 1 for the ramp's first steps
 
 
 def test_training_smoke_saves_a_loadable_checkpoint(tmp_path):
@@ -90,5 +109,6 @@ def test_presets_build_valid_huginn_configs():
         assert mc.embed_scale == pytest.approx(math.sqrt(cfg.n_embd))
         assert mc.init_std == pytest.approx(math.sqrt(2 / (5 * cfg.n_embd)))
     tiny = PRESETS["tiny"].model_config(0, 1, 2)
-    assert tiny.block_size >= 4096 and tiny.mean_recurrence == 32 and tiny.head_dim == 64
+    assert tiny.block_size >= 4096 and tiny.mean_recurrence == 32 and tiny.head_dim * tiny.n_heads == tiny.n_embd
+    assert PRESETS["tiny"].max_steps is not None        # the shipped recipe runs on steps: same run on any machine
     assert isinstance(PRESETS["tiny"], TrainConfig)
