@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--w-inits", default="2", help="comma list; 'g' means W_init = gamma (a full window at once)")
     p.add_argument("--guesses", default="anchor", help="window seeds to try: anchor, lookup, copy (comma list)")
     p.add_argument("--trims", default="false", help="trim settings to try: false, true or both (comma list)")
+    p.add_argument("--carries", default="true", help="carry latent states across rounds: false, true or both")
     p.add_argument("--policy", default="deep-kv")
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -54,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts, skipped = prepare_prompts(plan, model.tokenizer, model.config.block_size)
     ints = lambda s: [int(x) for x in s.split(",")]                                      # noqa: E731
     bools = lambda s: [x.strip().lower() in ("1", "true", "on", "yes") for x in s.split(",")]     # noqa: E731
-    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "trim": t, "policy": args.policy}
-               for k, J, g, w, s, t in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
-                                                         args.w_inits.split(","), args.guesses.split(","),
-                                                         bools(args.trims))
+    configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "trim": t, "carry": c,
+                "policy": args.policy}
+               for k, J, g, w, s, t, c in itertools.product(ints(args.ks), ints(args.rounds), ints(args.gammas),
+                                                            args.w_inits.split(","), args.guesses.split(","),
+                                                            bools(args.trims), bools(args.carries))
                for w in [g if w.strip() == "g" else int(w)] if w <= g]
     arms = [("ar", {})] + [("das-wave", c) for c in configs]
     rows: dict[int, list[dict]] = {i: [] for i in range(len(arms))}
@@ -87,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                       "pass_speedup": float(np.mean(passes)), "A": float(np.mean([x.A for x in s])),
                       "G": float(np.mean([x.G for x in s]))})
     table.sort(key=lambda t: -t["S"])
-    lines = ["| k | J | gamma | W_init | guesses | trim | S (dev) | pass-count | A | G |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | J | gamma | W_init | guesses | trim | carry | S (dev) | pass-count | A | G |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['k']} | {t['rounds']} | {t['gamma']} | {t['w_init']} | {t['guesses']} | "
-                     f"{'on' if t['trim'] else 'off'} | {t['S']:.2f}× | "
+                     f"{'on' if t['trim'] else 'off'} | {'on' if t['carry'] else 'off'} | {t['S']:.2f}× | "
                      f"{t['pass_speedup']:.2f}× | {t['A']:.2f} | {t['G']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
