@@ -584,8 +584,8 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
         f"* Sequences of {c['seq_len']} tokens x {c['batch_size']}, every {c['long_every']}th step "
         f"{c['long_seq_len']} tokens; AdamW (betas {tuple(c['betas'])}, weight decay {c['weight_decay']}), "
         f"peak lr {c['lr']:g}, {c['warmup_steps']} warmup steps then cosine to {c['min_lr_frac']:g}x over "
-        + (f"{c['max_steps']:,} steps, grad clip {c['grad_clip']}. The schedule runs on steps, so the run is "
-           "the same on a faster or slower machine (only its duration changes)."
+        + (f"{c['max_steps']:,} steps, grad clip {c['grad_clip']}. The schedules run on steps, so a faster or "
+           "slower machine runs the same schedule (only the duration changes, and float rounding with the CPU)."
            if c["max_steps"] is not None else
            f"the wall-clock budget ({c['time_budget_s'] / 60:.0f} min), grad clip {c['grad_clip']}. The step "
            "count depends on the machine's speed and load; for a machine-independent run of the same length use "
