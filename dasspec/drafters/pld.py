@@ -22,34 +22,31 @@ from ..methods import MethodSpec, positive_int, register
 from ..verify import TreeLayout, verify_chain, verify_tree
 
 
-def suffix_runs(seq: np.ndarray, max_ngram: int) -> np.ndarray:
-    """run[e] (e < L-1) = how many tokens ending at e equal the text's last tokens, capped at max_ngram."""
+def longest_suffix_matches(seq: np.ndarray, max_ngram: int) -> np.ndarray:
+    """End positions e < L-1 of the earlier occurrences of the text's longest repeated suffix n-gram, n <= max_ngram
+    (ascending; empty when even the last token never occurred before)."""
     L = seq.shape[0]
-    n_max = min(max_ngram, L - 1)
-    ends = L - 1
-    run = np.zeros(ends, dtype=np.int64)
+    ends = max(L - 1, 0)
+    run = np.zeros(ends, dtype=np.int64)          # run[e]: tokens ending at e equal to the text's last ones
     alive = np.ones(ends, dtype=bool)
-    for k in range(n_max):
+    for k in range(min(max_ngram, ends)):
         # compare seq[e-k] with seq[L-1-k] for e in [k, L-2]
         eq = np.zeros(ends, dtype=bool)
         eq[k:] = seq[: ends - k] == seq[L - 1 - k]
         alive &= eq
         run += alive
-    return run
+    n = run.max(initial=0)
+    return np.flatnonzero(run == n) if n else run[:0]
 
 
 def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     """The PLD draft for text ``seq`` (1-D ints): tokens after the earliest earlier occurrence of the longest
     suffix n-gram, n <= max_ngram; empty when nothing matches."""
-    if seq.shape[0] < 2:
+    hits = longest_suffix_matches(seq, max_ngram)
+    if not hits.size:
         return seq[:0]
-    run = suffix_runs(seq, max_ngram)
-    for n in range(min(max_ngram, seq.shape[0] - 1), 0, -1):
-        hits = np.flatnonzero(run >= n)
-        if hits.size:
-            start = int(hits[0]) + 1
-            return seq[start: start + num_pred]
-    return seq[:0]
+    start = int(hits[0]) + 1
+    return seq[start: start + num_pred]
 
 
 def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
@@ -57,16 +54,12 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     continuing into the copy itself (LZ77-style): with the match p tokens back the draft repeats the text's last
     p tokens, so a run of one token (p = 1) or a cycle of period p extends to any length.  Empty when nothing
     matches."""
-    L = seq.shape[0]
-    if L < 2:
+    hits = longest_suffix_matches(seq, max_ngram)
+    if not hits.size:
         return seq[:0]
-    run = suffix_runs(seq, max_ngram)
-    for n in range(min(max_ngram, L - 1), 0, -1):
-        hits = np.flatnonzero(run >= n)
-        if hits.size:
-            p = L - 1 - int(hits[-1])                   # period: distance from the match's end to the text's end
-            return seq[L - p + np.arange(num_pred) % p]
-    return seq[:0]
+    L = seq.shape[0]
+    p = L - 1 - int(hits[-1])                     # period: distance from the match's end to the text's end
+    return seq[L - p + np.arange(num_pred) % p]
 
 
 class PromptLookup:
