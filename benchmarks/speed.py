@@ -10,6 +10,11 @@ prompt, each paired with full-depth AR; prints and writes, per method:
 * memory: peak resident memory of the process during the generation on CPU (peak allocated on CUDA), and the
   depth cache allocated for it.
 
+and per task: each method's S (and A), AR's share of time in prefill and the *prefill bound* - the S a method
+would reach if everything after the prefill cost nothing (mean over prompts of AR's time / AR's prefill time).
+Every method runs the same full-depth prefill and the paper's S includes it, so a task whose outputs are short
+(a request that stops after a few tokens is mostly prefill) caps every method near 1x, whatever it drafts.
+
     python benchmarks/speed.py --out runs/speed                      # bundled model, HumanEval + GSM8K
     python benchmarks/speed.py --model PATH --tasks gsm8k --prompts 10 --threads 2 --out runs/speed-gsm
 
@@ -74,7 +79,32 @@ def speed_table(out: Path, n_resamples: int = 10_000) -> tuple[str, list[dict]]:
         lines.append(f"| {name} | {f(t['tokens_per_second'], 1)} | {f(t['S'])}×{ci} | {f(t['pass_speedup'])}× | "
                      f"{f(t['efficiency'])} | {f(t['A'])} | {f(t['G'])} | {f(t['peak_memory_mib'], 0)} | "
                      f"{f(t['cache_mib'], 1)} | {t['matches']}/{t['prompts']} |")
-    return "\n".join(lines), table
+    return "\n".join(lines) + "\n\n" + task_table(rows, [t["method"] for t in table]), table
+
+
+def task_table(rows: list[dict], methods: list[str]) -> str:
+    """Per task: S (A) of every method, AR's prefill share and the prefill bound (see the module docstring)."""
+    from dasspec.bench import metrics
+    from dasspec.bench.report import method_label, task_label
+
+    others = [m for m in methods if m != "ar"]
+    head = ["task", "prompts", "AR new tokens", "AR time in prefill", "prefill bound"] + \
+        [f"{method_label(m)} S (A)" for m in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task in sorted({r["task"] for r in rows}):
+        ar = [r for r in rows if r["task"] == task and r["method"] == "ar"]
+        if not ar or any(r["ar_prefill_time"] is None for r in ar):
+            continue
+        share = np.mean([r["ar_prefill_time"] / r["ar_wall_time"] for r in ar])
+        bound = np.mean([r["ar_wall_time"] / r["ar_prefill_time"] for r in ar])
+        cells = []
+        for m in others:
+            g = [r for r in rows if r["task"] == task and r["method"] == m]
+            cells.append(f"{metrics.speedup([r['ratio'] for r in g]):.2f}× "
+                         f"({metrics.mean_over_prompts([r['A_p'] for r in g]):.1f})" if g else "–")
+        lines.append(f"| {task_label(task)} | {len(ar)} | {np.mean([r['ar_new_tokens'] for r in ar]):.1f} | "
+                     f"{share:.0%} | {bound:.2f}× | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(table: list[dict], path: Path) -> None:

@@ -13,7 +13,7 @@ import sys
 # Paper knobs get their own flags; any method knob can also be given as --set name=value.
 KNOB_FLAGS = {
     "gamma": int, "rounds": int, "w_init": int, "k": int, "draft_depth": int, "block": int, "policy": str,
-    "guesses": str,
+    "guesses": str, "seed_branch": int,
 }
 
 
@@ -31,6 +31,11 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trim", dest="trim", action="store_true", default=None,
                    help="DAS-Wave: verify only up to the first proposal the last round changed")
     g.add_argument("--no-trim", dest="trim", action="store_false", help="DAS-Wave: verify every proposal (paper)")
+    g.add_argument("--seed-branch", dest="seed_branch", type=int,
+                   help="DAS-Wave: verify up to N tokens of the window's seed as a second branch (0 = off)")
+    g.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
+                   help="DAS-Wave: after a block whose seed was accepted whole, verify the next seed without rounds")
+    g.add_argument("--no-copy-run", dest="copy_run", action="store_false", help="DAS-Wave: always run the rounds")
     g.add_argument("--carry", dest="carry", action="store_true", default=None, help="carry latent states (wave)")
     g.add_argument("--no-carry", dest="carry", action="store_false", help="re-initialise states every round")
     g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",
@@ -38,7 +43,7 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict:
-    names = list(KNOB_FLAGS) + ["carry", "trim"]
+    names = list(KNOB_FLAGS) + ["carry", "trim", "copy_run"]
     knobs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     for item in getattr(args, "extra", []) or []:
         if "=" not in item:

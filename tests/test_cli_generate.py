@@ -80,6 +80,8 @@ def test_hf_repo_id_from_cache(folder, api, capsys, monkeypatch, tmp_path):
     (["--max-new-tokens", "200000"], "exceeds the model context"),
     (["--dtype", "float32", "--set", "gamma=3"], "method 'ar' does not take gamma"),
     (["--method", "das-wave", "--gamma", "4", "--w-init", "5"], "w_init (5) must be <= gamma (4)"),
+    (["--method", "das-wave", "--seed-branch", "-1"], "seed_branch must be an integer >= 0"),
+    (["--method", "das-wave", "--guesses", "anchor", "--seed-branch", "4"], "seed_branch needs a seed"),
 ])
 def test_bad_arguments_exit_2_with_message(folder, capsys, argv, message):
     rc = main(["generate", "--model", str(folder), "--prompt", TEXT] + argv)

@@ -29,6 +29,9 @@ RANDOM_CASES = (
        for c in (True, False)]                                            # lookup-seeded window
     + [("das-wave", {"gamma": 8, "rounds": 4, "w_init": 3, "k": 1, "trim": True, "guesses": g})
        for g in ("anchor", "lookup", "copy")]                             # trimmed proposals
+    + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 8, "k": 1, "trim": True, "guesses": g, "seed_branch": b,
+                     "copy_run": c})                # seed verified as a second branch / seeds verified without rounds
+       for g, b, c in (("copy", 4, False), ("copy", 0, True), ("lookup", 6, True))]
 )
 
 
@@ -102,6 +105,10 @@ BUNDLED_CASES = (
     + [("das-wave", {"gamma": 12, "rounds": 2, "w_init": 12, "k": 1, "guesses": "lookup"})]
     + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": g, "trim": True})
        for g in ("lookup", "copy")]
+    + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": "copy", "trim": True,
+                     "seed_branch": b}) for b in (5, 12)]
+    + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": "copy", "trim": True,
+                     "seed_branch": 6, "copy_run": True})]
 )
 
 
@@ -219,3 +226,91 @@ def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> No
         assert got == (after if first is None else after[: first + 1]), text
         trimmed += len(got) < len(after)
     assert trimmed > 0, "no window was trimmed: the trim path went untested"
+
+
+def test_wave_seed_branch_tree_layout() -> None:
+    """seed_branch: the verifier gets [anchor, wave chain, seed past the common prefix] as a two-branch tree; a
+    seed that adds nothing beyond the chain leaves the plain chain."""
+    from dasspec.decoders.wave import seed_branch_layout
+    from dasspec.decoding import Decoding
+    from dasspec.stopping import StopRule
+
+    model = random_model("huginn", seed=1, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    dec = Decoding(model, [2, 3, 4], StopRule(30), width=16, method="das-wave")
+    dec.prefill()
+    n = dec.n
+
+    def layout(props, seed, max_len):
+        dec.tokens[n + 1: n + 1 + len(props)] = torch.tensor(props)
+        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len, {}, "cpu")
+
+    lay = layout([5, 6, 7, 8], [5, 6, 9, 9, 9], 4)              # common prefix 2, seed capped at 4
+    assert lay.parents == (-1, 0, 1, 2, 3, 2, 5)
+    assert dec.tokens[n + 1: n + 7].tolist() == [5, 6, 7, 8, 9, 9]
+    lay = layout([5, 6], [5, 6, 7], 8)                          # the chain is a prefix of the seed: one chain
+    assert lay.parents == (-1, 0, 1, 2) and lay.is_chain
+    assert dec.tokens[n + 1: n + 4].tolist() == [5, 6, 7]
+    assert layout([5, 6, 7], [5, 6], 8) is None                 # the seed is a prefix of the chain
+    assert layout([5, 6, 7], [9, 9], 0) is None                 # capped to nothing
+
+
+def test_wave_seed_branch_and_copy_run_on_the_bundled_model(monkeypatch) -> None:
+    """seed_branch: on repetitive output some blocks accept a path through the seed branch (not the wave's
+    chain).  copy_run: a block runs no rounds exactly when the previous block committed the whole seed it tested
+    (the seed branch's L tokens after rounds, the whole seed after none); without it every block runs J rounds.
+    Tokens stay AR's."""
+    from dasspec.decoders import wave
+
+    model = _bundled()
+    L = 8
+    blocks: list[dict] = []
+
+    class Lookup(wave.PromptLookup):
+        def propose(self, dec):
+            seed = super().propose(dec)
+            blocks.append({"seed": seed.tolist(), "rounds": False})
+            return seed
+
+    real = wave.propose_wave
+
+    def rounds(dec, *a, **kw):
+        blocks[-1]["rounds"] = True
+        return real(dec, *a, **kw)
+
+    def note(verify):
+        def run(dec, *a):
+            start = len(dec.generated)
+            out = verify(dec, *a)
+            blocks[-1]["committed"] = dec.generated[start:]
+            if verify is real_tree:             # a path that leaves the first rows went through the seed branch
+                blocks[-1]["seed_path"] = out.path != list(range(len(out.path)))
+            return out
+        return run
+
+    real_tree = wave.verify_tree
+
+    monkeypatch.setattr(wave, "PromptLookup", Lookup)
+    monkeypatch.setattr(wave, "propose_wave", rounds)
+    monkeypatch.setattr(wave, "verify_chain", note(wave.verify_chain))
+    monkeypatch.setattr(wave, "verify_tree", note(wave.verify_tree))
+    skipped = seed_paths = 0
+    for text in _bundled_prompts(6):
+        ids = model.tokenizer.encode(text)
+        ref = dasspec.generate(model, ids, "ar", max_new_tokens=48)
+        for copy_run in (False, True):
+            blocks.clear()
+            out = dasspec.generate(model, ids, "das-wave", max_new_tokens=48, gamma=16, w_init=16, rounds=3,
+                                   guesses="copy", trim=True, seed_branch=L, copy_run=copy_run)
+            assert out.tokens == ref.tokens, (copy_run, text)
+            if not copy_run:
+                assert all(b["rounds"] for b in blocks)
+                seed_paths += sum(b.get("seed_path", False) for b in blocks)
+                continue
+            assert blocks[0]["rounds"]
+            for prev, b in zip(blocks, blocks[1:]):
+                tested = prev["seed"][:L] if prev["rounds"] else prev["seed"]
+                whole = bool(tested) and prev["committed"][: len(tested)] == tested
+                assert b["rounds"] == (not (whole and b["seed"])), (text, prev, b)
+                skipped += not b["rounds"]
+    assert seed_paths > 0, "no block accepted a path through the seed branch: the tree path went untested"
+    assert skipped > 0, "no block skipped its rounds: the copy-run path went untested"

@@ -159,3 +159,17 @@ def test_model_default_w_init_fits_a_callers_smaller_gamma(raven, monkeypatch):
     assert out.tokens == ref.tokens
     with pytest.raises(ValueError, match=r"w_init \(8\) must be <= gamma \(6\)"):
         dasspec.generate(raven, TEXT, "das-wave", max_new_tokens=6, num_steps=3, gamma=6, w_init=8)
+
+
+def test_model_default_seed_branch_yields_to_a_callers_anchor_window(raven, monkeypatch):
+    """A tuned seed branch (copy seeds) is dropped when the caller asks for the paper's anchor-seeded window, and
+    asking for both explicitly is an error that says why."""
+    from dasspec.methods import get_method, resolve_knobs
+
+    monkeypatch.setattr(raven, "generation_defaults",
+                        {"dasspec": {"das-wave": {"guesses": "copy", "seed_branch": 24}}})
+    spec = get_method("das-wave")
+    assert resolve_knobs(spec, raven.config, raven.generation_defaults, {}, 3)["seed_branch"] == 24
+    assert resolve_knobs(spec, raven.config, raven.generation_defaults, {"guesses": "anchor"}, 3)["seed_branch"] == 0
+    with pytest.raises(ValueError, match="seed_branch needs a seed"):
+        dasspec.generate(raven, TEXT, "das-wave", max_new_tokens=6, num_steps=3, guesses="anchor", seed_branch=4)

@@ -55,6 +55,11 @@ def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--trim", dest="trim", action="store_true", default=None,
                    help=f"{what}: verify only up to the first proposal the last round changed (default: the model's)")
     p.add_argument("--no-trim", dest="trim", action="store_false", help=f"{what}: verify every proposal (paper)")
+    p.add_argument("--seed-branch", dest="seed_branch", type=int, default=None,
+                   help=f"{what}: verify up to N seed tokens as a second branch, 0 = off (default: the model's)")
+    p.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
+                   help=f"{what}: verify a seed without rounds after one was accepted whole (default: the model's)")
+    p.add_argument("--no-copy-run", dest="copy_run", action="store_false", help=f"{what}: always run the rounds")
 
 
 def add_parser(sub) -> None:
@@ -95,7 +100,11 @@ def _wave_budget(args: argparse.Namespace, model) -> dict:
     budget = {k: int(getattr(args, k) if getattr(args, k) is not None else base[k])
               for k in ("gamma", "rounds", "w_init", "k")}
     trim = base["trim"] if args.trim is None else args.trim
-    return budget | {"guesses": args.guesses or base["guesses"], "trim": trim}
+    guesses = args.guesses or base["guesses"]
+    seeded = guesses != "anchor"             # the model's seed branch / copy run need a seed; anchor has none
+    seed_branch = (base["seed_branch"] if seeded else 0) if args.seed_branch is None else args.seed_branch
+    copy_run = (base["copy_run"] and seeded) if args.copy_run is None else args.copy_run
+    return budget | {"guesses": guesses, "trim": trim, "seed_branch": int(seed_branch), "copy_run": bool(copy_run)}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

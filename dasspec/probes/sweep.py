@@ -24,7 +24,9 @@ SYMBOL = {"k": "k", "gamma": "gamma", "w_init": "W_init"}
 def arm_name(knobs: dict) -> str:
     name = f"gamma={knobs['gamma']},J={knobs['rounds']},W_init={knobs['w_init']},k={knobs['k']}"
     name += f",guesses={knobs['guesses']}" if knobs.get("guesses", "anchor") != "anchor" else ""
-    return name + (",trim" if knobs.get("trim") else "")
+    name += ",trim" if knobs.get("trim") else ""
+    name += f",seed_branch={knobs['seed_branch']}" if knobs.get("seed_branch") else ""
+    return name + (",copy_run" if knobs.get("copy_run") else "")
 
 
 def plan(base: dict, values: dict[str, Sequence[int]]) -> list[tuple[str, int, dict]]:

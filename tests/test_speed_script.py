@@ -1,0 +1,42 @@
+"""benchmarks/speed.py's tables from records (no model): the prefill bound and the per-task speedups."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+def _speed_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+    spec = importlib.util.spec_from_file_location("speed_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _record(task, i, method, wall, prefill, tokens, accepted):
+    return {"task": task, "prompt_id": f"{task}/{i}", "prompt_index": i, "method": method, "session": "s",
+            "new_tokens": len(tokens), "wall_time": wall, "prefill_time": prefill, "sequential_passes": 32 * 4,
+            "accepted": accepted, "target_tokens": [1] * len(accepted), "tokens": tokens, "stop_reason": "length",
+            "stateful": False, "peak_memory": 2**20, "cache_bytes": 2**20}
+
+
+def test_per_task_table_reports_the_prefill_bound(tmp_path):
+    speed = _speed_module()
+    toks = [5, 6, 7, 8]
+    records = [
+        # task a: AR 2.0 s of which 0.5 s prefill -> share 25 %, bound 4x; DAS-Wave 1.0 s -> S 2x
+        _record("gsm8k", 0, "ar", 2.0, 0.5, toks, [0, 0, 0, 0]),
+        _record("gsm8k", 0, "das-wave", 1.0, 0.5, toks, [3]),
+        # task b: AR 1.0 s, prefill 0.8 s -> share 80 %, bound 1.25x; DAS-Wave 0.9 s -> S 1.11x
+        _record("humaneval", 0, "ar", 1.0, 0.8, toks, [0, 0, 0, 0]),
+        _record("humaneval", 0, "das-wave", 0.9, 0.8, toks, [3]),
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text, table = speed.speed_table(tmp_path, n_resamples=100)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 1 | 4.0 | 25% | 4.00× | 2.00× (3.0) |" in rows["GSM8K"]
+    assert "| 1 | 4.0 | 80% | 1.25× | 1.11× (3.0) |" in rows["HumanEval"]
+    wave = next(t for t in table if t["method"] == "das-wave")
+    assert abs(wave["S"] - (2.0 + 1.0 / 0.9) / 2) < 1e-9
