@@ -50,15 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import dasspec
     from dasspec.bench import metrics
-    from dasspec.bench.runner import BenchPlan, prepare_prompts, resolve_tasks
+    from dasspec.bench.runner import dev_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = dasspec.load_model(args.model)
-    shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
-    tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
-    plan = BenchPlan(tasks=tasks, methods=["das-wave"], prompts=args.prompts, split="dev", data=args.data)
-    prompts, skipped = prepare_prompts(plan, model.tokenizer, model.config.block_size)
+    prompts = dev_prompts(model, args.tasks, args.prompts, args.max_new_tokens, args.shots, args.data)
     ints = lambda s: [int(x) for x in s.split(",")]                                      # noqa: E731
     bools = lambda s: [x.strip().lower() in ("1", "true", "on", "yes") for x in s.split(",")]     # noqa: E731
     configs = [{"k": k, "rounds": J, "gamma": g, "w_init": w, "guesses": s, "trim": t, "carry": c,

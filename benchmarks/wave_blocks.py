@@ -42,30 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
 
-    import json
-
     import torch
     from tqdm.auto import tqdm
 
     import dasspec
-    from dasspec.bench.runner import BenchPlan, prepare_prompts, resolve_tasks
+    from dasspec.bench.runner import dev_prompts, parse_knobs
     from dasspec.decoders import wave
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = dasspec.load_model(args.model)
-    knobs = {}
-    for item in filter(None, args.knobs.split(",")):
-        name, _, value = item.partition("=")
-        try:
-            knobs[name] = json.loads(value)
-        except json.JSONDecodeError:
-            knobs[name] = value
+    knobs = parse_knobs([f"das-wave:{args.knobs}"])["das-wave"] if args.knobs else {}
     knobs.update(seed_branch=0, copy_run=False)         # every block runs its rounds and verifies the chain alone
-    shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
-    tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
-    plan = BenchPlan(tasks=tasks, methods=["das-wave"], prompts=args.prompts, split="dev", data=args.data)
-    prompts, _ = prepare_prompts(plan, model.tokenizer, model.config.block_size)
+    prompts = dev_prompts(model, args.tasks, args.prompts, args.max_new_tokens, args.shots, args.data)
 
     blocks: list[dict] = []
     real = wave.propose_wave

@@ -40,3 +40,29 @@ def test_per_task_table_reports_the_prefill_bound(tmp_path):
     assert "| 1 | 4.0 | 80% | 1.25× | 1.11× (3.0) |" in rows["HumanEval"]
     wave = next(t for t in table if t["method"] == "das-wave")
     assert abs(wave["S"] - (2.0 + 1.0 / 0.9) / 2) < 1e-9
+
+
+def test_wave_blocks_script_compares_seed_and_chain(tmp_path):
+    """benchmarks/wave_blocks.py (the diagnostic behind seed_branch / copy_run) runs end to end on the bundled model
+    and its counts add up: every seeded block is a seed win, a chain win or a tie."""
+    import csv
+    import os
+
+    import pytest
+
+    from dasspec.checkpoint import BUNDLED_DIR
+
+    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
+        pytest.skip("needs the bundled model and the GSM8K data")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "wave_blocks.py"
+    spec = importlib.util.spec_from_file_location("wave_blocks", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path), "--tasks", "gsm8k", "--prompts", "1", "--max-new-tokens", "32",
+                     "--knobs", "gamma=8,w_init=8", "--data", str(data)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "blocks.csv")))
+    assert rows and all(int(r["wave_len"]) <= 8 and int(r["seed_len"]) <= 8 for r in rows)
+    line = next(x for x in (tmp_path / "blocks.md").read_text().splitlines() if x.startswith("| gsm8k"))
+    blocks, no_seed, seed_won, _, chain_won, tie = (int(c) for c in line.split(" | ")[1:7])
+    assert blocks == len(rows) and no_seed + seed_won + chain_won + tie == blocks

@@ -159,6 +159,17 @@ def prepare_prompts(plan: BenchPlan, tokenizer, block_size: int) -> tuple[list[P
     return prompts, skipped
 
 
+def dev_prompts(model: LoopedLM, task_names: str, prompts: int, max_new_tokens: int, shots: Iterable[str] = (),
+                data: str | None = None) -> list[Prompt]:
+    """The *development* prompts the tuning and diagnostic scripts use (never the evaluation ones): ``prompts``
+    per task of the comma-separated ``task_names``, every task capped at ``max_new_tokens``, ``shots`` as
+    ``TASK=N`` items."""
+    n_shots = {k: int(v) for k, v in (s.split("=", 1) for s in shots)}
+    tasks = resolve_tasks(task_names.split(","), {"*": max_new_tokens}, n_shots)
+    plan = BenchPlan(tasks=tasks, methods=["ar"], prompts=prompts, split="dev", data=data)
+    return prepare_prompts(plan, model.tokenizer, model.config.block_size)[0]
+
+
 def weights_fingerprint(model: LoopedLM) -> str:
     """A short digest of the weights (float64 sums per tensor), so a retrained model is not resumed into old
     records under the same name."""
