@@ -253,3 +253,28 @@ def test_cli_probe_writes_md_csv_png(tmp_path):
     assert "| Deep K/V |" in (out / "channels.md").read_text()
     assert main(["probe", "channels", "--model", str(folder), "--prompts", "1", "--depths", "9",
                  "--out", str(out), "--data", str(DATA), "--no-progress"]) == 2
+
+
+def test_wave_probe_budget_resolves_like_generate():
+    """factorial/sweep budgets: flags over the model's tuned defaults, with generate's rules - a tuned W_init
+    yields to a smaller --gamma, a tuned seed branch / copy run to --guesses anchor - and explicit flags win."""
+    import argparse
+
+    from dasspec.probes.cli import WAVE_BUDGET, _wave_budget
+
+    model = random_model("huginn", mean_recurrence=4)
+    model.generation_defaults = {"dasspec": {"das-wave": {"gamma": 48, "w_init": 48, "rounds": 4, "k": 1,
+                                                          "guesses": "copy", "trim": True, "seed_branch": 24,
+                                                          "copy_run": True}}}
+
+    def budget(**flags):
+        return _wave_budget(argparse.Namespace(**({k: None for k in WAVE_BUDGET} | flags)), model, 4)
+
+    assert budget() == {"gamma": 48, "rounds": 4, "w_init": 48, "k": 1, "guesses": "copy", "trim": True,
+                        "seed_branch": 24, "copy_run": True}
+    assert budget(gamma=8)["w_init"] == 8
+    anchor = budget(guesses="anchor", trim=False)
+    assert (anchor["seed_branch"], anchor["copy_run"], anchor["trim"]) == (0, False, False)
+    assert budget(seed_branch=0, copy_run=False) | {"seed_branch": 24, "copy_run": True} == budget()
+    with pytest.raises(ValueError, match="seed_branch needs a seed"):
+        budget(guesses="anchor", seed_branch=4)

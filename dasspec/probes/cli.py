@@ -92,19 +92,17 @@ def add_parser(sub) -> None:
     probe.set_defaults(func=cmd_probe)
 
 
-def _wave_budget(args: argparse.Namespace, model) -> dict:
-    from ..methods import get_method
+WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch", "copy_run")
 
-    base = get_method("das-wave").defaults(model.config)
-    base.update((model.generation_defaults.get("dasspec") or {}).get("das-wave") or {})
-    budget = {k: int(getattr(args, k) if getattr(args, k) is not None else base[k])
-              for k in ("gamma", "rounds", "w_init", "k")}
-    trim = base["trim"] if args.trim is None else args.trim
-    guesses = args.guesses or base["guesses"]
-    seeded = guesses != "anchor"             # the model's seed branch / copy run need a seed; anchor has none
-    seed_branch = (base["seed_branch"] if seeded else 0) if args.seed_branch is None else args.seed_branch
-    copy_run = (base["copy_run"] and seeded) if args.copy_run is None else args.copy_run
-    return budget | {"guesses": guesses, "trim": trim, "seed_branch": int(seed_branch), "copy_run": bool(copy_run)}
+
+def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:
+    """The flags given, over the model's tuned DAS-Wave defaults, resolved as ``generate`` resolves them (so a
+    tuned W_init or seed branch yields to a caller's smaller gamma or anchor window the same way)."""
+    from ..methods import get_method, resolve_knobs
+
+    user = {k: getattr(args, k) for k in WAVE_BUDGET if getattr(args, k) is not None}
+    knobs = resolve_knobs(get_method("das-wave"), model.config, model.generation_defaults, user, R)
+    return {k: knobs[k] for k in WAVE_BUDGET}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -141,11 +139,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
             rows = grid.run(model, trajs, args.draft_depth, ka, args.v_depths or ka, coda=args.coda, **kw)
             grid.write(rows, out, setup)
     elif name == "factorial":
-        budget = _wave_budget(args, model)
+        budget = _wave_budget(args, model, R)
         rows, summary = factorial.run(model, prompts, args.max_new_tokens, **budget, **kw)
         factorial.write(rows, summary, out, setup)
     elif name == "sweep":
-        base = _wave_budget(args, model)
+        base = _wave_budget(args, model, R)
         setup["base schedule"] = sweep.arm_name(base)
         rows = sweep.run(model, prompts, args.max_new_tokens, base,
                          {"k": args.ks, "gamma": args.gammas, "w_init": args.w_inits}, **kw)
