@@ -31,7 +31,7 @@ RANDOM_CASES = (
        for g in ("anchor", "lookup", "copy")]                             # trimmed proposals
     + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 8, "k": 1, "trim": True, "guesses": g, "seed_branch": b,
                      "copy_run": c})                # seed verified as a second branch / seeds verified without rounds
-       for g, b, c in (("copy", 4, False), ("copy", 0, True), ("lookup", 6, True))]
+       for g, b, c in (("copy", 4, True), ("lookup", 6, False))]
 )
 
 
@@ -106,9 +106,7 @@ BUNDLED_CASES = (
     + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": g, "trim": True})
        for g in ("lookup", "copy")]
     + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": "copy", "trim": True,
-                     "seed_branch": b}) for b in (5, 12)]
-    + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": "copy", "trim": True,
-                     "seed_branch": 6, "copy_run": True})]
+                     "seed_branch": b, "copy_run": c}) for b, c in ((12, False), (0, True), (6, True))]
 )
 
 
