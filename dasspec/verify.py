@@ -15,6 +15,7 @@ baselines in ``dasspec.drafters``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -103,8 +104,27 @@ class TreeLayout:
 
     @classmethod
     def chain(cls, T: int, device: torch.device | str | None = None) -> "TreeLayout":
-        """The anchor followed by T-1 proposals in a row."""
-        return cls(list(range(-1, T - 1)), device=device)
+        """The anchor followed by T-1 proposals in a row (built once per shape and device, then shared)."""
+        return _shared_layout(tuple(range(-1, T - 1)), _device_key(device))
+
+    @classmethod
+    def fork(cls, a: int, shared: int, b: int, device: torch.device | str | None = None) -> "TreeLayout":
+        """Two chains from the anchor that share their first ``shared`` proposals: nodes 1..a in a row, then b
+        nodes in a row continuing from node ``shared`` (0 = the anchor).  Built once per shape and device."""
+        if not 0 <= shared <= a:
+            raise ValueError(f"the shared prefix ({shared}) must lie within the first chain (a = {a})")
+        parents = tuple(range(-1, a)) + ((shared,) + tuple(range(a + 1, a + b)) if b else ())
+        return _shared_layout(parents, _device_key(device))
+
+
+def _device_key(device: torch.device | str | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_layout(parents: tuple[int, ...], device: torch.device | None) -> TreeLayout:
+    # Layouts are read-only after construction, so every decoder (and every request) can share one per shape.
+    return TreeLayout(parents, device=device)
 
 
 def greedy_accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Tensor]:

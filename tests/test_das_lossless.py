@@ -240,7 +240,7 @@ def test_wave_seed_branch_tree_layout() -> None:
 
     def layout(props, seed, max_len):
         dec.tokens[n + 1: n + 1 + len(props)] = torch.tensor(props)
-        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len, {}, "cpu")
+        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len, "cpu")
 
     lay = layout([5, 6, 7, 8], [5, 6, 9, 9, 9], 4)              # common prefix 2, seed capped at 4
     assert lay.parents == (-1, 0, 1, 2, 3, 2, 5)

@@ -60,6 +60,20 @@ def test_chain_flag_and_bad_trees() -> None:
         TreeLayout([-1, 2, 0])
 
 
+def test_chain_and_fork_layouts_are_shared_per_shape() -> None:
+    """chain / fork are built once per (shape, device) and reused by every decoder; fork's second chain hangs
+    off the last shared proposal."""
+    assert TreeLayout.chain(6) is TreeLayout.chain(6) and TreeLayout.chain(6) is not TreeLayout.chain(7)
+    assert TreeLayout.chain(3, "cpu") is TreeLayout.chain(3, torch.device("cpu"))
+    fork = TreeLayout.fork(4, 2, 3)
+    assert fork.parents == (-1, 0, 1, 2, 3, 2, 5, 6) and fork is TreeLayout.fork(4, 2, 3)
+    assert fork.paths.tolist() == [[0, 1, 2, 3, 4, -1], [0, 1, 2, 5, 6, 7]]
+    assert TreeLayout.fork(3, 0, 2).parents == (-1, 0, 1, 2, 0, 4)          # nothing shared: both from the anchor
+    assert TreeLayout.fork(2, 2, 2).is_chain                                 # the second chain extends the first
+    with pytest.raises(ValueError, match="shared prefix"):
+        TreeLayout.fork(2, 3, 1)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_greedy_accept_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)

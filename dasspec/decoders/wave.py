@@ -125,7 +125,6 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     with dec.timer("draft"):
         find = SEEDERS[knobs["guesses"]]
         lookup = PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0), find) if find else None
-    layouts: dict[tuple[int, int, int], TreeLayout] = {}
     device = dec.tokens.device
     copying = False            # copy_run: the last block's seed was accepted whole
     while not dec.done:
@@ -136,13 +135,12 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
             if copying and seeded:             # no rounds: verify the seed as it is (a chain, plus bonus token)
                 tested = guesses
                 dec.tokens[dec.n + 1: dec.n + 1 + len(tested)] = torch.from_numpy(tested).to(device)
-                key = (len(tested), len(tested), 0)
-                layout = layouts.get(key) or layouts.setdefault(key, TreeLayout.chain(len(tested) + 1, device))
+                layout = TreeLayout.chain(len(tested) + 1, device)
             else:
                 proposals = propose_wave(dec, g, J, w0, k, policy, carry, guesses=guesses, trim=knobs["trim"])
                 tested = guesses[: knobs["seed_branch"]] if seeded and knobs["seed_branch"] else guesses
                 if knobs["seed_branch"] and seeded:
-                    layout = seed_branch_layout(dec, proposals, guesses, knobs["seed_branch"], layouts, device)
+                    layout = seed_branch_layout(dec, proposals, guesses, knobs["seed_branch"], device)
         start = len(dec.generated)
         if layout is None:
             verify_chain(dec, proposals)
@@ -152,12 +150,11 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
             copying = seeded and dec.generated[start: start + len(tested)] == tested.tolist()
 
 
-def seed_branch_layout(dec: Decoding, proposals: Tensor, seed: np.ndarray, max_len: int, layouts: dict,
+def seed_branch_layout(dec: Decoding, proposals: Tensor, seed: np.ndarray, max_len: int,
                        device: torch.device | str) -> TreeLayout | None:
     """Write [anchor, proposals, seed[m:L]] into the token scratch (m = their common prefix, L = up to ``max_len``
     seed tokens) and return the tree whose two branches are the wave's chain and the seed, sharing the first m
-    nodes.  None when the seed adds nothing past the chain (verify the chain alone).  Layouts are cached by
-    shape in ``layouts``."""
+    nodes (``TreeLayout.fork``).  None when the seed adds nothing past the chain (verify the chain alone)."""
     n = dec.n
     budget = dec.budget - 1
     wv = min(int(proposals.numel()), budget)
@@ -170,12 +167,7 @@ def seed_branch_layout(dec: Decoding, proposals: Tensor, seed: np.ndarray, max_l
         return None
     extra = L - m
     dec.tokens[n + 1 + wv: n + 1 + wv + extra] = torch.from_numpy(seed[m:L]).to(device)
-    key = (wv, m, extra)
-    layout = layouts.get(key)
-    if layout is None:
-        parents = list(range(-1, wv)) + [m] + list(range(wv + 1, wv + extra))
-        layout = layouts[key] = TreeLayout(parents, device=device)
-    return layout
+    return TreeLayout.fork(wv, m, extra, device)
 
 
 def _validate(knobs: dict, R: int) -> dict:

@@ -86,7 +86,6 @@ def run_pld(dec: Decoding, knobs: dict) -> None:
     dec.prefill()
     with dec.timer("draft"):
         lookup = PromptLookup(dec, knobs["max_ngram"], knobs["num_pred"])
-    layouts: dict[int, TreeLayout] = {}
     device = dec.tokens.device
     while not dec.done:
         with dec.timer("draft"):
@@ -95,7 +94,7 @@ def run_pld(dec: Decoding, knobs: dict) -> None:
             if k:
                 n = dec.n
                 dec.tokens[n + 1: n + 1 + k] = torch.from_numpy(draft).to(device)
-                layout = layouts.get(k) or layouts.setdefault(k, TreeLayout.chain(k + 1, device))
+                layout = TreeLayout.chain(k + 1, device)
         if k:
             verify_tree(dec, layout)
         else:

@@ -241,7 +241,6 @@ def run_sam(dec: Decoding, knobs: dict) -> None:
             static.match = static.match_len = 0
             static.advance(dec.tokens[: dec.P].tolist())
         fed = 0                                   # generated tokens already in the automata (all but the anchor)
-        chains: dict[int, TreeLayout] = {}
     while not dec.done:
         layout = None
         with dec.timer("draft"):
@@ -269,7 +268,7 @@ def run_sam(dec: Decoding, knobs: dict) -> None:
                     if draft:
                         k = len(draft)
                         dec.tokens[n + 1: n + 1 + k] = torch.tensor(draft, dtype=torch.long, device=device)
-                        layout = chains.get(k) or chains.setdefault(k, TreeLayout.chain(k + 1, device))
+                        layout = TreeLayout.chain(k + 1, device)
         if layout is None:
             verify_chain(dec)
         else:
