@@ -14,6 +14,8 @@ and per task: each method's S (and A), AR's share of time in prefill and the *pr
 would reach if everything after the prefill cost nothing (mean over prompts of AR's time / AR's prefill time).
 Every method runs the same full-depth prefill and the paper's S includes it, so a task whose outputs are short
 (a request that stops after a few tokens is mostly prefill) caps every method near 1x, whatever it drafts.
+``--prefix-cache`` prefills each task's shared few-shot prefix once before timing and lets every method, AR
+included, copy those rows (``dasspec.PrefixCache``; the task table shows the mean prompt and cached tokens).
 
     python benchmarks/speed.py --out runs/speed                      # bundled model, HumanEval + GSM8K
     python benchmarks/speed.py --model PATH --tasks gsm8k --prompts 10 --threads 2 --out runs/speed-gsm
@@ -88,7 +90,7 @@ def task_table(rows: list[dict], methods: list[str]) -> str:
     from dasspec.bench.report import method_label, task_label
 
     others = [m for m in methods if m != "ar"]
-    head = ["task", "prompts", "AR new tokens", "AR time in prefill", "prefill bound"] + \
+    head = ["task", "prompts", "prompt tokens (cached)", "AR new tokens", "AR time in prefill", "prefill bound"] + \
         [f"{method_label(m)} S (A)" for m in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task in sorted({r["task"] for r in rows}):
@@ -102,7 +104,10 @@ def task_table(rows: list[dict], methods: list[str]) -> str:
             g = [r for r in rows if r["task"] == task and r["method"] == m]
             cells.append(f"{metrics.speedup([r['ratio'] for r in g]):.2f}× "
                          f"({metrics.mean_over_prompts([r['A_p'] for r in g]):.1f})" if g else "–")
-        lines.append(f"| {task_label(task)} | {len(ar)} | {np.mean([r['ar_new_tokens'] for r in ar]):.1f} | "
+        prompt = np.mean([r["prompt_tokens"] or 0 for r in ar])
+        cached = np.mean([r["cached_tokens"] or 0 for r in ar])
+        lines.append(f"| {task_label(task)} | {len(ar)} | {prompt:.0f} ({cached:.0f}) | "
+                     f"{np.mean([r['ar_new_tokens'] for r in ar]):.1f} | "
                      f"{share:.0%} | {bound:.2f}× | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -150,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true")
     add_exec_flags(p)
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="every method reuses each task's shared few-shot prefix, prefilled once before timing")
     args = p.parse_args(argv)
 
     import torch
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
         tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
         plan = BenchPlan(tasks=tasks, methods=args.methods.split(","), knobs=parse_knobs(args.knobs),
-                         prompts=args.prompts, data=args.data)
+                         prompts=args.prompts, data=args.data, prefix_cache=args.prefix_cache)
         run_bench(model, plan, out, model_name=args.model or "bundled")
     text, table = speed_table(out)
     (out / "speed.md").write_text(text + "\n")

@@ -14,6 +14,7 @@ from .generate import GenerationResult, generate
 from .methods import method_names
 from .model import LoopedLM
 from .policy import ReadPolicy, parse_policy
+from .prefix_cache import PrefixCache
 from .tokenizer import Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ def load_model(source=None, device=None, dtype=None) -> LoopedLM:
 
 
 __all__ = ["optimize", "load_model", "load_tokenizer", "generate", "GenerationResult", "LoopedLM", "LoopedConfig",
-           "DepthCache", "ReadPolicy", "parse_policy", "Tokenizer", "method_names", "save_checkpoint",
+           "DepthCache", "PrefixCache", "ReadPolicy", "parse_policy", "Tokenizer", "method_names", "save_checkpoint",
            "CheckpointError", "ConfigError", "CacheCapacityError", "__version__"]

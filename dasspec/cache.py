@@ -102,6 +102,19 @@ class DepthCache:
             raise ValueError(f"rollback to {n} outside [0, {self.n}]")
         self.n = n
 
+    def load_prefix(self, src: "DepthCache", m: int) -> None:
+        """Make ``src``'s first ``m`` verified rows this (empty) cache's verified prefix: a copy at every depth and
+        in prelude/coda.  ``src`` must hold the same depths R (a ``PrefixCache``)."""
+        if self.n:
+            raise ValueError("load_prefix needs an empty cache")
+        if src.R != self.R or src.core_k.shape[:3] != self.core_k.shape[:3]:
+            raise ValueError(f"prefix cache of R={src.R} does not fit a depth cache of R={self.R}")
+        if not 0 <= m <= min(src.n, self.capacity):
+            raise ValueError(f"cannot load {m} prefix rows (source holds {src.n}, capacity {self.capacity})")
+        for dst, s in zip(self.tensors(), src.tensors()):
+            dst[..., :m, :] = s[..., :m, :]
+        self.commit(m)
+
     def compact(self, rows: Tensor) -> None:
         """Commit scratch rows ``rows`` (ascending, each >= n): copy them to [n, n + len(rows)) at every depth
         and in prelude/coda, then advance n.  Used after tree verification."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,6 +19,9 @@ from .cache import CacheCapacityError, DepthCache, bytes_per_token
 from .model import LoopedLM
 from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
 
 
 def _proc_bytes(path: str, key: str) -> int | None:
@@ -60,10 +64,28 @@ def peak_memory(device: torch.device) -> int | None:
     return _proc_bytes("/proc/self/status", "VmHWM")
 
 
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_cache_fits(model: LoopedLM, R: int, positions: int, advice: str) -> None:
+    """Raise ``CacheCapacityError`` naming the memory needed when a depth cache of ``positions`` rows at depth R
+    would take more than 90% of the device's free memory (before allocating anything)."""
+    per = bytes_per_token(model.config, R, model.dtype)
+    need, free = per * positions, available_memory(model.device)
+    if free is not None and need > 0.9 * free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
+        raise CacheCapacityError(
+            f"the depth cache needs {format_bytes(need)} ({per} B/token x {positions} positions at R={R}) but "
+            f"only {format_bytes(free)} is free on {model.device}; {advice}")
+
+
 class Decoding:
     def __init__(self, model: LoopedLM, prompt: list[int], stop: StopRule, num_steps: int | None = None,
                  init_scale: float = 1.0, seed: int = 0, width: int = 1, method: str = "ar",
-                 streamer=None):
+                 streamer=None, prefix_cache: "PrefixCache | None" = None):
         cfg = model.config
         self.model = model
         self.R = model.R if num_steps is None else int(num_steps)
@@ -73,7 +95,11 @@ class Decoding:
         if P == 0:
             raise ValueError("empty prompt: give at least one token (most tokenizers add BOS)")
         self.P = P
+        self.prompt = prompt
         self.stop = stop
+        if prefix_cache is not None:
+            prefix_cache.check(model, self.R, init_scale, seed)
+        self.prefix_cache = prefix_cache
         need_ctx = P + stop.max_new_tokens
         if need_ctx > cfg.block_size:
             raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({stop.max_new_tokens}) = {need_ctx} exceeds the "
@@ -81,13 +107,7 @@ class Decoding:
         # Scratch beyond the last committed token: a verifier block of `width` inputs plus its last proposal.
         self.capacity = min(need_ctx + width + 1, cfg.block_size + width + 1)
         device, dtype = model.device, model.dtype
-        need = bytes_per_token(cfg, self.R, dtype) * self.capacity
-        free = available_memory(device)
-        if free is not None and need > 0.9 * free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
-            raise CacheCapacityError(
-                f"the depth cache needs {need / 2**20:.1f} MiB ({bytes_per_token(cfg, self.R, dtype)} B/token x "
-                f"{self.capacity} positions at R={self.R}) but only {free / 2**20:.1f} MiB is free on {device}; "
-                "lower max_new_tokens or num_steps, or use bfloat16")
+        check_cache_fits(model, self.R, self.capacity, "lower max_new_tokens or num_steps, or use bfloat16")
         reset_peak_memory(device)
         self.static = bool(getattr(model, "static_shapes", False))
         self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype, zeroed=self.static)
@@ -146,9 +166,15 @@ class Decoding:
         return model.readout(h, span, cache, rows=logit_rows)[0]
 
     def prefill(self) -> None:
+        """Materialise the prompt at every depth and emit the first token.  With a prefix cache, the rows of the
+        prompt's longest common prefix with it are copied and only the rest is run (``stats.cached_tokens``)."""
         with self.timer("prefill"):
-            logits = self.target_pass(0, self.P, logit_rows=slice(-1, None), phase="prefill")
-            self.cache.commit(self.P)
+            m = self.prefix_cache.reusable(self.prompt) if self.prefix_cache is not None else 0
+            if m:
+                self.cache.load_prefix(self.prefix_cache.cache, m)
+                self.stats.cached_tokens = m
+            logits = self.target_pass(m, self.P - m, logit_rows=slice(-1, None), phase="prefill")
+            self.cache.commit(self.P - m)
             first = int(logits[-1].argmax())
         self.tokens[self.P] = first
         self.emit([first])

@@ -10,7 +10,7 @@ follow the paper's Table 5 per model family, overridable per model in ``generati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ from .methods import get_method, resolve_knobs
 from .model import LoopedLM
 from .stats import GenerationStats
 from .stopping import StopRule
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
 
 
 @dataclass
@@ -65,10 +68,12 @@ def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
 
 def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
-             *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True, **knobs) -> GenerationResult:
+             *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True,
+             prefix_cache: "PrefixCache | None" = None, **knobs) -> GenerationResult:
     """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
     its tokens equal ``method="ar"``'s.  ``stop``: extra stop token ids and/or stop strings (EOS always stops
-    unless ``eos=False``).  ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``."""
+    unless ``eos=False``).  ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``.
+    ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
     spec = get_method(method)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.R if num_steps is None else int(num_steps)
@@ -83,7 +88,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None)
     with torch.inference_mode():
         dec = Decoding(model, prompt, rule, R, init_scale, seed, width=spec.width(resolved), method=spec.name,
-                       streamer=streamer)
+                       streamer=streamer, prefix_cache=prefix_cache)
         spec.run(dec, resolved)
         stats = dec.finish()
     text = None

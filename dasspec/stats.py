@@ -14,6 +14,7 @@ import torch
 class GenerationStats:
     method: str = "ar"
     prompt_tokens: int = 0
+    cached_tokens: int = 0       # prompt rows copied from a prefix cache instead of prefilled
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)   # a_b: draft tokens retained per verification event
     target_tokens: list[int] = field(default_factory=list)  # u_b: 1 if the target's correction/bonus was retained
@@ -65,7 +66,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
-            "method": self.method, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "method": self.method, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "new_tokens": self.new_tokens,
             "verify_events": self.verify_events, "A": self.A, "G": self.G,
             "accepted": self.accepted, "target_tokens": self.target_tokens, "proposed": self.proposed,
             "prefill_passes": self.prefill_passes, "draft_passes": self.draft_passes,

@@ -268,3 +268,18 @@ def test_quick_preset_fills_only_unset_flags_and_drops_tasks_without_data(monkey
     assert [t.name for t in _available(tasks, None, preset=True)] == ["humaneval"]
     assert "leaving out gsm8k" in capsys.readouterr().err
     assert _available(tasks, None, preset=False) == tasks          # outside the preset the run itself fails
+
+
+def test_prefix_cache_serves_every_method_alike_and_is_pinned(model, tmp_path):
+    header = "Answer in one word.\nQ: what is red? A: a rose.\n"
+    rows = [{"id": f"p{i}", "text": header + f"Q: item {i}?"} for i in range(8)]
+    task = Task("toy", CAP, ("\n\n\n",), lambda root: rows, lambda r, s: Example("toy", r["id"], r["text"]))
+    bench(model, tmp_path, plan(["das-wave", "pld"], prompts=4, task=task, prefix_cache=True))
+    recs = load_records(tmp_path / "records.jsonl")
+    shared = 1 + len(header) + len("Q: item ")           # BOS + the characters every prompt starts with
+    assert len(recs) == 12 and {r["cached_tokens"] for r in recs} == {shared}
+    s, _ = write_report(tmp_path, n_resamples=100)
+    assert not s.mismatches
+    assert json.loads((tmp_path / "run.json").read_text())["prefix_cache"] is True
+    with pytest.raises(ValueError, match="prefix_cache"):       # resuming without it would mix two setups
+        bench(model, tmp_path, plan(["das-wave", "pld"], prompts=4, task=task))

@@ -249,6 +249,10 @@ def test_wave_seed_branch_tree_layout() -> None:
     assert lay.parents == (-1, 0, 1, 2) and lay.is_chain
     assert dec.tokens[n + 1: n + 4].tolist() == [5, 6, 7]
     assert layout([5, 6, 7], [5, 6], 8) is None                 # the seed is a prefix of the chain
+    lay = layout([5, 6, 7], [9] * 10, 8)                        # chain and seed part at once: a short probe
+    assert lay.parents == (-1, 0, 1, 2, 0, 4, 5, 6)             # SEED_PROBE = 4 seed tokens, not 8
+    lay = layout([5, 6, 7], [5, 6] + [9] * 10, 8)               # two shared tokens: the whole branch
+    assert len(lay.parents) == 1 + 3 + 6
     assert layout([5, 6, 7], [9, 9], 0) is None                 # capped to nothing
 
 
@@ -264,9 +268,9 @@ def test_wave_seed_branch_and_copy_run_on_the_bundled_model(monkeypatch) -> None
     blocks: list[dict] = []
 
     class Lookup(wave.PromptLookup):
-        def propose(self, dec):
-            seed = super().propose(dec)
-            blocks.append({"seed": seed.tolist(), "rounds": False})
+        def propose(self, dec, num_pred=None):
+            seed = super().propose(dec, num_pred)
+            blocks.append({"seed": seed.tolist(), "rounds": False, "asked": num_pred})
             return seed
 
     real = wave.propose_wave
@@ -310,5 +314,6 @@ def test_wave_seed_branch_and_copy_run_on_the_bundled_model(monkeypatch) -> None
                 whole = bool(tested) and prev["committed"][: len(tested)] == tested
                 assert b["rounds"] == (not (whole and b["seed"])), (text, prev, b)
                 skipped += not b["rounds"]
+                assert b["asked"] == (32 if whole else 16)                # a copy run asks for 2w seed tokens
     assert seed_paths > 0, "no block accepted a path through the seed branch: the tree path went untested"
     assert skipped > 0, "no block skipped its rounds: the copy-run path went untested"

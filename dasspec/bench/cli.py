@@ -66,6 +66,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="prefill each task's shared prompt prefix (few-shot exemplars) once, before timing, and let "
+                        "every method, AR included, reuse it (dasspec.PrefixCache)")
     p.add_argument("--fresh", action="store_true", help="start over: delete earlier results in --out first "
                                                         "(default: resume them)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the CIs")
@@ -135,7 +138,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         clear_results(args.out)
     plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=args.prompts or 40, split=args.split,
                      seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
-                     warmup=args.warmup)
+                     warmup=args.warmup, prefix_cache=args.prefix_cache)
     name = args.model or "bundled (dasspec-tiny)"
     if not args.quiet:
         print(f"bench: {name} on {model.device} ({str(model.dtype).replace('torch.', '')}); tasks "

@@ -80,6 +80,7 @@ def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
                 "new_tokens": r["new_tokens"], "ar_new_tokens": ar["new_tokens"],
                 "wall_time": r["wall_time"], "ar_wall_time": ar["wall_time"],
                 "ar_prefill_time": ar.get("prefill_time"),
+                "prompt_tokens": ar.get("prompt_tokens"), "cached_tokens": ar.get("cached_tokens", 0),
                 "tokens_per_second": r["new_tokens"] / r["wall_time"],
                 "sequential_passes": r["sequential_passes"], "ar_sequential_passes": ar["sequential_passes"],
                 "stop_reason": r["stop_reason"], "stateful": bool(r.get("stateful", False)),

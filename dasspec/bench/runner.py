@@ -29,6 +29,7 @@ import torch
 from ..generate import generate
 from ..methods import get_method, resolve_knobs
 from ..model import LoopedLM
+from ..prefix_cache import PrefixCache
 from ..tasks import Example, Task, get_task
 
 RECORDS = "records.jsonl"
@@ -50,6 +51,7 @@ class BenchPlan:
     init_scale: float = 1.0
     gen_seed: int = 0             # seed of the per-position initial states (shared by every method)
     warmup: bool = True
+    prefix_cache: bool = False    # reuse each task's shared prompt prefix (few-shot exemplars) across requests
 
 
 @dataclass
@@ -185,12 +187,14 @@ def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: d
         "context": model.config.block_size,
         "device": model.device.type, "dtype": str(model.dtype).replace("torch.", ""), "num_steps": R,
         "init_scale": plan.init_scale, "gen_seed": plan.gen_seed, "split": plan.split, "select_seed": plan.seed,
+        "prefix_cache": plan.prefix_cache,
         "tasks": {t.name: {"cap": t.cap, "shots": t.shots, "stop": list(t.stop)} for t in plan.tasks},
         "methods": {m: {"knobs": knobs[m], "stateful": get_method(m).stateful} for m in knobs},
     }
 
 
-PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed")
+PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed",
+          "prefix_cache")
 
 
 def merge_run_info(path: Path, new: dict) -> dict:
@@ -198,6 +202,7 @@ def merge_run_info(path: Path, new: dict) -> dict:
     if not path.exists():
         return new
     old = json.loads(path.read_text())
+    old.setdefault("prefix_cache", False)             # folders from before the option existed
     diffs = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in PINNED if old.get(k) != new[k]]
     for kind in ("tasks", "methods"):
         for name, spec in new[kind].items():
@@ -245,6 +250,7 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     kept = sum((p.task.name, p.example.id, m) in done for p in prompts for m in methods)
 
     cuda = model.device.type == "cuda"
+    prefixes = task_prefix_caches(model, prompts, R, plan) if plan.prefix_cache and pending else {}
 
     def run_one(p: Prompt, method: str, cap: int):
         # Outside the timed region: collect garbage and drain the device so neither lands inside a measurement.
@@ -252,7 +258,8 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
         if cuda:
             torch.cuda.synchronize()
         return generate(model, p.ids, method=method, max_new_tokens=cap, num_steps=R, init_scale=plan.init_scale,
-                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok, **plan.knobs.get(method, {}))
+                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok,
+                        prefix_cache=prefixes.get(p.task.name), **plan.knobs.get(method, {}))
 
     if pending and plan.warmup and prompts:
         for method in methods:            # first calls pay for allocator growth, lazy init, kernel selection
@@ -290,6 +297,31 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     finally:
         bar.close()
     return BenchRun(out, ran, kept, skipped, methods)
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest token prefix every sequence shares."""
+    if not seqs:
+        return 0
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs[1:]):
+            return i
+    return n
+
+
+def task_prefix_caches(model: LoopedLM, prompts: list[Prompt], R: int, plan: BenchPlan,
+                       min_tokens: int = 16) -> dict[str, PrefixCache]:
+    """One ``PrefixCache`` per task whose prompts share at least ``min_tokens`` leading tokens (the few-shot
+    exemplars), built before any timing and then read, never extended, by every method alike."""
+    out = {}
+    for task in dict.fromkeys(p.task.name for p in prompts):
+        ids = [p.ids for p in prompts if p.task.name == task]
+        m = common_prefix(ids) if len(ids) > 1 else 0
+        if m >= min_tokens:
+            out[task] = PrefixCache(model, ids[0][:m], R, plan.init_scale, plan.gen_seed)
+    return out
 
 
 def parse_knobs(items: Iterable[str]) -> dict[str, dict]:

@@ -33,12 +33,15 @@ by chance, and the full-depth verifier pays R passes for every position it tests
 chain, as a two-branch tree that shares their common prefix (``verify.verify_tree``).  Shallow rounds drift off a
 seed that full depth would accept whole: on the bundled model's digit runs and cycles the wave kept about J
 positions of a 48-token seed the target accepted entirely.  The verifier, not the draft, then picks the longer
-accepted branch.
+accepted branch.  Where the chain and the seed share fewer than 2 leading tokens the branch is cut to 4 tokens
+past their common prefix: in replayed blocks such a seed was accepted further than the chain in 6-9% of cases
+(against 71-93% when they share 2-4), and every verified position costs R passes of width.
 
 ``copy_run=True`` (also ours) skips the rounds while the text is being copied: after a block that committed the
-whole seed it tested, the next block verifies its seed alone (a chain, as prompt lookup does), and the first seed
-that is not accepted whole brings the rounds back.  On the development prompts a whole seed was followed by
-another in 53 of 54 cases (``benchmarks/wave_blocks.py``), and such blocks are where the rounds only cost time.
+whole seed it tested, the next block verifies its seed alone (a chain, as prompt lookup does), 2w tokens of it,
+and the first seed that is not accepted whole brings the rounds back.  On the development prompts a whole seed was
+followed by another in 53 of 54 cases (``benchmarks/wave_blocks.py``), and such blocks are where the rounds only
+cost time.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ from ..verify import TreeLayout, verify_chain, verify_tree
 
 # guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)
 SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
+# seed_branch: a seed whose first SEED_AGREE tokens the wave's chain does not share is tested for only SEED_PROBE
+# tokens past the common prefix (docs/performance.md: on replayed blocks such seeds beat the chain in 6-9% of cases).
+SEED_AGREE, SEED_PROBE = 2, 4
+# copy_run: blocks of a copy run verify seeds this many times the window width.
+COPY_RUN_GROWTH = 2
 
 
 def wave_width(gamma: int, rounds: int, w_init: int) -> int:
@@ -122,14 +130,15 @@ def run_wave(dec: Decoding, knobs: dict) -> None:
     g, J, w0, k = knobs["gamma"], knobs["rounds"], knobs["w_init"], knobs["k"]
     policy, carry = knobs["policy"], knobs["carry"]
     dec.prefill()
+    w = wave_width(g, J, w0)
     with dec.timer("draft"):
         find = SEEDERS[knobs["guesses"]]
-        lookup = PromptLookup(dec, knobs["max_ngram"], wave_width(g, J, w0), find) if find else None
+        lookup = PromptLookup(dec, knobs["max_ngram"], w, find) if find else None
     device = dec.tokens.device
     copying = False            # copy_run: the last block's seed was accepted whole
     while not dec.done:
         with dec.timer("draft"):
-            guesses = lookup.propose(dec) if lookup is not None else None
+            guesses = lookup.propose(dec, COPY_RUN_GROWTH * w if copying else w) if lookup is not None else None
             seeded = guesses is not None and len(guesses) > 0
             proposals = layout = None
             if copying and seeded:             # no rounds: verify the seed as it is (a chain, plus bonus token)
@@ -163,6 +172,8 @@ def seed_branch_layout(dec: Decoding, proposals: Tensor, seed: np.ndarray, max_l
     m = 0
     while m < min(wv, L) and prop[m] == seed[m]:
         m += 1
+    if m < SEED_AGREE:          # chain and seed part at once: the seed is rarely right there, so probe it briefly
+        L = min(L, m + SEED_PROBE)
     if L <= m:
         return None
     extra = L - m

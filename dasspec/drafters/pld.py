@@ -72,11 +72,12 @@ class PromptLookup:
         self.P = dec.P
         self.fed = 0                              # generated tokens copied so far
 
-    def propose(self, dec: Decoding) -> np.ndarray:
+    def propose(self, dec: Decoding, num_pred: int | None = None) -> np.ndarray:
+        """The draft for the committed text: up to ``num_pred`` tokens (default: the constructor's)."""
         gen = dec.generated
         self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
         self.fed = len(gen)
-        k = min(self.num_pred, dec.budget - 1)   # leave room for the target's token
+        k = min(self.num_pred if num_pred is None else num_pred, dec.budget - 1)   # room for the target's token
         if k < 1:
             return self.text[:0]
         return self.find(self.text[: self.P + self.fed], self.max_ngram, k)
