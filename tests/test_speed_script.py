@@ -15,8 +15,9 @@ def _speed_module():
     return mod
 
 
-def _record(task, i, method, wall, prefill, tokens, accepted):
+def _record(task, i, method, wall, prefill, tokens, accepted, prompt=(40, 0)):
     return {"task": task, "prompt_id": f"{task}/{i}", "prompt_index": i, "method": method, "session": "s",
+            "prompt_tokens": prompt[0], "cached_tokens": prompt[1],
             "new_tokens": len(tokens), "wall_time": wall, "prefill_time": prefill, "sequential_passes": 32 * 4,
             "accepted": accepted, "target_tokens": [1] * len(accepted), "tokens": tokens, "stop_reason": "length",
             "stateful": False, "peak_memory": 2**20, "cache_bytes": 2**20}
@@ -27,8 +28,8 @@ def test_per_task_table_reports_the_prefill_bound(tmp_path):
     toks = [5, 6, 7, 8]
     records = [
         # task a: AR 2.0 s of which 0.5 s prefill -> share 25 %, bound 4x; DAS-Wave 1.0 s -> S 2x
-        _record("gsm8k", 0, "ar", 2.0, 0.5, toks, [0, 0, 0, 0]),
-        _record("gsm8k", 0, "das-wave", 1.0, 0.5, toks, [3]),
+        _record("gsm8k", 0, "ar", 2.0, 0.5, toks, [0, 0, 0, 0], prompt=(240, 182)),   # a cached few-shot prefix
+        _record("gsm8k", 0, "das-wave", 1.0, 0.5, toks, [3], prompt=(240, 182)),
         # task b: AR 1.0 s, prefill 0.8 s -> share 80 %, bound 1.25x; DAS-Wave 0.9 s -> S 1.11x
         _record("humaneval", 0, "ar", 1.0, 0.8, toks, [0, 0, 0, 0]),
         _record("humaneval", 0, "das-wave", 0.9, 0.8, toks, [3]),
@@ -36,8 +37,8 @@ def test_per_task_table_reports_the_prefill_bound(tmp_path):
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text, table = speed.speed_table(tmp_path, n_resamples=100)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
-    assert "| 1 | 4.0 | 25% | 4.00× | 2.00× (3.0) |" in rows["GSM8K"]
-    assert "| 1 | 4.0 | 80% | 1.25× | 1.11× (3.0) |" in rows["HumanEval"]
+    assert "| 1 | 240 (182) | 4.0 | 25% | 4.00× | 2.00× (3.0) |" in rows["GSM8K"]
+    assert "| 1 | 40 (0) | 4.0 | 80% | 1.25× | 1.11× (3.0) |" in rows["HumanEval"]
     wave = next(t for t in table if t["method"] == "das-wave")
     assert abs(wave["S"] - (2.0 + 1.0 / 0.9) / 2) < 1e-9
 
