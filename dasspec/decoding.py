@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .cache import CacheCapacityError, DepthCache, bytes_per_token
+from .layers import Span
 from .model import LoopedLM
 from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
@@ -80,6 +81,17 @@ def check_cache_fits(model: LoopedLM, R: int, positions: int, advice: str) -> No
         raise CacheCapacityError(
             f"the depth cache needs {format_bytes(need)} ({per} B/token x {positions} positions at R={R}) but "
             f"only {format_bytes(free)} is free on {model.device}; {advice}")
+
+
+def full_depth_pass(model: LoopedLM, cache: DepthCache, span: Span, ids: Tensor, h: Tensor, R: int,
+                    logit_rows: slice | None = None) -> Tensor:
+    """The target on one span: prelude of ``ids`` [W], R aligned core steps from the initial states ``h``
+    [1, W, d] (depth r reads and writes the cache at depth r), readout.  Writes the span's K/V at every depth;
+    returns float32 logits [W', V] for ``logit_rows``."""
+    inj = model.prelude(ids.unsqueeze(0), span, cache)
+    for r in range(1, R + 1):
+        h = model.core_step(h, inj, span, cache, read=(r, r))
+    return model.readout(h, span, cache, rows=logit_rows)[0]
 
 
 class Decoding:
@@ -157,13 +169,9 @@ class Decoding:
         st = self.stats
         setattr(st, phase + "_passes", getattr(st, phase + "_passes") + self.R)
         setattr(st, phase + "_updates", getattr(st, phase + "_updates") + self.R * W)
-        model, cache = self.model, self.cache
         span = self.span(start, W, positions=positions, mask=mask)
-        inj = model.prelude(self.tokens[start: start + W].unsqueeze(0), span, cache)
         h = self.h0[:, start: start + W] if positions is None else self.h0[:, positions]
-        for r in range(1, self.R + 1):
-            h = model.core_step(h, inj, span, cache, read=(r, r))
-        return model.readout(h, span, cache, rows=logit_rows)[0]
+        return full_depth_pass(self.model, self.cache, span, self.tokens[start: start + W], h, self.R, logit_rows)
 
     def prefill(self) -> None:
         """Materialise the prompt at every depth and emit the first token.  With a prefix cache, the rows of the

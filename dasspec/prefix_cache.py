@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .cache import DepthCache
-from .decoding import check_cache_fits
+from .decoding import check_cache_fits, full_depth_pass
 from .generate import as_token_list
 from .model import LoopedLM
 
@@ -44,18 +44,13 @@ class PrefixCache:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.model, self.init_scale, self.seed = model, float(init_scale), int(seed)
         self.tokens = tokens
-        self._host = torch.tensor(tokens, dtype=torch.long)
         check_cache_fits(model, self.R, m, "cache a shorter prefix, or use bfloat16")
         self.cache = DepthCache(model.config, self.R, m, model.device, model.dtype,
                                 zeroed=bool(getattr(model, "static_shapes", False)))
         with torch.inference_mode():
-            ids_t = self._host.to(model.device).unsqueeze(0)
-            span = model.span(0, 0, m)
-            inj = model.prelude(ids_t, span, self.cache)
             h = model.initial_state(torch.arange(m), self.init_scale, self.seed).unsqueeze(0)
-            for r in range(1, self.R + 1):
-                h = model.core_step(h, inj, span, self.cache, read=(r, r))
-            model.readout(h, span, self.cache, rows=slice(m - 1, m))      # writes the coda K/V
+            ids_t = torch.tensor(tokens, dtype=torch.long, device=model.device)
+            full_depth_pass(model, self.cache, model.span(0, 0, m), ids_t, h, self.R, logit_rows=slice(m - 1, m))
         self.cache.commit(m)
 
     def __len__(self) -> int:
@@ -70,6 +65,9 @@ class PrefixCache:
         diffs = []
         if model is not self.model:
             diffs.append("another model object")
+        elif (model.device, model.dtype) != (self.cache.core_k.device, self.cache.core_k.dtype):
+            diffs.append(f"the model now on {model.device} in {model.dtype} (cache: {self.cache.core_k.device}, "
+                         f"{self.cache.core_k.dtype})")
         if R != self.R:
             diffs.append(f"num_steps {R} (cache: {self.R})")
         if float(init_scale) != self.init_scale:
@@ -83,7 +81,4 @@ class PrefixCache:
     def reusable(self, prompt: list[int]) -> int:
         """Rows a request with ``prompt`` can copy: the common prefix with the cached tokens, at most len - 1."""
         n = min(len(self.tokens), len(prompt) - 1)
-        if n <= 0:
-            return 0
-        same = torch.tensor(prompt[:n], dtype=torch.long) == self._host[:n]
-        return n if bool(same.all()) else int((~same).nonzero()[0, 0])
+        return next((i for i in range(n) if prompt[i] != self.tokens[i]), max(n, 0))

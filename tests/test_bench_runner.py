@@ -244,6 +244,9 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
     assert len(recs) == 2 and {r["cap"] for r in recs} == {4}
     assert main(argv + ["--quiet"]) == 0                          # resumed: nothing left to run
     assert len(load_records(tmp_path / "out" / "records.jsonl")) == 2
+    capsys.readouterr()
+    assert main(argv + ["--quiet", "--prefix-cache"]) == 2       # the folder was made without a prefix cache
+    assert "prefix_cache: False there, True now" in capsys.readouterr().err
     assert main(["bench", "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
     assert main(argv[:-3] + ["--methods", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err

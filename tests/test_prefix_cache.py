@@ -99,6 +99,11 @@ def test_requests_with_other_settings_are_refused(model):
     other = random_model("raven-llama", seed=8, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
     with pytest.raises(ValueError, match="another model"):
         dasspec.generate(other, prompt, **ok)
+    moved = random_model("raven-llama", seed=7, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
+    pc_moved = dasspec.PrefixCache(moved, prefix, num_steps=4, init_scale=0.5, seed=2)
+    moved.to(torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        dasspec.generate(moved, prompt, **{**ok, "prefix_cache": pc_moved})
     with pytest.raises(ValueError, match="empty prefix"):
         dasspec.PrefixCache(model, [])
     with pytest.raises(ValueError, match="context"):
