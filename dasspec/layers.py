@@ -170,6 +170,29 @@ def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -
                                  kv.v_own[:, n:end], mo, scale)
 
 
+# CPU, masked calls of at least this many queries (verification blocks, draft windows, trees, the uncached rest of a
+# prompt): two batched GEMMs and a softmax beat torch's CPU flash kernel with an additive mask, 1.4-2x in isolation
+# at W = 16-100 over 150-2,000 rows, and 3-11% on whole DAS-Wave requests with 250-1,000-token prompts
+# (docs/performance.md).  Below it, and above a score matrix of 2^22 elements, SDPA stays.
+GEMM_ATTENTION_MIN_W = 16
+GEMM_ATTENTION_MAX_SCORES = 1 << 22
+
+
+def gemm_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale + bias) v with the scores materialised.  q [1, H, W, hd]; k, v [H_kv, rows, hd];
+    bias [W, rows], additive (0 / -inf).  Softmax in float32."""
+    _, H, W, hd = q.shape
+    hkv, rows = k.shape[0], k.shape[1]
+    g = H // hkv
+    if g == 1:
+        s = torch.baddbmm(bias, q[0], k.transpose(1, 2), alpha=scale)
+    else:                                             # GQA: a kv head's g query heads form one [g * W] batch
+        s = torch.matmul(q[0].reshape(hkv, g * W, hd), k.transpose(1, 2)).view(hkv, g, W, rows)
+        s = s.mul_(scale).add_(bias).view(hkv, g * W, rows)
+    p = torch.softmax(s.float(), dim=-1).to(v.dtype)
+    return torch.bmm(p, v).view(1, H, W, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
@@ -217,7 +240,11 @@ class Attention(nn.Module):
         else:
             kv.k_own[:, span.start: span.end] = k[0]
             kv.v_own[:, span.start: span.end] = v[0]
-            if kv.contiguous:
+            if kv.contiguous and span.bias is not None and W >= GEMM_ATTENTION_MIN_W \
+                    and H * W * span.end <= GEMM_ATTENTION_MAX_SCORES:
+                y = gemm_attention(q, kv.k_own[:, : span.end], kv.v_own[:, : span.end], span.bias,
+                                   1.0 / math.sqrt(hd))
+            elif kv.contiguous:
                 K = kv.k_own[:, : span.end].unsqueeze(0)
                 V = kv.v_own[:, : span.end].unsqueeze(0)
                 y = F.scaled_dot_product_attention(q, K, V, attn_mask=span.mask if span.bias is None else span.bias,
