@@ -3,11 +3,15 @@ method stays equal to AR under the cache, and requests with other settings are r
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 import dasspec
-from dasspec.bench.runner import common_prefix
+from dasspec.bench.runner import common_prefix, dev_prompts
+from dasspec.checkpoint import BUNDLED_DIR
 from dasspec.decoding import Decoding
 from dasspec.stopping import StopRule
 from dasspec.testing import random_model
@@ -126,3 +130,35 @@ def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     with pytest.raises(dasspec.CacheCapacityError, match="shorter prefix"):
         dasspec.PrefixCache(model, [3] * 12)
     assert dasspec.generate(model, [3] * 4, max_new_tokens=2).tokens        # 8 rows fit
+
+
+def test_bundled_model_few_shot_prompts_under_a_prefix_cache():
+    """The shipped setting end to end: GSM8K 2-shot prompts (182 shared tokens), the bundled model at full depth with
+    its tuned DAS-Wave defaults (seed branch, copy runs, wide GEMM attention) and SAM, each equal to AR under the
+    same prefix cache; the first token's logits match an uncached prefill."""
+    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
+        pytest.skip("needs the bundled model and the GSM8K data")
+    model = dasspec.load_model()
+    prompts = dev_prompts(model, "gsm8k", 3, 40, ["gsm8k=2"], str(data))
+    shared = common_prefix([p.ids for p in prompts])
+    assert shared > 100
+    pc = dasspec.PrefixCache(model, prompts[0].ids[:shared])
+    for p in prompts:
+        kw = dict(max_new_tokens=40, stop=list(p.task.stop), prefix_cache=pc)
+        ref = dasspec.generate(model, p.ids, "ar", **kw)
+        assert ref.stats.cached_tokens == shared
+        for method in ("das-wave", "sam"):
+            assert dasspec.generate(model, p.ids, method, **kw).tokens == ref.tokens, method
+    full, cached = _first_logits(model, prompts[0].ids), _first_logits(model, prompts[0].ids, pc)
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+
+
+def _first_logits(model, prompt, pc=None):
+    """The prefill's last-row logits, with the prompt's common prefix with ``pc`` copied in (when given)."""
+    dec = Decoding(model, prompt, StopRule(1), prefix_cache=pc)
+    m = pc.reusable(prompt) if pc is not None else 0
+    with torch.inference_mode():
+        if m:
+            dec.cache.load_prefix(pc.cache, m)
+        return dec.target_pass(m, len(prompt) - m, logit_rows=slice(-1, None), phase="prefill")
