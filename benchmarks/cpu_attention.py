@@ -51,7 +51,8 @@ def end_to_end(tasks: str, prompts: int, reps: int, cap: int, shots: list[str], 
                data: str | None) -> None:
     import dasspec
     from dasspec import layers
-    from dasspec.bench.runner import common_prefix, dev_prompts
+    from dasspec.bench.runner import dev_prompts
+    from dasspec.prefix_cache import common_prefix
 
     model = dasspec.load_model()
     on = layers.GEMM_ATTENTION_MIN_W

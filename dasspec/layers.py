@@ -172,8 +172,8 @@ def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -
 
 # CPU, masked calls of at least this many queries (verification blocks, draft windows, trees, the uncached rest of a
 # prompt): two batched GEMMs and a softmax beat torch's CPU flash kernel with an additive mask, 1.4-2x in isolation
-# at W = 16-100 over 150-2,000 rows, and 3-11% on whole DAS-Wave requests with 250-1,000-token prompts
-# (docs/performance.md).  Below it, and above a score matrix of 2^22 elements, SDPA stays.
+# at W = 16-100 over 150-2,000 rows, and 1-6% on whole DAS-Wave requests (benchmarks/cpu_attention.py,
+# docs/performance.md).  Below it, and above a score matrix of 2^22 elements, SDPA stays.
 GEMM_ATTENTION_MIN_W = 16
 GEMM_ATTENTION_MAX_SCORES = 1 << 22
 

@@ -20,12 +20,23 @@ with, and a request that differs in any of them is refused with a message saying
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .cache import DepthCache
 from .decoding import check_cache_fits, full_depth_pass
 from .generate import as_token_list
 from .model import LoopedLM
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest token prefix every sequence shares (0 for none)."""
+    if not seqs:
+        return 0
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    return next((i for i in range(n) if any(s[i] != first[i] for s in seqs[1:])), n)
 
 
 class PrefixCache:
@@ -80,5 +91,4 @@ class PrefixCache:
 
     def reusable(self, prompt: list[int]) -> int:
         """Rows a request with ``prompt`` can copy: the common prefix with the cached tokens, at most len - 1."""
-        n = min(len(self.tokens), len(prompt) - 1)
-        return next((i for i in range(n) if prompt[i] != self.tokens[i]), max(n, 0))
+        return common_prefix([self.tokens, prompt[:-1]])

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.bench.runner import common_prefix, dev_prompts
+from dasspec.bench.runner import dev_prompts
 from dasspec.checkpoint import BUNDLED_DIR
 from dasspec.decoding import Decoding
+from dasspec.prefix_cache import common_prefix
 from dasspec.stopping import StopRule
 from dasspec.testing import random_model
 

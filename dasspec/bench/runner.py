@@ -29,7 +29,7 @@ import torch
 from ..generate import generate
 from ..methods import get_method, resolve_knobs
 from ..model import LoopedLM
-from ..prefix_cache import PrefixCache
+from ..prefix_cache import PrefixCache, common_prefix
 from ..tasks import Example, Task, get_task
 
 RECORDS = "records.jsonl"
@@ -297,18 +297,6 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     finally:
         bar.close()
     return BenchRun(out, ran, kept, skipped, methods)
-
-
-def common_prefix(seqs: list[list[int]]) -> int:
-    """Length of the longest token prefix every sequence shares."""
-    if not seqs:
-        return 0
-    n = min(len(s) for s in seqs)
-    first = seqs[0]
-    for i in range(n):
-        if any(s[i] != first[i] for s in seqs[1:]):
-            return i
-    return n
 
 
 def task_prefix_caches(model: LoopedLM, prompts: list[Prompt], R: int, plan: BenchPlan,
