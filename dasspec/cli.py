@@ -36,6 +36,9 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
                    help="DAS-Wave: after a block whose seed was accepted whole, verify the next seed without rounds")
     g.add_argument("--no-copy-run", dest="copy_run", action="store_false", help="DAS-Wave: always run the rounds")
+    g.add_argument("--early-stop", dest="early_stop", action="store_true", default=None,
+                   help="DAS-Wave: stop a block's rounds after one that changed no guess (J becomes a cap)")
+    g.add_argument("--no-early-stop", dest="early_stop", action="store_false", help="DAS-Wave: always run J rounds")
     g.add_argument("--carry", dest="carry", action="store_true", default=None, help="carry latent states (wave)")
     g.add_argument("--no-carry", dest="carry", action="store_false", help="re-initialise states every round")
     g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",
@@ -43,7 +46,7 @@ def add_knob_flags(p: argparse.ArgumentParser) -> None:
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict:
-    names = list(KNOB_FLAGS) + ["carry", "trim", "copy_run"]
+    names = list(KNOB_FLAGS) + ["carry", "trim", "copy_run", "early_stop"]
     knobs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     for item in getattr(args, "extra", []) or []:
         if "=" not in item:

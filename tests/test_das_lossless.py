@@ -32,6 +32,8 @@ RANDOM_CASES = (
     + [("das-wave", {"gamma": 8, "rounds": 3, "w_init": 8, "k": 1, "trim": True, "guesses": g, "seed_branch": b,
                      "copy_run": c})                # seed verified as a second branch / seeds verified without rounds
        for g, b, c in (("copy", 4, True), ("lookup", 6, False))]
+    + [("das-wave", {"gamma": 4, "rounds": 6, "w_init": 4, "k": 1, "trim": True, "guesses": "copy", "seed_branch": 8,
+                     "copy_run": True, "early_stop": True})]  # a window narrower than the seed, rounds stopped early
 )
 
 
@@ -107,6 +109,8 @@ BUNDLED_CASES = (
        for g in ("lookup", "copy")]
     + [("das-wave", {"gamma": 12, "rounds": 3, "w_init": 12, "k": 1, "guesses": "copy", "trim": True,
                      "seed_branch": b, "copy_run": c}) for b, c in ((12, False), (0, True), (6, True))]
+    + [("das-wave", {"gamma": 4, "rounds": 6, "w_init": 4, "k": 1, "guesses": "copy", "trim": True,
+                     "seed_branch": 12, "copy_run": True, "early_stop": True})]
 )
 
 
@@ -314,6 +318,61 @@ def test_wave_seed_branch_and_copy_run_on_the_bundled_model(monkeypatch) -> None
                 whole = bool(tested) and prev["committed"][: len(tested)] == tested
                 assert b["rounds"] == (not (whole and b["seed"])), (text, prev, b)
                 skipped += not b["rounds"]
-                assert b["asked"] == (32 if whole else 16)                # a copy run asks for 2w seed tokens
+                assert b["asked"] == (wave.COPY_RUN_GROWTH * 16 if whole else 16)   # a copy run asks for more
     assert seed_paths > 0, "no block accepted a path through the seed branch: the tree path went untested"
     assert skipped > 0, "no block skipped its rounds: the copy-run path went untested"
+
+
+def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatch) -> None:
+    """early_stop: a block's rounds end right after the first round whose readout changed no guess (that round's
+    whole window is proposed); without it every block runs J rounds.  A window narrower than seed_branch still
+    draws a seed of seed_branch tokens.  Tokens stay AR's."""
+    from dasspec.decoders import wave
+
+    model = _bundled()
+    J, gamma, L = 6, 4, 12
+    rounds: list[list[bool]] = []           # per block: did each round change a guess?
+    asked: list[int | None] = []
+    live = {}                                # the decoding whose rounds are running
+    real_readout, real_propose = model.readout, wave.propose_wave
+
+    def readout(h, span, cache=None, rows=None):
+        out = real_readout(h, span, cache, rows)
+        if "dec" in live:                    # the guesses in the token scratch are the previous round's
+            W, guesses = h.shape[1], live["dec"].tokens
+            rounds[-1].append(bool((out[0].argmax(-1) != guesses[span.start + 1: span.start + W + 1]).any()))
+        return out
+
+    def propose(dec, *a, **kw):
+        rounds.append([])
+        live["dec"] = dec
+        try:
+            return real_propose(dec, *a, **kw)
+        finally:
+            live.clear()
+
+    class Lookup(wave.PromptLookup):
+        def propose(self, dec, num_pred=None):
+            asked.append(num_pred)
+            return super().propose(dec, num_pred)
+
+    monkeypatch.setattr(model, "readout", readout)
+    monkeypatch.setattr(wave, "propose_wave", propose)
+    monkeypatch.setattr(wave, "PromptLookup", Lookup)
+    stopped = 0
+    for text in _bundled_prompts(4):
+        ids = model.tokenizer.encode(text)
+        ref = dasspec.generate(model, ids, "ar", max_new_tokens=32)
+        for early in (False, True):
+            rounds.clear()
+            asked.clear()
+            out = dasspec.generate(model, ids, "das-wave", max_new_tokens=32, gamma=gamma, w_init=gamma, rounds=J,
+                                   guesses="copy", trim=True, seed_branch=L, copy_run=False, early_stop=early)
+            assert out.tokens == ref.tokens, (early, text)
+            assert set(asked) == {L}                         # the seed is seed_branch long, not gamma
+            assert out.stats.draft_passes == sum(len(r) for r in rounds)
+            for r in rounds:
+                first = r.index(False) + 1 if early and False in r else J
+                assert len(r) == first, (early, r)           # stop at the first unchanged round, never before
+                stopped += len(r) < J
+    assert stopped > 0, "no block stopped its rounds early: the early_stop path went untested"

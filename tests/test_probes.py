@@ -265,13 +265,13 @@ def test_wave_probe_budget_resolves_like_generate():
     model = random_model("huginn", mean_recurrence=4)
     model.generation_defaults = {"dasspec": {"das-wave": {"gamma": 48, "w_init": 48, "rounds": 4, "k": 1,
                                                           "guesses": "copy", "trim": True, "seed_branch": 24,
-                                                          "copy_run": True}}}
+                                                          "copy_run": True, "early_stop": True}}}
 
     def budget(**flags):
         return _wave_budget(argparse.Namespace(**({k: None for k in WAVE_BUDGET} | flags)), model, 4)
 
     assert budget() == {"gamma": 48, "rounds": 4, "w_init": 48, "k": 1, "guesses": "copy", "trim": True,
-                        "seed_branch": 24, "copy_run": True}
+                        "seed_branch": 24, "copy_run": True, "early_stop": True}
     assert budget(gamma=8)["w_init"] == 8
     anchor = budget(guesses="anchor", trim=False)
     assert (anchor["seed_branch"], anchor["copy_run"], anchor["trim"]) == (0, False, False)

@@ -60,6 +60,9 @@ def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
                    help=f"{what}: verify a seed without rounds after one was accepted whole (default: the model's)")
     p.add_argument("--no-copy-run", dest="copy_run", action="store_false", help=f"{what}: always run the rounds")
+    p.add_argument("--early-stop", dest="early_stop", action="store_true", default=None,
+                   help=f"{what}: stop the rounds after one that changed no guess (default: the model's)")
+    p.add_argument("--no-early-stop", dest="early_stop", action="store_false", help=f"{what}: always run J rounds")
 
 
 def add_parser(sub) -> None:
@@ -92,7 +95,7 @@ def add_parser(sub) -> None:
     probe.set_defaults(func=cmd_probe)
 
 
-WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch", "copy_run")
+WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch", "copy_run", "early_stop")
 
 
 def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:

@@ -35,11 +35,11 @@ def interaction(Y: dict[tuple[int, int, int], float | np.ndarray]) -> float | np
 
 def run(model: LoopedLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, gamma: int, rounds: int,
         w_init: int, k: int, guesses: str = "anchor", trim: bool = False, seed_branch: int = 0,
-        copy_run: bool = False, num_steps: int | None = None,
+        copy_run: bool = False, early_stop: bool = False, num_steps: int | None = None,
         init_scale: float = 1.0, seed: int = 0, progress: bool = True) -> tuple[list[dict], dict]:
     """Rows per (carry, dK, dV) with G, A and per-prompt G values; and a summary with E_cKV and its interval."""
     budget = dict(gamma=gamma, rounds=rounds, w_init=w_init, k=k, guesses=guesses, trim=trim, seed_branch=seed_branch,
-                  copy_run=copy_run)
+                  copy_run=copy_run, early_stop=early_stop)
     G = np.zeros((len(COMBOS), len(prompts)))
     A = np.zeros_like(G)
     tokens = np.zeros_like(G)

@@ -26,7 +26,8 @@ def arm_name(knobs: dict) -> str:
     name += f",guesses={knobs['guesses']}" if knobs.get("guesses", "anchor") != "anchor" else ""
     name += ",trim" if knobs.get("trim") else ""
     name += f",seed_branch={knobs['seed_branch']}" if knobs.get("seed_branch") else ""
-    return name + (",copy_run" if knobs.get("copy_run") else "")
+    name += ",copy_run" if knobs.get("copy_run") else ""
+    return name + (",early_stop" if knobs.get("early_stop") else "")
 
 
 def plan(base: dict, values: dict[str, Sequence[int]]) -> list[tuple[str, int, dict]]:
