@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.md").write_text(f"dev prompts: {len(prompts)} ({args.tasks}), cap {args.max_new_tokens}, "
-                                 f"torch threads {torch.get_num_threads()}, fastest of {reps} run(s) per generation\n\n" + "\n".join(lines) + "\n")
+                                 f"torch threads {torch.get_num_threads()}, fastest of {reps} run(s) per "
+                                 "generation\n\n" + "\n".join(lines) + "\n")
     (out / "tune.json").write_text(json.dumps(table, indent=2))
     print("\n".join(lines))
     return 0

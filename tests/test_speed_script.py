@@ -67,3 +67,30 @@ def test_wave_blocks_script_compares_seed_and_chain(tmp_path):
     line = next(x for x in (tmp_path / "blocks.md").read_text().splitlines() if x.startswith("| gsm8k"))
     blocks, no_seed, seed_won, _, chain_won, tie = (int(c) for c in line.split(" | ")[1:7])
     assert blocks == len(rows) and no_seed + seed_won + chain_won + tie == blocks
+
+
+def test_tune_wave_script_keeps_the_fastest_of_repeats(tmp_path):
+    """benchmarks/tune_wave.py runs a small grid end to end on the bundled model: one row per configuration
+    (early stop off and on), each checked token for token against AR, timed --repeats times."""
+    import os
+
+    import pytest
+
+    from dasspec.checkpoint import BUNDLED_DIR
+
+    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
+        pytest.skip("needs the bundled model and the GSM8K data")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_wave.py"
+    spec = importlib.util.spec_from_file_location("tune_wave", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path), "--tasks", "gsm8k", "--prompts", "1", "--max-new-tokens", "24",
+                     "--ks", "1", "--rounds", "3", "--gammas", "8", "--w-inits", "g", "--guesses", "copy",
+                     "--trims", "true", "--seed-branches", "8", "--copy-runs", "true", "--early-stops", "false,true",
+                     "--repeats", "2", "--data", str(data)]) == 0
+    text = (tmp_path / "tune.md").read_text()
+    assert "fastest of 2 run(s)" in text
+    table = json.loads((tmp_path / "tune.json").read_text())
+    assert sorted(t["early_stop"] for t in table) == [False, True]
+    assert all(t["S"] > 0 and t["gamma"] == 8 and t["seed_branch"] == 8 for t in table)

@@ -38,10 +38,15 @@ past their common prefix: in replayed blocks such a seed was accepted further th
 (against 71-93% when they share 2-4), and every verified position costs R passes of width.
 
 ``copy_run=True`` (also ours) skips the rounds while the text is being copied: after a block that committed the
-whole seed it tested, the next block verifies its seed alone (a chain, as prompt lookup does), 2w tokens of it,
-and the first seed that is not accepted whole brings the rounds back.  On the development prompts a whole seed was
-followed by another in 53 of 54 cases (``benchmarks/wave_blocks.py``), and such blocks are where the rounds only
-cost time.
+whole seed it tested, the next block verifies its seed alone (a chain, as prompt lookup does), COPY_RUN_GROWTH
+times the usual seed length of it, and the first seed that is not accepted whole brings the rounds back.  On the
+development prompts a whole seed was followed by another in 53 of 54 cases (``benchmarks/wave_blocks.py``), and
+such blocks are where the rounds only cost time.
+
+``early_stop=True`` (also ours) ends a block's rounds after the first round whose readout changed no guess; J is
+then a cap.  A seed is always drawn at max(w, seed_branch) tokens, so a narrow window (the bundled model's
+gamma = 8: trim rarely keeps more than a few proposals, and causal attention means later window positions never
+change them) still verifies a long seed beside its chain.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
 # tokens past the common prefix (docs/performance.md: on replayed blocks such seeds beat the chain in 6-9% of cases).
 SEED_AGREE, SEED_PROBE = 2, 4
 # copy_run: blocks of a copy run verify seeds this many times the seed length max(w, seed_branch) (144 tokens with
-# the bundled model's defaults; on its development prompts 6x beat 2x by 2-7%, and doubling per block from 1x lost).
+# the bundled model's defaults; on its development prompts 2x took 8% longer, doubling per block from 1x 9%).
 COPY_RUN_GROWTH = 6
 
 
@@ -220,7 +225,7 @@ def _defaults(cfg: LoopedConfig) -> dict:
 
 
 def _fit(knobs: dict, explicit: set) -> None:
-    # A tuned default W_init (the bundled model's is 48) must not turn a caller's smaller gamma into an error.
+    # A tuned default W_init (the bundled model's is 8) must not turn a caller's smaller gamma into an error.
     if "w_init" not in explicit and isinstance(knobs["gamma"], int) and knobs["w_init"] > knobs["gamma"] >= 1:
         knobs["w_init"] = knobs["gamma"]
     # Likewise a tuned seed branch does not apply when the caller asks for the paper's anchor-seeded window.
