@@ -7,12 +7,31 @@ import json
 from pathlib import Path
 
 
-def _speed_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
-    spec = importlib.util.spec_from_file_location("speed_bench", path)
+def _script(name: str):
+    """A script of benchmarks/ loaded as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _speed_module():
+    return _script("speed")
+
+
+def _bundled_data() -> Path:
+    """The shared data folder, skipping the test when it or the bundled model is missing."""
+    import os
+
+    import pytest
+
+    from dasspec.checkpoint import BUNDLED_DIR
+
+    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
+        pytest.skip("needs the bundled model and the GSM8K data")
+    return data
 
 
 def _record(task, i, method, wall, prefill, tokens, accepted, prompt=(40, 0)):
@@ -47,19 +66,9 @@ def test_wave_blocks_script_compares_seed_and_chain(tmp_path):
     """benchmarks/wave_blocks.py (the diagnostic behind seed_branch / copy_run) runs end to end on the bundled model
     and its counts add up: every seeded block is a seed win, a chain win or a tie."""
     import csv
-    import os
 
-    import pytest
-
-    from dasspec.checkpoint import BUNDLED_DIR
-
-    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
-        pytest.skip("needs the bundled model and the GSM8K data")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "wave_blocks.py"
-    spec = importlib.util.spec_from_file_location("wave_blocks", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    data = _bundled_data()
+    mod = _script("wave_blocks")
     assert mod.main(["--out", str(tmp_path), "--tasks", "gsm8k", "--prompts", "1", "--max-new-tokens", "32",
                      "--knobs", "gamma=8,w_init=8", "--data", str(data)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "blocks.csv")))
@@ -72,19 +81,8 @@ def test_wave_blocks_script_compares_seed_and_chain(tmp_path):
 def test_tune_wave_script_keeps_the_fastest_of_repeats(tmp_path):
     """benchmarks/tune_wave.py runs a small grid end to end on the bundled model: one row per configuration
     (early stop off and on), each checked token for token against AR, timed --repeats times."""
-    import os
-
-    import pytest
-
-    from dasspec.checkpoint import BUNDLED_DIR
-
-    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
-        pytest.skip("needs the bundled model and the GSM8K data")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_wave.py"
-    spec = importlib.util.spec_from_file_location("tune_wave", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    data = _bundled_data()
+    mod = _script("tune_wave")
     assert mod.main(["--out", str(tmp_path), "--tasks", "gsm8k", "--prompts", "1", "--max-new-tokens", "24",
                      "--ks", "1", "--rounds", "3", "--gammas", "8", "--w-inits", "g", "--guesses", "copy",
                      "--trims", "true", "--seed-branches", "8", "--copy-runs", "true", "--early-stops", "false,true",
