@@ -150,7 +150,7 @@ def test_bundled_model_default_decoders_match_full_depth_ar() -> None:
 
 def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> None:
     """The CPU shortcut (prelude recomputed from the first changed guess) is an optimisation only: proposals
-    equal those of recomputing the whole window's prelude every round."""
+    equal those of recomputing the whole window's prelude every round, with and without trim and early stop."""
     from dasspec.decoders.wave import propose_wave
     from dasspec.decoding import Decoding
     from dasspec.policy import parse_policy
@@ -161,10 +161,12 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
     for i, text in enumerate(_bundled_prompts(8)):
         ids = model.tokenizer.encode(text)
         props = []
+        cut = i % 2 == 1                               # odd prompts: trim and early stop on
         for incremental in (True, False):
             dec = Decoding(model, ids, StopRule(40), width=20, method="das-wave")
             dec.prefill()
-            props.append(propose_wave(dec, 19, 12, 8, 1, parse_policy("deep-kv"), incremental=incremental).clone())
+            props.append(propose_wave(dec, 19, 12, 8, 1, parse_policy("deep-kv"), incremental=incremental,
+                                      trim=cut, early_stop=cut).clone())
         assert torch.equal(props[0], props[1]), i
         changed_late += int((props[0] != props[0][0]).any())
     assert changed_late > 0, "every proposal repeated the anchor: the prelude shortcut went untested"

@@ -81,8 +81,8 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
                  carry: bool = True, incremental: bool | None = None, guesses: np.ndarray | None = None,
                  trim: bool = False, early_stop: bool = False) -> Tensor:
     """The w proposals of one block (fewer with ``trim``).  ``guesses`` (host tokens) replace the first anchor
-    copies in the initial window.  ``early_stop``: stop after a round that changed no guess (one host sync per
-    round; on CPU the incremental prelude syncs anyway)."""
+    copies in the initial window.  ``early_stop``: stop after a round that changed no guess.  One host sync per
+    round finds the first changed guess, for early stop, ``trim`` and the CPU's incremental prelude alike."""
     model, cache, R = dec.model, dec.cache, dec.R
     n = dec.n
     w = wave_width(gamma, rounds, w_init)
@@ -101,20 +101,15 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
     if incremental is None:
         incremental = model.device.type == "cpu" and not dec.static
     inj = H.new_empty(H.shape) if incremental else None
-    Zp = Z.clone() if incremental else None              # the guesses the current ``inj`` was computed from
-    W_prev = updates = 0
+    fresh = updates = 0                       # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
     for j in range(rounds):
         W = min(gamma, w_init + j)
         if not carry and j:
             H[:, :W] = dec.h0[:, n: n + W]
         span = dec.span(n, W)
         if incremental:
-            changed = (Z[:W_prev] != Zp[:W_prev]).nonzero()
-            c = int(changed[0, 0]) if len(changed) else W_prev
-            if c < W:
-                inj[:, c:W] = model.prelude(Z[c:W].unsqueeze(0), dec.span(n + c, W - c), cache)
-                Zp[c:W] = Z[c:W]
-            W_prev = W
+            if fresh < W:
+                inj[:, fresh:W] = model.prelude(Z[fresh:W].unsqueeze(0), dec.span(n + fresh, W - fresh), cache)
             e = inj[:, :W]
         else:
             e = model.prelude(Z[:W].unsqueeze(0), span, cache)
@@ -125,11 +120,14 @@ def propose_wave(dec: Decoding, gamma: int, rounds: int, w_init: int, k: int, po
         new = model.readout(h, span, cache)[0].argmax(-1)
         updates += k * W
         last = j == rounds - 1
-        if early_stop and not last and bool((new == Z[1: W + 1]).all()):
-            w, last = W, True          # a round that changed no guess: stop here, with the whole window
-        elif trim and last and rounds > 1:
+        if incremental or early_stop or (trim and last and rounds > 1):     # one host sync for all three uses
             changed = (new != Z[1: W + 1]).nonzero()
-            w = int(changed[0, 0]) + 1 if len(changed) else W
+            c = int(changed[0, 0]) if len(changed) else W                  # the first proposal this round changed
+            if early_stop and not last and c == W:
+                w, last = W, True      # a round that changed no guess: stop here, with the whole window
+            elif trim and last and rounds > 1:
+                w = min(c + 1, W)
+            fresh = min(c + 1, W)      # Z[c + 1] is the first guess that changes; the prelude saw Z[:W]
         Z[1: W + 1] = new
         if last:
             break
