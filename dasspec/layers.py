@@ -173,9 +173,12 @@ def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -
 # CPU, masked calls of at least this many queries (verification blocks, draft windows, trees, the uncached rest of a
 # prompt): two batched GEMMs and a softmax beat torch's CPU flash kernel with an additive mask, 1.4-2x in isolation
 # at W = 16-100 over 150-2,000 rows, and 1-6% on whole DAS-Wave requests (benchmarks/cpu_attention.py,
-# docs/performance.md).  Below it, and above a score matrix of 2^22 elements, SDPA stays.
+# docs/performance.md).  Below it, and above a score matrix of 2^19 elements (2 MiB in float32), SDPA stays: the
+# scores and their softmax are two fresh buffers per call, and from about 128 queries over 1,000 rows glibc's malloc
+# often hands such buffers back to the OS and page-faults them in again on the next call, which made the GEMM path
+# 2-3x *slower* than SDPA in fresh processes (1.6x faster when it did not; SDPA never loses more than that).
 GEMM_ATTENTION_MIN_W = 16
-GEMM_ATTENTION_MAX_SCORES = 1 << 22
+GEMM_ATTENTION_MAX_SCORES = 1 << 19
 
 
 def gemm_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:

@@ -34,10 +34,10 @@ def _bundled_data() -> Path:
     return data
 
 
-def _record(task, i, method, wall, prefill, tokens, accepted, prompt=(40, 0)):
+def _record(task, i, method, wall, prefill, tokens, accepted, prompt=(40, 0), passes=32 * 4):
     return {"task": task, "prompt_id": f"{task}/{i}", "prompt_index": i, "method": method, "session": "s",
-            "prompt_tokens": prompt[0], "cached_tokens": prompt[1],
-            "new_tokens": len(tokens), "wall_time": wall, "prefill_time": prefill, "sequential_passes": 32 * 4,
+            "prompt_tokens": prompt[0], "cached_tokens": prompt[1], "prefill_passes": 32,
+            "new_tokens": len(tokens), "wall_time": wall, "prefill_time": prefill, "sequential_passes": passes,
             "accepted": accepted, "target_tokens": [1] * len(accepted), "tokens": tokens, "stop_reason": "length",
             "stateful": False, "peak_memory": 2**20, "cache_bytes": 2**20}
 
@@ -60,6 +60,28 @@ def test_per_task_table_reports_the_prefill_bound(tmp_path):
     assert "| 1 | 40 (0) | 4.0 | 80% | 1.25× | 1.11× (3.0) |" in rows["HumanEval"]
     wave = next(t for t in table if t["method"] == "das-wave")
     assert abs(wave["S"] - (2.0 + 1.0 / 0.9) / 2) < 1e-9
+
+
+def test_decode_table_leaves_the_prefill_out_on_both_sides(tmp_path):
+    speed = _speed_module()
+    toks = [5, 6, 7, 8]
+    records = [
+        # decode phase: AR 3 tokens in 1.5 s and 96 passes; DAS-Wave 3 tokens in 0.5 s and 32 passes
+        # -> decode S 3x, decode pass-count 3x, decode efficiency 1.0 (overall: S 1.5x of 2x passes)
+        _record("gsm8k", 0, "ar", 2.0, 0.5, toks, [0, 0, 0], passes=32 + 96),
+        _record("gsm8k", 0, "das-wave", 1.0, 0.5, toks, [3], passes=32 + 32),
+        # a request that stops at its first token has no decode phase: left out of the decode cells only
+        _record("gsm8k", 1, "ar", 0.6, 0.5, [5], []),
+        _record("gsm8k", 1, "das-wave", 0.6, 0.5, [5], []),
+    ]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text, table = speed.speed_table(tmp_path, n_resamples=100)
+    wave = next(t for t in table if t["method"] == "das-wave")
+    assert wave["prompts"] == 2 and wave["decode_prompts"] == 1
+    assert abs(wave["decode_S"] - 3.0) < 1e-9 and abs(wave["decode_pass_speedup"] - 3.0) < 1e-9
+    assert abs(wave["decode_efficiency"] - 1.0) < 1e-9
+    assert abs(wave["S"] - (2.0 + 1.0) / 2) < 1e-9          # the paper's S still includes the prefill
+    assert "| DAS-Wave | 1 | 3.00× | 3.00× | 1.00 |" in text
 
 
 def test_wave_blocks_script_compares_seed_and_chain(tmp_path):

@@ -53,6 +53,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def decode_ratios(r: dict, ar: dict) -> tuple[float | None, float | None]:
+    """The throughput and pass-count ratios of the decode phase alone: the tokens after the first (which every
+    method takes from the same full-depth prefill) over the wall time and the sequential passes after the prefill.
+    (None, None) where a side decoded nothing (a request that stopped at its first token) or records lack the
+    prefill split."""
+    sides = []
+    for x in (r, ar):
+        if x.get("prefill_time") is None or x.get("prefill_passes") is None:
+            return None, None
+        n, t, p = x["new_tokens"] - 1, x["wall_time"] - x["prefill_time"], x["sequential_passes"] - x["prefill_passes"]
+        if n <= 0 or t <= 0 or p <= 0:
+            return None, None
+        sides.append((n, t, p))
+    (n, t, p), (n_ar, t_ar, p_ar) = sides
+    return (n / t) / (n_ar / t_ar), (n / p) / (n_ar / p_ar)
+
+
 def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
     """One row per (task, prompt, method) that has an AR record for the same prompt: the eq. (8) ratio, the
     pass-count ratio, A_p, G_p and whether the tokens equal AR's."""
@@ -71,9 +88,10 @@ def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
             pass_ratio = float(metrics.throughput_ratios([r["new_tokens"]], [r["sequential_passes"]],
                                                          [ar["new_tokens"]], [ar["sequential_passes"]])[0])
             diff = first_difference(r["tokens"], ar["tokens"])
+            decode, decode_pass = decode_ratios(r, ar)
             rows.append({
                 "task": task, "prompt_id": pid, "prompt_index": r["prompt_index"], "method": method,
-                "ratio": ratio, "pass_ratio": pass_ratio,
+                "ratio": ratio, "pass_ratio": pass_ratio, "decode_ratio": decode, "decode_pass_ratio": decode_pass,
                 "A_p": metrics.accepted_length(r["accepted"]),
                 "G_p": metrics.committed_progress(r["accepted"], r["target_tokens"]),
                 "match": diff is None, "first_mismatch": diff,
