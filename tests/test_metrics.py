@@ -159,3 +159,32 @@ def test_summary_pairs_each_prompt_with_its_own_ar_record():
     assert len(s.unpaired) == 1 and s.unpaired[0]["prompt_id"] == "p2"
     ar = s.cells[("t", "ar")]
     assert ar["S"] == 1.0 and ar["lo"] == 1.0 and ar["hi"] == 1.0 and ar["A"] == 0.0
+
+
+def test_report_says_when_the_prefill_bounds_every_speedup():
+    """Every method runs AR's prefill, so S_p <= t_AR / t_prefill (Amdahl).  A task where the mean of that bound is
+    low (outputs stopped after a few tokens) gets a note naming it; one whose decode dominates gets none; the detail
+    table shows each cell's mean output length."""
+    from dasspec.bench.report import markdown
+
+    def pair(task, pid, idx, n, t_ar, prefill):
+        toks = list(range(n))
+        ar = _rec(task, pid, idx, "ar", n, t_ar, 32 * n, [0] * n, [1] * n, toks)
+        fast = _rec(task, pid, idx, "fast", n, t_ar * 0.9, 32 + 8, [n - 1], [1], toks)
+        for r in (ar, fast):
+            r.update(prefill_time=prefill, prompt_tokens=100 + idx)
+        return [ar, fast]
+
+    recs = pair("short", "a", 0, 3, 1.0, 0.8) + pair("short", "b", 1, 2, 1.0, 0.5) \
+        + pair("long", "c", 0, 64, 4.0, 0.4) + pair("long", "d", 1, 64, 4.0, 0.4)
+    s = summarize(recs, n_resamples=100)
+    assert s.cells[("short", "ar")]["ar_prefill_share"] == pytest.approx(0.65)
+    assert s.cells[("short", "fast")]["prefill_bound"] == pytest.approx((1 / 0.8 + 1 / 0.5) / 2)   # not 1 / 0.65
+    assert s.cells[("long", "ar")]["prefill_bound"] == pytest.approx(10.0)
+    text = markdown(s, {})
+    notes = text.split("## Notes", 1)[1]
+    assert ("short: AR spends 65% of its time in the prefill (outputs of 2.5 tokens on average after prompts of "
+            "100), which every method runs alike, so even a decoder that took no time after it would reach only "
+            "about 1.62x here") in notes
+    assert "long:" not in notes
+    assert "| short | fast | 2 |" in text and "| 2.5 |" in text and "| 64.0 |" in text

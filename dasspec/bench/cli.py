@@ -161,12 +161,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _finish(summary, args, model) -> int:
-    from .report import detail_table, speedup_table
+    from .report import detail_table, prefill_notes, speedup_table
 
     if not args.quiet:
         print(speedup_table(summary))
         print()
         print(detail_table(summary))
+        for note in prefill_notes(summary):
+            print(f"\nnote: {note}")
         print(f"\nwritten: {args.out}/report.md, summary.csv, prompts.jsonl, records.jsonl, speedup.png, accept.png")
     if summary.mismatches:
         import json

@@ -19,6 +19,10 @@ METHOD_LABELS = {"ar": "AR", "lookahead": "Lookahead", "pld": "PLD", "token-recy
 TASK_LABELS = {"gsm8k": "GSM8K", "math500": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP"}
 METHOD_ORDER = list(METHOD_LABELS)
 TASK_ORDER = list(TASK_LABELS)
+# Every method runs the same full-depth prefill, so on a prompt where AR spends t_prefill of t_AR there, no decoder
+# can beat AR by more than t_AR / t_prefill (Amdahl).  The report notes a task where the mean of that bound over
+# prompts - S's own averaging - is below this (e.g. HumanEval prompts whose output hits a stop string at once).
+PREFILL_BOUND_NOTE = 2.0
 
 
 def method_label(name: str) -> str:
@@ -127,6 +131,10 @@ def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed:
             "mean_new_tokens": sum(x["new_tokens"] for x in g) / len(g),
             "cross_session": sum(not x["same_session"] for x in g),
         })
+        shares = [x["ar_prefill_time"] / x["ar_wall_time"] for x in g if x["ar_prefill_time"]]
+        cell["ar_prefill_share"] = sum(shares) / len(shares) if len(shares) == len(g) else None
+        cell["prefill_bound"] = sum(1 / f for f in shares) / len(shares) if len(shares) == len(g) else None
+        cell["mean_prompt_tokens"] = sum(x["prompt_tokens"] or 0 for x in g) / len(g)
         cells[(task, method)] = cell
     tasks = _sorted([t for t, _ in cells], TASK_ORDER)
     methods = _sorted([m for _, m in cells], METHOD_ORDER)
@@ -157,8 +165,8 @@ def speedup_table(s: Summary) -> str:
 
 
 def detail_table(s: Summary) -> str:
-    lines = ["| Task | Method | N | Speedup S | Pass-count speedup | A | G | Matches AR | tok/s | bootstrap |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| Task | Method | N | Speedup S | Pass-count speedup | A | G | Matches AR | tok/s | new tokens | "
+             "bootstrap |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in s.tasks:
         for m in s.methods:
             c = s.cells.get((t, m))
@@ -166,8 +174,23 @@ def detail_table(s: Summary) -> str:
                 continue
             lines.append(f"| {task_label(t)} | {method_label(m)} | {c['n']} | {c['S']:.2f}× | "
                          f"{c['pass_speedup']:.2f}× | {_fmt(c['A'])} | {_fmt(c['G'])} | {c['matches']}/{c['n']} | "
-                         f"{c['tokens_per_second']:.1f} | {c['bootstrap']} |")
+                         f"{c['tokens_per_second']:.1f} | {c['mean_new_tokens']:.1f} | {c['bootstrap']} |")
     return "\n".join(lines)
+
+
+def prefill_notes(s: Summary) -> list[str]:
+    """One line per task where AR's prefill alone caps every method's S below PREFILL_BOUND_NOTE."""
+    notes = []
+    for t in s.tasks:
+        c = s.cells.get((t, "ar"))
+        if c is None or c["prefill_bound"] is None or c["prefill_bound"] >= PREFILL_BOUND_NOTE:
+            continue
+        notes.append(f"{task_label(t)}: AR spends {100 * c['ar_prefill_share']:.0f}% of its time in the prefill "
+                     f"(outputs of {c['mean_new_tokens']:.1f} tokens on average after prompts of "
+                     f"{c['mean_prompt_tokens']:.0f}), which every method runs alike, so even a decoder that took "
+                     f"no time after it would reach only about {c['prefill_bound']:.2f}x here; "
+                     "`benchmarks/speed.py` also reports the decode phase alone.")
+    return notes
 
 
 def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
@@ -198,7 +221,7 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
         detail_table(s),
         "",
         "Pass-count speedup: eq. (8) with sequential core passes in place of time (AR passes / method passes, "
-        "per token). G: eq. (10), committed tokens per verification.",
+        "per token). G: eq. (10), committed tokens per verification. New tokens: mean output length per prompt.",
         "",
     ]
     tasks_info = info.get("tasks", {})
@@ -227,7 +250,8 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
     cross = sum(c["cross_session"] for c in s.cells.values())
     thin = any(c["bootstrap"].startswith("moving-block") and c["n"] <= metrics.STATEFUL_BLOCK
                for c in s.cells.values())
-    if cross or s.unpaired or skipped or thin:
+    short = prefill_notes(s)
+    if cross or s.unpaired or skipped or thin or short:
         out += ["", "## Notes", ""]
     if cross:
         out.append(f"- {cross} method runs are paired with an AR run from another session (the folder was "
@@ -237,6 +261,7 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
             out.append(f"- {method_label(m)} on {task_label(t)}: {c['n']} requests <= one block of "
                        f"{metrics.STATEFUL_BLOCK}, so its moving-block interval is the point estimate (not "
                        "informative; use more prompts).")
+    out += [f"- {note}" for note in short]
     if s.unpaired:
         out.append(f"- {len(s.unpaired)} records have no AR record for their prompt yet and are not counted.")
     for sk in skipped or []:
@@ -245,7 +270,7 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
 
 
 CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G", "pass_speedup", "matches",
-              "mismatches", "tokens_per_second", "mean_new_tokens", "cross_session"]
+              "mismatches", "tokens_per_second", "mean_new_tokens", "ar_prefill_share", "prefill_bound", "cross_session"]
 
 
 def write_csv(s: Summary, path: Path) -> None:
@@ -260,7 +285,10 @@ def write_csv(s: Summary, path: Path) -> None:
                 w.writerow([t, m, c["n"], f"{c['S']:.4f}", f"{c['lo']:.4f}", f"{c['hi']:.4f}", c["bootstrap"],
                             "" if c["A"] is None else f"{c['A']:.4f}", "" if c["G"] is None else f"{c['G']:.4f}",
                             f"{c['pass_speedup']:.4f}", c["matches"], c["n"] - c["matches"],
-                            f"{c['tokens_per_second']:.3f}", f"{c['mean_new_tokens']:.1f}", c["cross_session"]])
+                            f"{c['tokens_per_second']:.3f}", f"{c['mean_new_tokens']:.1f}",
+                            "" if c["ar_prefill_share"] is None else f"{c['ar_prefill_share']:.3f}",
+                            "" if c["prefill_bound"] is None else f"{c['prefill_bound']:.3f}",
+                            c["cross_session"]])
 
 
 def plot(s: Summary, out: Path) -> list[Path]:
