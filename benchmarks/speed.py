@@ -117,7 +117,7 @@ def decode_table(table: list[dict]) -> str:
 def task_table(rows: list[dict], methods: list[str]) -> str:
     """Per task: S (A) of every method, AR's prefill share and the prefill bound (see the module docstring)."""
     from dasspec.bench import metrics
-    from dasspec.bench.report import method_label, task_label
+    from dasspec.bench.report import method_label, prefill_share_and_bound, task_label
 
     others = [m for m in methods if m != "ar"]
     head = ["task", "prompts", "prompt tokens (cached)", "AR new tokens", "AR time in prefill", "prefill bound"] + \
@@ -125,10 +125,9 @@ def task_table(rows: list[dict], methods: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task in sorted({r["task"] for r in rows}):
         ar = [r for r in rows if r["task"] == task and r["method"] == "ar"]
-        if not ar or any(r["ar_prefill_time"] is None for r in ar):
+        share, bound = prefill_share_and_bound(ar)
+        if share is None:
             continue
-        share = np.mean([r["ar_prefill_time"] / r["ar_wall_time"] for r in ar])
-        bound = np.mean([r["ar_wall_time"] / r["ar_prefill_time"] for r in ar])
         cells = []
         for m in others:
             g = [r for r in rows if r["task"] == task and r["method"] == m]

@@ -112,6 +112,16 @@ def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return rows, unpaired
 
 
+def prefill_share_and_bound(rows: list[dict]) -> tuple[float | None, float | None]:
+    """Over paired rows: the mean share of AR's time spent in the prefill, and the prefill bound - the mean over
+    prompts of t_AR / t_prefill, the S a decoder that took no time after the prefill would reach (every method runs
+    AR's prefill).  (None, None) where a record lacks the prefill time."""
+    if not rows or any(not r["ar_prefill_time"] for r in rows):
+        return None, None
+    shares = [r["ar_prefill_time"] / r["ar_wall_time"] for r in rows]
+    return sum(shares) / len(shares), sum(1 / f for f in shares) / len(shares)
+
+
 def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed: int = 0) -> Summary:
     rows, unpaired = pair_with_ar(records)
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -131,9 +141,7 @@ def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed:
             "mean_new_tokens": sum(x["new_tokens"] for x in g) / len(g),
             "cross_session": sum(not x["same_session"] for x in g),
         })
-        shares = [x["ar_prefill_time"] / x["ar_wall_time"] for x in g if x["ar_prefill_time"]]
-        cell["ar_prefill_share"] = sum(shares) / len(shares) if len(shares) == len(g) else None
-        cell["prefill_bound"] = sum(1 / f for f in shares) / len(shares) if len(shares) == len(g) else None
+        cell["ar_prefill_share"], cell["prefill_bound"] = prefill_share_and_bound(g)
         cell["mean_prompt_tokens"] = sum(x["prompt_tokens"] or 0 for x in g) / len(g)
         cells[(task, method)] = cell
     tasks = _sorted([t for t, _ in cells], TASK_ORDER)
