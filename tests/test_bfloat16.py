@@ -29,8 +29,7 @@ def bf16_model(request, tmp_path_factory):
 
 @pytest.mark.parametrize("static_shapes", [False, True], ids=["eager", "static"])
 def test_every_method_runs_in_bfloat16(bf16_model, static_shapes):
-    model = bf16_model
-    model.static_shapes = static_shapes
+    model = dasspec.optimize(bf16_model, static_shapes=static_shapes)
     try:
         ref = dasspec.generate(model, PROMPT, "ar", max_new_tokens=NEW, eos=False)
         assert len(ref.tokens) == NEW
@@ -45,4 +44,4 @@ def test_every_method_runs_in_bfloat16(bf16_model, static_shapes):
                                 w_init=8, k=1)
         assert len(wave.tokens) == NEW and wave.tokens[0] == ref.tokens[0]
     finally:
-        model.static_shapes = False
+        dasspec.optimize(model, static_shapes=False)

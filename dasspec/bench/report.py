@@ -278,7 +278,8 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
 
 
 CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G", "pass_speedup", "matches",
-              "mismatches", "tokens_per_second", "mean_new_tokens", "ar_prefill_share", "prefill_bound", "cross_session"]
+              "mismatches", "tokens_per_second", "mean_new_tokens", "ar_prefill_share", "prefill_bound",
+              "cross_session"]
 
 
 def write_csv(s: Summary, path: Path) -> None:
