@@ -250,6 +250,10 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
     assert main(argv[:-3] + ["--methods", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+    for bad in (["--prompts", "0"], ["--preset", "quick", "--prompts", "0"]):   # refused, not run with a default
+        assert main(["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "ar", "--out",
+                     str(tmp_path / "z"), "--quiet", "--no-warmup"] + bad) == 2
+        assert "--prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_quick_preset_fills_only_unset_flags_and_drops_tasks_without_data(monkeypatch, tmp_path, capsys):
@@ -264,6 +268,9 @@ def test_quick_preset_fills_only_unset_flags_and_drops_tasks_without_data(monkey
     _apply_preset(args)
     assert (args.tasks, args.prompts, args.max_new_tokens, args.shots, args.threads) == ("mbpp", 5, 8,
                                                                                       ["gsm8k=1"], 2)
+    args = Namespace(preset="quick", tasks=None, prompts=0, max_new_tokens=0, shots=[], threads=None)
+    _apply_preset(args)                      # 0 is a value (refused later), not "unset"
+    assert (args.prompts, args.max_new_tokens) == (0, 0)
     monkeypatch.delenv("DASSPEC_DATA", raising=False)
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)
     tasks = resolve_tasks(["humaneval", "gsm8k"], {"*": 64}, {"gsm8k": 2})

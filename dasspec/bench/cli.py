@@ -82,12 +82,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _apply_preset(args: argparse.Namespace) -> None:
     if args.preset != "quick":
         return
-    args.tasks = args.tasks or QUICK["tasks"]
-    args.prompts = args.prompts or QUICK["prompts"]
-    args.max_new_tokens = args.max_new_tokens or QUICK["max_new_tokens"]
-    args.shots = args.shots or QUICK["shots"]
-    if args.threads is None:
-        args.threads = QUICK["threads"]
+    for name in ("tasks", "prompts", "max_new_tokens", "shots", "threads"):   # only flags left unset (0 is a value)
+        if getattr(args, name) in (None, []):
+            setattr(args, name, QUICK[name])
 
 
 def _available(tasks, data, preset: bool) -> list:
@@ -136,7 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.fresh:
         from .runner import clear_results
         clear_results(args.out)
-    plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=args.prompts or 40, split=args.split,
+    plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=40 if args.prompts is None else args.prompts, split=args.split,
                      seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
                      warmup=args.warmup, prefix_cache=args.prefix_cache)
     name = args.model or "bundled (dasspec-tiny)"
