@@ -100,9 +100,7 @@ class Decoding:
                  streamer=None, prefix_cache: "PrefixCache | None" = None):
         cfg = model.config
         self.model = model
-        self.R = model.R if num_steps is None else int(num_steps)
-        if self.R < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.R = model.depth(num_steps)
         P = len(prompt)
         if P == 0:
             raise ValueError("empty prompt: give at least one token (most tokenizers add BOS)")

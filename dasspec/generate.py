@@ -76,9 +76,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
     spec = get_method(method)
     prompt = as_token_list(model, input_ids, tokenizer)
-    R = model.R if num_steps is None else int(num_steps)
-    if R < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    R = model.depth(num_steps)
     resolved = resolve_knobs(spec, model.config, model.generation_defaults, knobs, R)
     tok = tokenizer or model.tokenizer
     stop_ids = default_stop_ids(model, tok) if eos else []

@@ -84,6 +84,16 @@ class LoopedLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def depth(self, num_steps: int | None = None) -> int:
+        """The recurrence depth R of a call: the model's own when ``num_steps`` is None, else a whole number >= 1."""
+        if num_steps is None:
+            return self.R
+        if isinstance(num_steps, bool) or int(num_steps) != num_steps:
+            raise ValueError(f"num_steps must be a whole number, got {num_steps!r}")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps!r}")
+        return int(num_steps)
+
     def span(self, n: int, start: int, W: int, positions: Tensor | None = None,
              mask: Tensor | None = None, static_capacity: int | None = None) -> Span:
         """Describe one call: queries at cache rows [start, start+W) over a verified prefix of n rows.
@@ -173,9 +183,7 @@ class LoopedLM(nn.Module):
     def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
                 seed: int = 0) -> Tensor:
         """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache."""
-        r = self.R if num_steps is None else int(num_steps)
-        if r < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        r = self.depth(num_steps)
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         B, T = input_ids.shape

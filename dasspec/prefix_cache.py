@@ -50,9 +50,7 @@ class PrefixCache:
             raise ValueError("empty prefix: a prefix cache needs at least one token")
         if m > model.config.block_size:
             raise ValueError(f"prefix of {m} tokens exceeds the model context of {model.config.block_size}")
-        self.R = model.R if num_steps is None else int(num_steps)
-        if self.R < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.R = model.depth(num_steps)
         self.model, self.init_scale, self.seed = model, float(init_scale), int(seed)
         self.tokens = tokens
         check_cache_fits(model, self.R, m, "cache a shorter prefix, or use bfloat16")

@@ -109,6 +109,7 @@ def test_deterministic_and_seeded(raven):
     (dict(input_ids=[]), ValueError, "empty prompt"),
     (dict(num_steps=0), ValueError, "num_steps must be >= 1, got 0"),
     (dict(num_steps=-2), ValueError, "num_steps must be >= 1, got -2"),
+    (dict(num_steps=2.5), ValueError, "num_steps must be a whole number, got 2.5"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1, got 0"),
     (dict(input_ids=[3, 320, 4]), ValueError, r"token id 320 is outside the vocabulary \[0, 320\)"),
     (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch 1"),

@@ -182,6 +182,8 @@ def test_model_input_errors(models):
     model = models["huginn"]
     with pytest.raises(ValueError, match="num_steps must be >= 1, got 0"):
         model(prompt(4)[None], num_steps=0)
+    with pytest.raises(ValueError, match="num_steps must be a whole number, got 2.5"):
+        model(prompt(4)[None], num_steps=2.5)              # not silently truncated to 2
     with pytest.raises(ValueError, match="empty input"):
         model(torch.zeros(1, 0, dtype=torch.long), num_steps=1)
     with pytest.raises(ValueError, match="beyond the model context"):

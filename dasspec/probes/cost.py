@@ -34,7 +34,7 @@ def drafters(self_spec_depth: int, mature_depth: int, block: int | None, R: int)
 def run(model: LoopedLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, self_spec_depth: int = 8,
         mature_depth: int = 4, block: int | None = None, num_steps: int | None = None, init_scale: float = 1.0,
         seed: int = 0, progress: bool = True) -> list[dict]:
-    R = model.R if num_steps is None else int(num_steps)
+    R = model.depth(num_steps)
     arms = drafters(self_spec_depth, mature_depth, block, R)
     res = run_paired(model, prompts, arms, max_new_tokens, num_steps, init_scale, seed, progress)
     rows = []

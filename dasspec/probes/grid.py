@@ -55,7 +55,7 @@ def run(model: LoopedLM, trajectories: Sequence[Trajectory], draft_depth: int = 
         v_axis: Sequence | None = None, num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0,
         coda: str = "target", progress: bool = True) -> list[dict]:
     """One row per (d_K, d_V) cell: agreement of the depth-``draft_depth`` draft with the full-depth target."""
-    R = model.R if num_steps is None else int(num_steps)
+    R = model.depth(num_steps)
     if not 1 <= draft_depth <= R:
         raise ValueError(f"draft depth {draft_depth} outside 1..R={R}")
     k_axis = parse_axis(default_axis(R) if k_axis is None else k_axis, R)

@@ -34,9 +34,7 @@ class TeacherForced:
                  seed: int = 0, chunk: int = 128):
         cfg = model.config
         self.model = model
-        self.R = model.R if num_steps is None else int(num_steps)
-        if self.R < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.R = model.depth(num_steps)
         self.tokens = tokens.to(model.device).reshape(-1)
         T = self.T = int(self.tokens.numel())
         if T < 1:
