@@ -135,6 +135,8 @@ class LoopedLM(nn.Module):
     def initial_state(self, positions: Tensor, init_scale: float = 1.0, seed: int = 0) -> Tensor:
         """The checkpoint's initialisation for the given absolute positions: truncated normal with
         std = init_values.std * init_scale, times the embedding scale; zeros for init_scale == 0.  [len, d]"""
+        if not (math.isfinite(init_scale) and init_scale >= 0):
+            raise ValueError(f"init_scale must be a finite number >= 0 (0: zero state), got {init_scale!r}")
         cfg = self.config
         d = cfg.n_embd
         std = cfg.init_std * init_scale

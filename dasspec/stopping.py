@@ -13,6 +13,8 @@ from typing import Callable, Iterable
 class StopRule:
     def __init__(self, max_new_tokens: int, stop_ids: Iterable[int] = (), stop_strings: Iterable[str] = (),
                  decode: Callable[[list[int]], str] | None = None):
+        if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens:
+            raise ValueError(f"max_new_tokens must be a whole number, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_new_tokens = int(max_new_tokens)
