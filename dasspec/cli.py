@@ -77,14 +77,16 @@ def load_for_args(args: argparse.Namespace):
 
 
 class TextStreamer:
-    """Prints decoded text as chunks arrive (HF streamer protocol: put / end)."""
+    """Prints decoded text as chunks arrive (HF streamer protocol: put / end; the first put is the prompt's ids,
+    which it replaces by the prompt as typed, like transformers.TextStreamer(skip_prompt=True) plus an echo)."""
 
     def __init__(self, tokenizer, out=None, prompt: str = ""):
         # resolve sys.stdout now, not at import: redirect_stdout / capture replace it after this module loads
         self.tok, self.out = tokenizer, out if out is not None else sys.stdout
         self.ids: list[int] = []
         self.printed = 0
-        self.prompt = prompt          # echoed with the first chunk: an input error raised before it prints alone
+        self.prompt = prompt          # echoed at the first put: an input error raised before it prints alone
+        self.prompt_seen = False
 
     def _echo_prompt(self) -> None:
         if self.prompt:
@@ -93,6 +95,9 @@ class TextStreamer:
 
     def put(self, chunk) -> None:
         self._echo_prompt()
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
         self.ids.extend(chunk.reshape(-1).tolist())
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):      # an incomplete UTF-8 sequence: wait for the next token

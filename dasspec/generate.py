@@ -18,7 +18,7 @@ from .decoding import Decoding
 from .methods import get_method, resolve_knobs
 from .model import LoopedLM
 from .stats import GenerationStats
-from .stopping import StopRule
+from .stopping import Criterion, StopRule
 
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
@@ -69,10 +69,15 @@ def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
 def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
              *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True,
-             prefix_cache: "PrefixCache | None" = None, **knobs) -> GenerationResult:
+             prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
+             **knobs) -> GenerationResult:
     """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
     its tokens equal ``method="ar"``'s.  ``stop``: extra stop token ids and/or stop strings (EOS always stops
-    unless ``eos=False``).  ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``.
+    unless ``eos=False``).  ``stopping_criteria``: Hugging Face-style callables ``(input_ids, scores) -> bool``, asked
+    after every committed token with input_ids [1, prompt + output so far] and scores None; generation ends after
+    the first token one of them accepts (at the same token for every method).
+    ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``, given the prompt first and then every
+    committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
     ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
     spec = get_method(method)
     prompt = as_token_list(model, input_ids, tokenizer)
@@ -83,10 +88,13 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     stop_strings: list[str] = []
     for s in ([stop] if isinstance(stop, (str, int)) else stop or []):
         (stop_strings if isinstance(s, str) else stop_ids).append(s)
-    rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None)
+    rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None,
+                    criteria=stopping_criteria or (), prompt=prompt)
     with torch.inference_mode():
         dec = Decoding(model, prompt, rule, R, init_scale, seed, width=spec.width(resolved), method=spec.name,
                        streamer=streamer, prefix_cache=prefix_cache)
+        if streamer is not None:      # as in Hugging Face generate: the prompt first, then each committed chunk
+            streamer.put(torch.tensor([prompt]))
         spec.run(dec, resolved)
         stats = dec.finish()
     text = None

@@ -7,12 +7,19 @@ whatever follows it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+# A Hugging Face-style stopping criterion: called with input_ids [1, prompt + generated so far] and scores (None
+# here: speculative methods commit verified chunks, not one scored step at a time); truthy -> stop after that token.
+Criterion = Callable[[torch.Tensor, "torch.Tensor | None"], "bool | torch.Tensor"]
 
 
 class StopRule:
     def __init__(self, max_new_tokens: int, stop_ids: Iterable[int] = (), stop_strings: Iterable[str] = (),
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, criteria: Iterable[Criterion] = (),
+                 prompt: Sequence[int] = ()):
         if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens:
             raise ValueError(f"max_new_tokens must be a whole number, got {max_new_tokens!r}")
         if max_new_tokens < 1:
@@ -24,6 +31,10 @@ class StopRule:
             raise ValueError("stop strings need a tokenizer to decode the generated tokens; load the model from a "
                              "folder with tokenizer.json or pass tokenizer=")
         self.decode = decode
+        self.criteria = tuple(criteria)
+        if not all(callable(c) for c in self.criteria):
+            raise TypeError("stopping_criteria must be callables (input_ids, scores) -> bool, like Hugging Face's")
+        self.prompt = list(prompt)
         # Every token decodes to >= 1 character except partial UTF-8 bytes, so this many trailing tokens always
         # cover a stop string that ends at the newest token.
         self._lookback = max((len(s.encode()) for s in self.stop_strings), default=0) + 1
@@ -37,6 +48,10 @@ class StopRule:
                 text = self.decode(generated[max(0, i + 1 - self._lookback): i + 1])
                 if any(s in text for s in self.stop_strings):
                     return i + 1, "stop_string"
+            if self.criteria:
+                ids = torch.tensor([self.prompt + generated[: i + 1]])
+                if any(bool(torch.as_tensor(c(ids, None)).all()) for c in self.criteria):
+                    return i + 1, "stopping_criteria"
             if i + 1 >= self.max_new_tokens:
                 return i + 1, "max_new_tokens"
         return None

@@ -81,20 +81,24 @@ def test_stop_token_and_string(raven):
     assert out.stop_reason == "stop_string" and piece not in out.text and full_text.startswith(out.text)
 
 
-def test_streamer_receives_every_token_once(raven):
+def test_streamer_receives_the_prompt_then_every_token_once(raven):
+    """Hugging Face's streamer protocol: put(prompt ids [1, P]) first, then every committed chunk, then end()."""
     class Collect:
         def __init__(self):
-            self.ids, self.ended = [], 0
+            self.chunks, self.ended = [], 0
 
         def put(self, chunk):
-            self.ids.extend(chunk.reshape(-1).tolist())
+            assert chunk.dim() == 2 and chunk.shape[0] == 1
+            self.chunks.append(chunk.reshape(-1).tolist())
 
         def end(self):
             self.ended += 1
 
-    s = Collect()
-    out = dasspec.generate(raven, TEXT, max_new_tokens=7, num_steps=2, streamer=s, eos=False)
-    assert s.ids == out.tokens and s.ended == 1
+    for method in ("ar", "pld"):
+        s = Collect()
+        out = dasspec.generate(raven, TEXT, method, max_new_tokens=7, num_steps=2, streamer=s, eos=False)
+        assert s.chunks[0] == raven.tokenizer.encode(TEXT)
+        assert sum(s.chunks[1:], []) == out.tokens and s.ended == 1
 
 
 def test_deterministic_and_seeded(raven):
@@ -177,3 +181,30 @@ def test_model_default_seed_branch_yields_to_a_callers_anchor_window(raven, monk
     assert resolve_knobs(spec, raven.config, raven.generation_defaults, {"guesses": "anchor"}, 3)["seed_branch"] == 0
     with pytest.raises(ValueError, match="seed_branch needs a seed"):
         dasspec.generate(raven, TEXT, "das-wave", max_new_tokens=6, num_steps=3, guesses="anchor", seed_branch=4)
+
+
+def test_stopping_criteria_end_every_method_at_the_same_token():
+    """Hugging Face-style stopping criteria are asked after every committed token - also inside a verified chunk -
+    with the prompt and the output so far, so every method stops exactly where AR does."""
+    from dasspec.methods import method_names
+    from dasspec.testing import random_model
+
+    model = random_model("huginn", mean_recurrence=16)
+    prompt = [5, 9, 13, 7, 22, 31] * 3
+    ref = dasspec.generate(model, prompt, "ar", max_new_tokens=24, eos=False).tokens
+    j = next(j for j in range(8, 24) if ref[j] not in ref[:j])   # a token first produced mid-generation
+    seen = []
+
+    def at_token(input_ids, scores):                             # returns a BoolTensor [B], as HF criteria may
+        seen.append(input_ids.shape)
+        assert scores is None and input_ids[0, : len(prompt)].tolist() == prompt
+        return input_ids[:, -1] == ref[j]
+
+    for method in method_names():
+        seen.clear()
+        out = dasspec.generate(model, prompt, method, max_new_tokens=24, eos=False, stopping_criteria=[at_token])
+        assert out.tokens == ref[: j + 1], method
+        assert out.stats.stop_reason == "stopping_criteria", method
+        assert seen[-1] == (1, len(prompt) + j + 1), method
+    with pytest.raises(TypeError, match="stopping_criteria must be callables"):
+        dasspec.generate(model, prompt, max_new_tokens=4, stopping_criteria=["stop"])
