@@ -66,6 +66,24 @@ def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
     return [i for i in model.config.eos_token_id if 0 <= i < model.config.vocab_size]
 
 
+# Hugging Face generate options a user may pass out of habit: no-op values are accepted, the rest named.
+_HF_NOOP = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "use_cache": True}
+_HF_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "num_beams",
+                "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size", "penalty_alpha")
+
+
+def _drop_hf_options(knobs: dict) -> None:
+    for name, value in list(knobs.items()):
+        if name in _HF_NOOP and value == _HF_NOOP[name]:
+            del knobs[name]
+        elif name in _HF_SAMPLING:
+            raise ValueError(f"{name}={value!r}: dasspec decodes greedily - every method is verified to reproduce "
+                             "greedy full-depth AR token for token - so sampling, beams and logit penalties are "
+                             "not supported")
+        elif name in ("max_length", "min_length", "min_new_tokens"):
+            raise ValueError(f"{name} is not supported: give max_new_tokens (new tokens, prompt excluded)")
+
+
 def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
              *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True,
@@ -80,6 +98,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
     ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
     spec = get_method(method)
+    _drop_hf_options(knobs)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
     resolved = resolve_knobs(spec, model.config, model.generation_defaults, knobs, R)

@@ -122,6 +122,9 @@ def test_deterministic_and_seeded(raven):
     (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch 1"),
     (dict(method="beam"), ValueError, "unknown method 'beam'"),
     (dict(gamma=4), ValueError, "method 'ar' does not take gamma"),
+    (dict(do_sample=True), ValueError, "do_sample=True: dasspec decodes greedily"),
+    (dict(method="das-wave", temperature=0.7), ValueError, "temperature=0.7: dasspec decodes greedily"),
+    (dict(max_length=64), ValueError, "max_length is not supported: give max_new_tokens"),
 ])
 def test_bad_input_is_named(raven, kwargs, error, message):
     args = dict(input_ids=TEXT, max_new_tokens=4)
@@ -208,3 +211,9 @@ def test_stopping_criteria_end_every_method_at_the_same_token():
         assert seen[-1] == (1, len(prompt) + j + 1), method
     with pytest.raises(TypeError, match="stopping_criteria must be callables"):
         dasspec.generate(model, prompt, max_new_tokens=4, stopping_criteria=["stop"])
+
+
+def test_hugging_face_no_op_options_are_accepted(raven):
+    a = dasspec.generate(raven, TEXT, max_new_tokens=4, eos=False).tokens
+    b = dasspec.generate(raven, TEXT, max_new_tokens=4, eos=False, do_sample=False, num_beams=1).tokens
+    assert a == b
