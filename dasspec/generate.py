@@ -9,6 +9,7 @@ follow the paper's Table 5 per model family, overridable per model in ``generati
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -42,7 +43,18 @@ def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
             raise ValueError("a text prompt needs a tokenizer; load the model from a folder with tokenizer.json "
                              "or pass tokenizer=")
         return tok.encode(input_ids)
+    if isinstance(input_ids, Mapping):          # a Hugging Face tokenizer's output (BatchEncoding) or a dict
+        if "input_ids" not in input_ids:
+            raise ValueError(f"a mapping prompt needs an 'input_ids' entry, got keys {sorted(input_ids)}")
+        mask = input_ids.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError("the attention_mask hides some prompt tokens (padding); give the unpadded prompt")
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+        input_ids = torch.as_tensor(input_ids)  # [[...]]: a batch as nested lists
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
                 raise ValueError(f"generate decodes one sequence at a time (batch 1); got batch {input_ids.shape[0]}")
@@ -90,7 +102,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
              prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
              **knobs) -> GenerationResult:
     """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
-    its tokens equal ``method="ar"``'s.  ``stop``: extra stop token ids and/or stop strings (EOS always stops
+    its tokens equal ``method="ar"``'s.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
+    [1, T] tensor of ids, or a Hugging Face tokenizer's output (a mapping with input_ids).  ``stop``: extra stop token ids and/or stop strings (EOS always stops
     unless ``eos=False``).  ``stopping_criteria``: Hugging Face-style callables ``(input_ids, scores) -> bool``, asked
     after every committed token with input_ids [1, prompt + output so far] and scores None; generation ends after
     the first token one of them accepts (at the same token for every method).

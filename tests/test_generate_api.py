@@ -125,6 +125,10 @@ def test_deterministic_and_seeded(raven):
     (dict(do_sample=True), ValueError, "do_sample=True: dasspec decodes greedily"),
     (dict(method="das-wave", temperature=0.7), ValueError, "temperature=0.7: dasspec decodes greedily"),
     (dict(max_length=64), ValueError, "max_length is not supported: give max_new_tokens"),
+    (dict(input_ids={"input_ids": [[3, 4, 5]], "attention_mask": [[0, 1, 1]]}), ValueError, "padding"),
+    (dict(input_ids={"ids": [3, 4]}), ValueError, "needs an 'input_ids' entry"),
+    (dict(input_ids=[[3, 4], [5, 6]]), ValueError, "batch 1"),
+    (dict(input_ids=torch.tensor([3.0, 4.0])), ValueError, "integer token ids"),
 ])
 def test_bad_input_is_named(raven, kwargs, error, message):
     args = dict(input_ids=TEXT, max_new_tokens=4)
@@ -217,3 +221,12 @@ def test_hugging_face_no_op_options_are_accepted(raven):
     a = dasspec.generate(raven, TEXT, max_new_tokens=4, eos=False).tokens
     b = dasspec.generate(raven, TEXT, max_new_tokens=4, eos=False, do_sample=False, num_beams=1).tokens
     assert a == b
+
+
+def test_hugging_face_prompt_forms(raven):
+    """What a Hugging Face tokenizer returns - a BatchEncoding-like mapping, nested lists, [1, T] tensors - works."""
+    ids = raven.tokenizer.encode(TEXT)
+    ref = dasspec.generate(raven, ids, max_new_tokens=4, eos=False).tokens
+    for form in ({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids))}, [ids],
+                 torch.tensor([ids]), tuple(ids)):
+        assert dasspec.generate(raven, form, max_new_tokens=4, eos=False).tokens == ref
