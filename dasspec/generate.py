@@ -119,6 +119,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     stop_ids = default_stop_ids(model, tok) if eos else []
     stop_strings: list[str] = []
     for s in ([stop] if isinstance(stop, (str, int)) else stop or []):
+        if not isinstance(s, str) and not 0 <= int(s) < model.config.vocab_size:
+            raise ValueError(f"stop token id {s} is outside the vocabulary [0, {model.config.vocab_size})")
         (stop_strings if isinstance(s, str) else stop_ids).append(s)
     rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None,
                     criteria=stopping_criteria or (), prompt=prompt)

@@ -129,6 +129,7 @@ def test_deterministic_and_seeded(raven):
     (dict(input_ids={"ids": [3, 4]}), ValueError, "needs an 'input_ids' entry"),
     (dict(input_ids=[[3, 4], [5, 6]]), ValueError, "batch 1"),
     (dict(input_ids=torch.tensor([3.0, 4.0])), ValueError, "integer token ids"),
+    (dict(stop=[400]), ValueError, r"stop token id 400 is outside the vocabulary \[0, 320\)"),
 ])
 def test_bad_input_is_named(raven, kwargs, error, message):
     args = dict(input_ids=TEXT, max_new_tokens=4)
