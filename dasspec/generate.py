@@ -104,9 +104,10 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
     its tokens equal ``method="ar"``'s.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
     [1, T] tensor of ids, or a Hugging Face tokenizer's output (a mapping with input_ids).  ``stop``: extra stop
-    token ids and/or stop strings (EOS always stops unless ``eos=False``).  ``stopping_criteria``: Hugging Face-style callables ``(input_ids, scores) -> bool``, asked
-    after every committed token with input_ids [1, prompt + output so far] and scores None; generation ends after
-    the first token one of them accepts (at the same token for every method).
+    token ids and/or stop strings (EOS always stops unless ``eos=False``).  ``stopping_criteria``: Hugging
+    Face-style callables ``(input_ids, scores) -> bool``, asked after every committed token with input_ids
+    [1, prompt + output so far] and scores None; generation ends after the first token one of them accepts (at the
+    same token for every method).
     ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``, given the prompt first and then every
     committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
     ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
