@@ -98,6 +98,28 @@ class TrainConfig:
     sample_tokens: int = 64             # greedy sample length in the model card
     log_every: int = 10
 
+    def validate(self) -> "TrainConfig":
+        """Refuse a run that would fail late or train nothing, before the corpus and tokenizer are built."""
+        positive = ("vocab_size", "n_embd", "n_heads", "intermediate_size", "n_core", "mean_recurrence",
+                    "backprop_depth", "min_depth", "max_depth", "seq_len", "batch_size", "long_seq_len", "eval_tokens")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or null: the cosine runs over the time budget), got "
+                             f"{self.max_steps}")
+        if not self.lr > 0 or not 0 <= self.min_lr_frac <= 1:
+            raise ValueError(f"lr must be > 0 and min_lr_frac in [0, 1], got {self.lr}, {self.min_lr_frac}")
+        if self.min_depth > self.max_depth:
+            raise ValueError(f"min_depth ({self.min_depth}) > max_depth ({self.max_depth})")
+        if self.n_embd % self.n_heads:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_heads ({self.n_heads})")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} is not available here (torch {torch.__version__}, no CUDA); "
+                             f"preset {self.preset!r} is meant for a GPU - pass --device cpu to run it on the CPU")
+        return self
+
     def model_config(self, bos: int, eos: int, pad: int) -> LoopedConfig:
         d = self.n_embd
         return LoopedConfig(
@@ -328,6 +350,7 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
     from .checkpoint import save_checkpoint
     from .corpus import build_corpus, corpus_stats, split_corpus
 
+    cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()

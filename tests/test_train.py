@@ -112,3 +112,31 @@ def test_presets_build_valid_huginn_configs():
     assert tiny.block_size >= 4096 and tiny.mean_recurrence == 32 and tiny.head_dim * tiny.n_heads == tiny.n_embd
     assert PRESETS["tiny"].max_steps is not None        # the shipped recipe runs on steps: same run on any machine
     assert isinstance(PRESETS["tiny"], TrainConfig)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(max_steps=0), "max_steps must be >= 1"),
+    (dict(lr=-1.0), "lr must be > 0"),
+    (dict(batch_size=0), "batch_size must be >= 1"),
+    (dict(min_depth=9, max_depth=8), r"min_depth \(9\) > max_depth \(8\)"),
+    (dict(n_embd=30, n_heads=4), "multiple of n_heads"),
+])
+def test_bad_training_settings_fail_before_the_corpus_is_built(override, message, tmp_path, monkeypatch):
+    from dataclasses import replace
+    from dasspec import corpus
+    from dasspec.train import train
+
+    def no_corpus(*a, **k):
+        raise AssertionError("the corpus was built before the settings were checked")
+
+    monkeypatch.setattr(corpus, "build_corpus", no_corpus)
+    with pytest.raises(ValueError, match=message):
+        train(replace(PRESETS["micro"], **override), tmp_path, progress=False)
+
+
+def test_gpu_preset_on_a_cpu_only_machine_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="pass --device cpu"):
+        PRESETS["cuda-small"].validate()
+    assert PRESETS["tiny"].validate() is PRESETS["tiny"]
