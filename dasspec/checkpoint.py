@@ -131,11 +131,28 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to load onto (default: CUDA when available, else CPU), refused up front when this torch build or
+    machine cannot provide it - instead of an assertion deep inside the first CUDA call."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} is not available: torch {torch.__version__} "
+                             + ("was built without CUDA" if torch.version.cuda is None else "sees no GPU"))
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available: {torch.cuda.device_count()} GPU(s) visible")
+    return dev
+
+
 def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch.device | None = None,
                     dtype: torch.dtype | str | None = None) -> LoopedLM:
     folder = resolve_source(source)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                          else "cpu")
+    device = resolve_device(device)
     dtype = _parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if device.type == "cuda"
                                                           else torch.float32)
     hf_cfg = read_json(folder / "config.json")

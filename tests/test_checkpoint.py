@@ -302,3 +302,14 @@ def test_bad_tokenizer_fails_before_weights(folders, tmp_path, no_weight_reads):
     folder = copy_of(folders["single"], tmp_path)
     (folder / "tokenizer.json").write_text('{"model": 1}')
     expect_clean_failure(folder, CheckpointError, "cannot read .*tokenizer.json", no_weight_reads)
+
+
+def test_an_unavailable_or_unknown_device_is_refused_up_front(folders):
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        dasspec.load_model(folders["single"], device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' is not available"):
+            dasspec.load_model(folders["single"], device="cuda")
+    else:
+        with pytest.raises(ValueError, match="GPU\\(s\\) visible"):
+            dasspec.load_model(folders["single"], device=f"cuda:{torch.cuda.device_count()}")
