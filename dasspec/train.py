@@ -114,10 +114,12 @@ class TrainConfig:
             raise ValueError(f"min_depth ({self.min_depth}) > max_depth ({self.max_depth})")
         if self.n_embd % self.n_heads:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_heads ({self.n_heads})")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} is not available here (torch {torch.__version__}, no CUDA); "
-                             f"preset {self.preset!r} is meant for a GPU - pass --device cpu to run it on the CPU")
+        from .checkpoint import resolve_device      # the same device check as load_model
+        try:
+            resolve_device(self.device)
+        except ValueError as err:
+            raise ValueError(f"{err}; preset {self.preset!r} trains on {self.device!r} - pass --device cpu to run "
+                             "it on the CPU") from None
         return self
 
     def model_config(self, bos: int, eos: int, pad: int) -> LoopedConfig:
