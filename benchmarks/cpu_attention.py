@@ -34,7 +34,7 @@ def isolated(widths: list[int], prefixes: list[int]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dasspec.layers import gemm_attention
+    from dasspec.model.layers import gemm_attention
 
     print("| n (prefix rows) | W (queries) | SDPA (µs) | GEMM (µs) | SDPA / GEMM |\n|---|---|---|---|---|")
     for n in prefixes:
@@ -51,7 +51,7 @@ def end_to_end(tasks: str, prompts: int, reps: int, cap: int, shots: list[str], 
                data: str | None) -> None:
     import dasspec
     from dasspec import layers
-    from dasspec.bench.runner import dev_prompts
+    from dasspec.eval.bench.runner import dev_prompts
     from dasspec.prefix_cache import common_prefix
 
     model = dasspec.load_model()

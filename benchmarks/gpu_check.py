@@ -37,9 +37,9 @@ TINY = dict(vocab_size=512, n_embd=64, n_heads=4, n_kv_heads=4, head_dim=16, int
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):
-    from dasspec.model import LoopedLM
+    from dasspec.model.looped import LoopedLM
     from dasspec.testing import tiny_config
-    from dasspec.train import init_weights
+    from dasspec.train.recipe import init_weights
 
     cfg = tiny_config("huginn", **(HUGINN if shape == "huginn" else TINY))
     with torch.device("meta"):
@@ -48,7 +48,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     init_weights(model)                      # Huginn's own ("takase") initialisation, drawn on the device
     model = model.to(dtype)
-    from dasspec.layers import rope_tables
+    from dasspec.model.layers import rope_tables
     cos, sin = rope_tables(cfg, cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import dasspec
-    from dasspec.cache import bytes_per_token
+    from dasspec.model.cache import bytes_per_token
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

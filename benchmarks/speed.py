@@ -42,9 +42,9 @@ BASELINES = ["pld", "lookahead", "token-recycling", "sam"]
 
 
 def speed_table(out: Path, n_resamples: int = 10_000) -> tuple[str, list[dict]]:
-    from dasspec.bench import metrics
-    from dasspec.bench.report import method_label, pair_with_ar
-    from dasspec.bench.runner import RECORDS, load_records
+    from dasspec.eval.bench import metrics
+    from dasspec.eval.bench.report import method_label, pair_with_ar
+    from dasspec.eval.bench.runner import RECORDS, load_records
 
     records = load_records(out / RECORDS)
     rows, _ = pair_with_ar(records)
@@ -91,7 +91,7 @@ def speed_table(out: Path, n_resamples: int = 10_000) -> tuple[str, list[dict]]:
 def decode_cells(g: list[dict]) -> dict:
     """S, pass-count speedup and efficiency of the decode phase alone (``report.decode_ratios``: the tokens after
     the first, over the time and passes after the prefill), averaged over the prompts where both sides decoded."""
-    from dasspec.bench import metrics
+    from dasspec.eval.bench import metrics
 
     if not g:
         return {"decode_prompts": 0, "decode_S": None, "decode_pass_speedup": None, "decode_efficiency": None}
@@ -102,7 +102,7 @@ def decode_cells(g: list[dict]) -> dict:
 def decode_table(table: list[dict]) -> str:
     """The decode phase alone: every method runs the same full-depth prefill, which the paper's S includes and the
     pass count weighs as only R passes, so this separates what the drafting and verification deliver."""
-    from dasspec.bench.report import method_label
+    from dasspec.eval.bench.report import method_label
 
     lines = ["Decode phase alone (the prefill and its first token left out on both sides):", "",
              "| method | prompts | decode S | decode pass-count speedup | decode efficiency |", "|---|---|---|---|---|"]
@@ -116,8 +116,8 @@ def decode_table(table: list[dict]) -> str:
 
 def task_table(rows: list[dict], methods: list[str]) -> str:
     """Per task: S (A) of every method, AR's prefill share and the prefill bound (see the module docstring)."""
-    from dasspec.bench import metrics
-    from dasspec.bench.report import method_label, prefill_share_and_bound, task_label
+    from dasspec.eval.bench import metrics
+    from dasspec.eval.bench.report import method_label, prefill_share_and_bound, task_label
 
     others = [m for m in methods if m != "ar"]
     head = ["task", "prompts", "prompt tokens (cached)", "AR new tokens", "AR time in prefill", "prefill bound"] + \
@@ -145,7 +145,7 @@ def plot(table: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from dasspec.bench.report import method_label
+    from dasspec.eval.bench.report import method_label
 
     rows = [t for t in table if t["method"] != "ar"]
     x = np.arange(len(rows))
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import dasspec
-    from dasspec.bench.runner import BenchPlan, clear_results, parse_knobs, resolve_tasks, run_bench
+    from dasspec.eval.bench.runner import BenchPlan, clear_results, parse_knobs, resolve_tasks, run_bench
 
     out = Path(args.out)
     if not args.report_only:

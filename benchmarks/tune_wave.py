@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     import dasspec
-    from dasspec.bench import metrics
-    from dasspec.bench.runner import dev_prompts
+    from dasspec.eval.bench import metrics
+    from dasspec.eval.bench.runner import dev_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

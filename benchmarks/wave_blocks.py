@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     import dasspec
-    from dasspec.bench.runner import dev_prompts, parse_knobs
+    from dasspec.eval.bench.runner import dev_prompts, parse_knobs
     from dasspec.decoders import wave
 
     if args.threads:

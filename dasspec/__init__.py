@@ -7,15 +7,15 @@ mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small loo
 from __future__ import annotations
 
 from .accel import optimize
-from .cache import CacheCapacityError, DepthCache
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import ConfigError, LoopedConfig
+from .model.cache import CacheCapacityError, DepthCache
+from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .model.config import ConfigError, LoopedConfig
 from .generate import GenerationResult, generate
 from .methods import method_names
-from .model import LoopedLM
-from .policy import ReadPolicy, parse_policy
+from .model.looped import LoopedLM
+from .model.policy import ReadPolicy, parse_policy
 from .prefix_cache import PrefixCache
-from .tokenizer import Tokenizer, load_tokenizer
+from .model.tokenizer import Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import LoopedLM
+from .model.looped import LoopedLM
 
 
 def optimize(model: LoopedLM, static_shapes: bool = True, compile: bool = False,

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_exec_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    for module in ("dasspec.bench.cli", "dasspec.probes.cli", "dasspec.train"):
+    for module in ("dasspec.eval.bench.cli", "dasspec.eval.probes.cli", "dasspec.train.recipe"):
         try:
             mod = __import__(module, fromlist=["add_parser"])
         except ModuleNotFoundError as err:
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, RuntimeError, FileNotFoundError) as err:
-        from .cache import CacheCapacityError
-        from .checkpoint import CheckpointError
-        from .config import ConfigError
+        from .model.cache import CacheCapacityError
+        from .model.checkpoint import CheckpointError
+        from .model.config import ConfigError
         if isinstance(err, (CheckpointError, ConfigError, CacheCapacityError, ValueError, FileNotFoundError)):
             print(f"dasspec: error: {err}", file=sys.stderr)
             return 2

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .cache import CacheCapacityError, DepthCache, bytes_per_token
-from .layers import Span
-from .model import LoopedLM
+from .model.cache import CacheCapacityError, DepthCache, bytes_per_token
+from .model.layers import Span
+from .model.looped import LoopedLM
 from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
 

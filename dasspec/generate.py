@@ -17,7 +17,7 @@ import torch
 
 from .decoding import Decoding
 from .methods import get_method, resolve_knobs
-from .model import LoopedLM
+from .model.looped import LoopedLM
 from .stats import GenerationStats
 from .stopping import Criterion, StopRule
 

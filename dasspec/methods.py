@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .config import LoopedConfig
+from .model.config import LoopedConfig
 from .decoding import Decoding
 
 

@@ -24,10 +24,10 @@ from typing import Sequence
 
 import torch
 
-from .cache import DepthCache
+from .model.cache import DepthCache
 from .decoding import check_cache_fits, full_depth_pass
 from .generate import as_token_list
-from .model import LoopedLM
+from .model.looped import LoopedLM
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:

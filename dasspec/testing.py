@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .config import LoopedConfig
-from .model import LoopedLM
+from .model.config import LoopedConfig
+from .model.looped import LoopedLM
 
 
 def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.checkpoint import BUNDLED_DIR
+from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.drafters import recycling
 from dasspec.testing import random_model
 

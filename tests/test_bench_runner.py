@@ -7,13 +7,13 @@ from argparse import Namespace
 import pytest
 import torch
 
-from dasspec.bench import runner
-from dasspec.bench.cli import cmd_bench
-from dasspec.bench.report import write_report
-from dasspec.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
+from dasspec.eval.bench import runner
+from dasspec.eval.bench.cli import cmd_bench
+from dasspec.eval.bench.report import write_report
+from dasspec.eval.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
 from dasspec.decoders.ar import run_ar
 from dasspec.methods import METHODS, MethodSpec, register
-from dasspec.tasks import Example, Task, select
+from dasspec.eval.tasks import Example, Task, select
 from dasspec.testing import random_model
 
 CAP = 6
@@ -257,8 +257,8 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
 
 
 def test_quick_preset_fills_only_unset_flags_and_drops_tasks_without_data(monkeypatch, tmp_path, capsys):
-    from dasspec.bench.cli import QUICK, _apply_preset, _available
-    from dasspec.bench.runner import resolve_tasks
+    from dasspec.eval.bench.cli import QUICK, _apply_preset, _available
+    from dasspec.eval.bench.runner import resolve_tasks
 
     args = Namespace(preset="quick", tasks=None, prompts=None, max_new_tokens=None, shots=[], threads=None)
     _apply_preset(args)

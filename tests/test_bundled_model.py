@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.checkpoint import BUNDLED_DIR
-from dasspec.train import depth_agreement
+from dasspec.model.checkpoint import BUNDLED_DIR
+from dasspec.train.recipe import depth_agreement
 
 # Held-out text: written for this test, not in the training corpus.
 HELD_OUT = '''def moving_average(values, window):

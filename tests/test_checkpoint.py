@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dasspec
-import dasspec.checkpoint as ckpt
+import dasspec.model.checkpoint as ckpt
 from dasspec import CheckpointError, ConfigError, LoopedLM
 from dasspec.testing import random_model
 from reference_impl import fake_hf_cache, write_checkpoint, write_tokenizer

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dasspec.config import ConfigError, LoopedConfig, detect_family
+from dasspec.model.config import ConfigError, LoopedConfig, detect_family
 from dasspec.testing import tiny_config
 from reference_impl import FAMILY_OF, HUGINN_STD, LAYOUTS, huginn_style_config, random_tensors
 from reference_impl import single_thread  # noqa: F401  (autouse fixture)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dasspec.corpus import (MBPP_TRAIN, Document, build_corpus, contamination, corpus_stats, default_data_dir,
+from dasspec.train.corpus import (MBPP_TRAIN, Document, build_corpus, contamination, corpus_stats, default_data_dir,
                             eval_prompts, format_gsm8k, split_corpus)
 
 DATA = default_data_dir()

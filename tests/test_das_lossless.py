@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.checkpoint import BUNDLED_DIR
+from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.testing import random_model
 
 POLICIES = ["aligned", "deep-v", "deep-k", "deep-kv"]
@@ -156,7 +156,7 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
     equal those of recomputing the whole window's prelude every round, with and without trim and early stop."""
     from dasspec.decoders.wave import propose_wave
     from dasspec.decoding import Decoding
-    from dasspec.policy import parse_policy
+    from dasspec.model.policy import parse_policy
     from dasspec.stopping import StopRule
 
     model = _bundled()
@@ -215,7 +215,7 @@ def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> No
     last round changed (found here by running one round fewer on a fixed-width window)."""
     from dasspec.decoders.wave import propose_wave
     from dasspec.decoding import Decoding
-    from dasspec.policy import parse_policy
+    from dasspec.model.policy import parse_policy
     from dasspec.stopping import StopRule
 
     model = _bundled()

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dasspec.bench import metrics
-from dasspec.bench.report import summarize
+from dasspec.eval.bench import metrics
+from dasspec.eval.bench.report import summarize
 
 
 def test_speedup_is_the_mean_of_per_prompt_ratios_not_a_ratio_of_means():
@@ -165,7 +165,7 @@ def test_report_says_when_the_prefill_bounds_every_speedup():
     """Every method runs AR's prefill, so S_p <= t_AR / t_prefill (Amdahl).  A task where the mean of that bound is
     low (outputs stopped after a few tokens) gets a note naming it; one whose decode dominates gets none; the detail
     table shows each cell's mean output length."""
-    from dasspec.bench.report import markdown
+    from dasspec.eval.bench.report import markdown
 
     def pair(task, pid, idx, n, t_ar, prefill):
         toks = list(range(n))

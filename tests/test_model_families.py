@@ -11,7 +11,7 @@ import torch
 
 import dasspec
 from dasspec.decoding import Decoding
-from dasspec.layers import apply_rope, rope_inv_freq, rope_operands
+from dasspec.model.layers import apply_rope, rope_inv_freq, rope_operands
 from dasspec.stopping import StopRule
 from dasspec.testing import tiny_config
 from reference_impl import (LAYOUTS, LLAMA3_MINI, huginn_freqs_cis, raven_inv_freq, rotate_half,

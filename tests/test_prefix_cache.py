@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.bench.runner import dev_prompts
-from dasspec.checkpoint import BUNDLED_DIR
+from dasspec.eval.bench.runner import dev_prompts
+from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.decoding import Decoding
 from dasspec.prefix_cache import common_prefix
 from dasspec.stopping import StopRule
@@ -122,7 +122,7 @@ def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     with the bytes it needs in the message."""
     from dasspec import decoding
 
-    per = dasspec.cache.bytes_per_token(model.config, model.R, model.dtype)
+    per = dasspec.model.cache.bytes_per_token(model.config, model.R, model.dtype)
     assert per == 1792
     monkeypatch.setattr(decoding, "available_memory", lambda device: 10 * per)
     monkeypatch.delenv("DASSPEC_IGNORE_MEMORY", raising=False)

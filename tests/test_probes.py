@@ -13,9 +13,9 @@ import torch
 
 from dasspec.decoders.sequential import propose_sequential
 from dasspec.decoding import Decoding
-from dasspec.policy import parse_policy
-from dasspec.probes import channels, common, cost, factorial, grid, maturity, sweep
-from dasspec.probes.teacher import TeacherForced, scored_rows
+from dasspec.model.policy import parse_policy
+from dasspec.eval.probes import channels, common, cost, factorial, grid, maturity, sweep
+from dasspec.eval.probes.teacher import TeacherForced, scored_rows
 from dasspec.stopping import StopRule
 from dasspec.testing import random_model
 from dasspec.verify import verify_chain
@@ -229,7 +229,7 @@ def test_cost_tiny_run(model, tmp_path):
 def test_cli_probe_writes_md_csv_png(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dasspec.checkpoint import save_checkpoint
+    from dasspec.model.checkpoint import save_checkpoint
     from dasspec.cli import main
 
     tok = Tokenizer(models.BPE())
@@ -260,7 +260,7 @@ def test_wave_probe_budget_resolves_like_generate():
     yields to a smaller --gamma, a tuned seed branch / copy run to --guesses anchor - and explicit flags win."""
     import argparse
 
-    from dasspec.probes.cli import WAVE_BUDGET, _wave_budget
+    from dasspec.eval.probes.cli import WAVE_BUDGET, _wave_budget
 
     model = random_model("huginn", mean_recurrence=4)
     model.generation_defaults = {"dasspec": {"das-wave": {"gamma": 48, "w_init": 48, "rounds": 4, "k": 1,

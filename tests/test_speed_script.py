@@ -26,7 +26,7 @@ def _bundled_data() -> Path:
 
     import pytest
 
-    from dasspec.checkpoint import BUNDLED_DIR
+    from dasspec.model.checkpoint import BUNDLED_DIR
 
     data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
     if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():

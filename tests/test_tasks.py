@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dasspec.stopping import StopRule
-from dasspec.tasks import DataError, get_task, select, task_names
-from dasspec.tasks import gsm8k, humaneval, math500, mbpp
+from dasspec.eval.tasks import DataError, get_task, select, task_names
+from dasspec.eval.tasks import gsm8k, humaneval, math500, mbpp
 
 DATA = Path(os.environ.get("DASSPEC_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(),

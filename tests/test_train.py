@@ -14,8 +14,8 @@ import torch
 
 import dasspec
 from dasspec.testing import random_model
-from dasspec.corpus import Document
-from dasspec.train import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, lr_at, mean_depth_at,
+from dasspec.train.corpus import Document
+from dasspec.train.recipe import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, lr_at, mean_depth_at,
                            run_fraction, sample_depth, save_tokenizer, train, train_tokenizer)
 
 TEXTS = [
@@ -70,7 +70,7 @@ def test_training_smoke_saves_a_loadable_checkpoint(tmp_path, monkeypatch):
                   depth_warmup_start=1, depth_warmup_frac=0.4)
     means = []
     spy = lambda rng, mean, *a: means.append(mean) or sample_depth(rng, mean, *a)      # noqa: E731
-    monkeypatch.setattr("dasspec.train.sample_depth", spy)
+    monkeypatch.setattr("dasspec.train.recipe.sample_depth", spy)
     summary = train(cfg, tmp_path, docs=docs, progress=False)
     # the loop draws every step's depth from the curriculum's mean: 1 -> mean_recurrence over 10 steps, then flat
     assert means == pytest.approx([1 + 3 * s / 10 for s in range(10)] + [4.0] * 15)
@@ -123,8 +123,8 @@ def test_presets_build_valid_huginn_configs():
 ])
 def test_bad_training_settings_fail_before_the_corpus_is_built(override, message, tmp_path, monkeypatch):
     from dataclasses import replace
-    from dasspec import corpus
-    from dasspec.train import train
+    from dasspec.train import corpus
+    from dasspec.train.recipe import train
 
     def no_corpus(*a, **k):
         raise AssertionError("the corpus was built before the settings were checked")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..config import LoopedConfig
+from ..model.config import LoopedConfig
 from ..decoding import Decoding
 from ..methods import MethodSpec, positive_int, register
-from ..policy import ReadPolicy, parse_policy
+from ..model.policy import ReadPolicy, parse_policy
 from ..verify import verify_chain
 
 

@@ -55,11 +55,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import LoopedConfig
+from ..model.config import LoopedConfig
 from ..decoding import Decoding
 from ..drafters.pld import PromptLookup, find_copy, find_draft
 from ..methods import MethodSpec, positive_int, register
-from ..policy import ReadPolicy, parse_policy
+from ..model.policy import ReadPolicy, parse_policy
 from ..verify import TreeLayout, verify_chain, verify_tree
 
 # guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..decoding import Decoding
 from ..methods import MethodSpec, positive_int, register
-from ..model import LoopedLM
+from ..model.looped import LoopedLM
 from ..verify import TreeLayout, verify_tree
 from .tree import StaticTree, TreeFiller, tree_from_choices
 

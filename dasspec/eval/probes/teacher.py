@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache import DepthCache
-from ..model import LoopedLM
-from ..policy import ReadPolicy, parse_policy
+from ...model.cache import DepthCache
+from ...model.looped import LoopedLM
+from ...model.policy import ReadPolicy, parse_policy
 
 CODAS = ("target", "aligned")
 

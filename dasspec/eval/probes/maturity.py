@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..model import LoopedLM
+from ...model.looped import LoopedLM
 from .common import Trajectory, markdown_table, pyplot, write_report
 
 CHANNELS = ("q", "k", "v")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_exec_flags, load_for_args
+from ...cli import add_exec_flags, load_for_args
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
 # One intra-op thread: on a shared 2-core CPU two threads per process contend so badly that a generation can take
@@ -119,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tasks = resolve_tasks((args.tasks or DEFAULT_TASKS).split(","), caps, _pairs(args.shots, "--shots"))
     tasks = _available(tasks, args.data, args.preset is not None)
 
-    from ..methods import method_names
+    from ...methods import method_names
     methods = args.methods.split(",") if args.methods else method_names()
     knobs = parse_knobs(args.knobs)
 

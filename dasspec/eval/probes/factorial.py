@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..generate import generate
-from ..model import LoopedLM
+from ...generate import generate
+from ...model.looped import LoopedLM
 from .common import bootstrap_ci, markdown_table, pyplot, write_report
 
 POLICY = {(0, 0): "aligned", (0, 1): "deep-v", (1, 0): "deep-k", (1, 1): "deep-kv"}

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..model import LoopedLM
+from ...model.looped import LoopedLM
 from .common import (Arm, bootstrap_ci, markdown_table, mean_A, mean_G, pyplot, run_paired, same_tokens,
                      speedup_ratios, write_report)
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..model import LoopedLM
+from ...model.looped import LoopedLM
 from .common import Trajectory, bootstrap_ci, markdown_table, pyplot, write_report
 from .teacher import TeacherForced, scored_rows
 

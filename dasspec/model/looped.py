@@ -181,22 +181,32 @@ class LoopedLM(nn.Module):
             x = x[:, rows]
         return self.lm_head(t.ln_f(x)).float()
 
+    def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
+              depths: range | None = None) -> Tensor:
+        """The target's recurrence: core steps r in ``depths`` (default 1..R), each reading and writing the cache
+        at depth r (aligned), as AR, verification, prefill and every full forward run it."""
+        for r in depths if depths is not None else range(1, self.R + 1):
+            h = self.core_step(h, inj, span, cache, read=(r, r))
+        return h
+
+    def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
+                   rows: slice | None = None) -> Tensor:
+        """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d], readout: float32
+        logits [B, W', V] (``rows`` of the W positions).  With a cache, the span's K/V are written at every depth."""
+        inj = self.prelude(ids, span, cache)
+        return self.readout(self.recur(h, inj, span, cache, range(1, self.depth(R) + 1)), span, cache, rows)
+
     # --- full forward (no cache) -------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
                 seed: int = 0) -> Tensor:
         """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache."""
-        r = self.depth(num_steps)
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("empty input")
-        span = self.span(0, 0, T)
-        inj = self.prelude(input_ids, span)
         h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
-        for _ in range(r):
-            h = self.core_step(h, inj, span)
-        return self.readout(h, span)
+        return self.full_depth(input_ids, h, self.span(0, 0, T), R=num_steps)
 
     def cpu_weight_layout(self) -> "LoopedLM":
         """Store every Linear weight [out, in] with in-major strides (its transpose contiguous); values and shapes

@@ -20,9 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, LoopedConfig
-from .model import LoopedLM
+from .looped import LoopedLM
 
-BUNDLED_DIR = Path(__file__).parent / "assets" / "dasspec-tiny"
+BUNDLED_DIR = Path(__file__).parents[1] / "assets" / "dasspec-tiny"
 
 # Tensors some checkpoints carry that the runtime recomputes: Huginn's RoPE table (a persistent buffer) and, from
 # some exporters, HF rotary ``*.inv_freq`` buffers.  A tied head's duplicate ``lm_head.weight`` is handled apart.

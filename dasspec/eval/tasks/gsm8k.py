@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Example, Task, from_hub, local_file, read_jsonl
+from .base import Example, Task, from_hub, data_file, read_jsonl
 
 # Wei et al. (2022), "Chain-of-thought prompting elicits reasoning in large language models", Table 20.
 EXEMPLARS: tuple[tuple[str, str, str], ...] = (
@@ -60,7 +60,7 @@ def prompt(question: str, shots: int = len(EXEMPLARS)) -> str:
 
 
 def load(root: Path | None) -> list[dict]:
-    path = local_file(root, "gsm8k/test.jsonl")
+    path = data_file(root, "gsm8k/test.jsonl")
     rows = read_jsonl(path) if path else from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main",
                                                    split="test")
     return [{"row": i, **r} for i, r in enumerate(rows)]
@@ -71,6 +71,4 @@ def build(row: dict, shots: int) -> Example:
     return Example("gsm8k", f"gsm8k/test/{row['row']}", prompt(row["question"], shots), answer)
 
 
-TASK = Task("gsm8k", CAP, STOP, load, build, shots=len(EXEMPLARS), max_shots=len(EXEMPLARS),
-            doc="8-shot chain of thought (Wei et al. exemplars), stop at 'Question:'",
-            source="gsm8k/test.jsonl (openai/grade-school-math) or HF openai/gsm8k")
+TASK = Task("gsm8k", CAP, STOP, load, build, shots=len(EXEMPLARS), max_shots=len(EXEMPLARS))

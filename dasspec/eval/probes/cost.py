@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..methods import get_method, resolve_knobs
-from ..model import LoopedLM
+from ...methods import get_method, resolve_knobs
+from ...model.looped import LoopedLM
 from .common import (Arm, bootstrap_ci, markdown_table, mean_A, pyplot, run_paired, same_tokens, speedup_ratios,
                      write_report)
 

@@ -4,7 +4,7 @@
     dasspec train --out DIR --preset cuda-small --device cuda
 
 The model is the Huginn layout (prelude P, shared core F, coda H, adapter injection, sandwich blocks, qk_bias,
-tied head, embedding x sqrt(d), initial-state std sqrt(2/(5d))) built by ``dasspec.model.LoopedLM`` and trained
+tied head, embedding x sqrt(d), initial-state std sqrt(2/(5d))) built by ``dasspec.model.looped.LoopedLM`` and trained
 through its own primitives (prelude / core_step / readout with cache=None), then written with
 ``save_checkpoint`` so ``dasspec.load_model(DIR)`` loads it exactly like a real checkpoint.
 
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import LoopedConfig
-from .model import LoopedLM
+from ..model.config import LoopedConfig
+from ..model.looped import LoopedLM
 
 BOS, EOS, PAD = "<|begin_text|>", "<|end_text|>", "<|pad|>"
 
@@ -114,7 +114,7 @@ class TrainConfig:
             raise ValueError(f"min_depth ({self.min_depth}) > max_depth ({self.max_depth})")
         if self.n_embd % self.n_heads:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_heads ({self.n_heads})")
-        from .checkpoint import resolve_device      # the same device check as load_model
+        from ..model.checkpoint import resolve_device      # the same device check as load_model
         try:
             resolve_device(self.device)
         except ValueError as err:
@@ -349,7 +349,7 @@ def train(cfg: TrainConfig, out: str | Path, data_dir: str | Path | None = None,
     ``README.md`` (which tabulates ``pilots``: name -> an earlier run's train_summary.json)."""
     from tqdm import tqdm
 
-    from .checkpoint import save_checkpoint
+    from ..model.checkpoint import save_checkpoint
     from .corpus import build_corpus, corpus_stats, split_corpus
 
     cfg.validate()
@@ -474,7 +474,7 @@ PAPER_HUGINN_AGREEMENT = {1: 0.4722, 2: 0.6362, 4: 0.7937, 8: 0.9127}   # paper 
 def plot_training(folder: Path, summary: dict) -> Path:
     """``train_loss.png``: left, the per-step loss of ``train_log.csv`` (and its 50-step mean) against tokens
     seen; right, how the held-out depth-d readout agrees with depth R, next to the paper's Huginn-0125."""
-    from .probes.common import pyplot
+    from ..eval.probes.common import pyplot
 
     rows = list(csv.DictReader(open(Path(folder) / "train_log.csv")))
     tokens = np.array([float(r["tokens"]) for r in rows])
@@ -568,7 +568,7 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
         "`dasspec generate --prompt ...` use it when no `--model` is given. It is a test and demo model: "
         "it writes Python-looking code and GSM8K-looking text, but it is not good at either.", "",
         "## Model", "",
-        f"* Huginn layout through `dasspec.model.LoopedLM` (`family=huginn`): embedding x sqrt(d), prelude "
+        f"* Huginn layout through `dasspec.model.looped.LoopedLM` (`family=huginn`): embedding x sqrt(d), prelude "
         f"{m['n_prelude']} / shared core {m['n_core']} / coda {m['n_coda']} sandwich blocks, linear adapter on "
         "[state, prelude output], qk_bias, interleaved RoPE, ln_f after the loop and after the coda, tied head.",
         f"* d = {m['n_embd']}, {m['n_heads']} heads of {m['head_dim']}, gated-SiLU MLP {m['intermediate_size']}, "
@@ -588,7 +588,7 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
         "excluded); `gsm8k`: GSM8K **train** as `Question: ...\\nAnswer: ...\\n#### N` (calculator annotations "
         "removed); `mbpp`: MBPP **train** (task_ids 601-974) as comment + tests + code.",
         "* No evaluation split is trained on: documents containing a GSM8K-test, MATH-500, HumanEval or MBPP 11-510 "
-        "prompt are dropped (`dasspec.corpus.contamination`, word 13-gram probes; it removes the MBPP-train "
+        "prompt are dropped (`dasspec.train.corpus.contamination`, word 13-gram probes; it removes the MBPP-train "
         "tasks whose text duplicates an MBPP-test task). `tests/test_corpus.py` re-checks the corpus.",
         f"* Held-out: {c['val_fraction']:.0%} of the documents of every source ({s['val_documents']} documents).",
         f"* Tokenizer: byte-level BPE (HF `tokenizers`, digits split) trained on the training documents; special "
@@ -623,7 +623,7 @@ def write_model_card(folder: Path, summary: dict, samples: list[dict], pilots: d
         f"of {min(512, c['seq_len'])} tokens), initial state as in "
         f"training (init_scale {c['init_scale']:g}, seed 0; 1 = like-init, the decoding default); agreement = "
         f"fraction of positions whose depth-d argmax equals the depth-{R} argmax "
-        "(`dasspec.train.depth_agreement`).", "",
+        "(`dasspec.train.recipe.depth_agreement`).", "",
     ]
     depths = sorted({*CARD_DEPTHS, R})
     lines += ["| held-out text | tokens | " + " | ".join(f"d={d}" for d in depths) + " |",

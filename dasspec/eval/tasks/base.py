@@ -9,20 +9,15 @@ installed and online.  The folder layout is the one in ``shared/data``: ``gsm8k/
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
-DATA_ENV = "DASSPEC_DATA"
+from ..data import DATA_ENV, DataError, data_dir, data_file, read_jsonl  # noqa: F401  (re-exported to tasks)
+
 SPLITS = ("eval", "dev")
-
-
-class DataError(FileNotFoundError):
-    """A task's rows cannot be found (no data folder, no offline copy, no `datasets`)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +39,6 @@ class Task:
     build: Callable[[dict, int], Example]        # (row, shots) -> Example
     shots: int = 0                               # few-shot demonstrations in each prompt (0 for code tasks)
     max_shots: int = 0
-    doc: str = ""
-    source: str = ""                     # where the rows come from, for the report
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     def examples(self, n: int, split: str = "eval", seed: int = 0, data: str | os.PathLike | None = None
@@ -87,33 +80,6 @@ def select(pool: int, n: int, split: str = "eval", seed: int = 0, task: str = "t
     return order[:n] if split == "eval" else order[::-1][:n]
 
 
-def data_dir(data: str | os.PathLike | None = None) -> Path | None:
-    """The data folder: ``data`` if given, else ``$DASSPEC_DATA``, else None (use the offline / online fallback)."""
-    value = data if data is not None else os.environ.get(DATA_ENV) or None
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if not path.is_dir():
-        raise DataError(f"data folder {str(path)!r} does not exist (from {'--data' if data else DATA_ENV})")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def local_file(root: Path | None, relative: str) -> Path | None:
-    """``root/relative`` if a data folder is set (an error when the file is missing there), else None."""
-    if root is None:
-        return None
-    path = root / relative
-    if not path.exists():
-        raise DataError(f"{path} is missing; the data folder must hold {relative}")
-    return path
-
-
 def from_hub(task: str, relative: str, *args, **kwargs) -> list[dict]:
     """Rows from Hugging Face ``datasets`` (online use); a clear error when that is not possible."""
     hint = (f"{task} needs its data: pass --data DIR (or set {DATA_ENV}) with {relative} inside, or "
@@ -126,7 +92,3 @@ def from_hub(task: str, relative: str, *args, **kwargs) -> list[dict]:
         return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
     except Exception as err:       # network / hub errors come in many types
         raise DataError(f"{hint} ({type(err).__name__}: {err})") from None
-
-
-def few_shot(pairs: Iterable[tuple[str, str]], fmt: Callable[[str, str], str]) -> str:
-    return "".join(fmt(q, a) for q, a in pairs)

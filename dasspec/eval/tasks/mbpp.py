@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Example, Task, from_hub, local_file, read_jsonl
+from .base import Example, Task, from_hub, data_file, read_jsonl
 
 STOP = ("\nclass", "\nassert", '\n"""', "\nprint", "\nif", "\n```")
 CAP = 512
@@ -30,7 +30,7 @@ def prompt(text: str, first_test: str) -> str:
 
 
 def load(root: Path | None) -> list[dict]:
-    path = local_file(root, "mbpp/mbpp.jsonl")
+    path = data_file(root, "mbpp/mbpp.jsonl")
     rows = read_jsonl(path) if path else from_hub("MBPP", "mbpp/mbpp.jsonl", "google-research-datasets/mbpp",
                                                   "full", split="test")
     rows = sorted((r for r in rows if r["task_id"] in TEST_IDS), key=lambda r: r["task_id"])
@@ -43,6 +43,4 @@ def build(row: dict, shots: int) -> Example:
     return Example("mbpp", f"mbpp/{row['task_id']}", prompt(row["text"], row["test_list"][0]), row["code"])
 
 
-TASK = Task("mbpp", CAP, STOP, load, build,
-            doc="code completion from a docstring with the description and first test (bigcode format)",
-            source="mbpp/mbpp.jsonl (google-research) or HF google-research-datasets/mbpp")
+TASK = Task("mbpp", CAP, STOP, load, build)

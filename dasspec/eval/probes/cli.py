@@ -101,7 +101,7 @@ WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch
 def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:
     """The flags given, over the model's tuned DAS-Wave defaults, resolved as ``generate`` resolves them (so a
     tuned W_init or seed branch yields to a caller's smaller gamma or anchor window the same way)."""
-    from ..methods import get_method, resolve_knobs
+    from ...methods import get_method, resolve_knobs
 
     user = {k: getattr(args, k) for k in WAVE_BUDGET if getattr(args, k) is not None}
     knobs = resolve_knobs(get_method("das-wave"), model.config, model.generation_defaults, user, R)

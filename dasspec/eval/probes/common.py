@@ -1,5 +1,5 @@
 """What the probes share: GSM8K prompts, the target's greedy trajectories, paired timed runs against AR, the
-paper's summary statistics (S eq. 8, A eq. 9, G eq. 10 and the prompt bootstrap, from dasspec.bench.metrics) and
+paper's summary statistics (S eq. 8, A eq. 9, G eq. 10 and the prompt bootstrap, from dasspec.eval.bench.metrics) and
 table output (markdown + CSV)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..bench import metrics
-from ..generate import GenerationResult, generate
-from ..model import LoopedLM
+from ...generate import GenerationResult, generate
+from ...model.looped import LoopedLM
 
 # --------------------------------------------------------------------------------------------------------------
 # Prompts

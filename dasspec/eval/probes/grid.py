@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..model import LoopedLM
+from ...model.looped import LoopedLM
 from .channels import agreement_counts
 from .common import Trajectory, markdown_table, pyplot, write_report
 

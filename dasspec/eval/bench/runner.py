@@ -26,10 +26,10 @@ from typing import Any, Iterable
 
 import torch
 
-from ..generate import generate
-from ..methods import get_method, resolve_knobs
-from ..model import LoopedLM
-from ..prefix_cache import PrefixCache, common_prefix
+from ...generate import generate
+from ...methods import get_method, resolve_knobs
+from ...model.looped import LoopedLM
+from ...prefix_cache import PrefixCache, common_prefix
 from ..tasks import Example, Task, get_task
 
 RECORDS = "records.jsonl"

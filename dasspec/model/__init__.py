@@ -1,0 +1,12 @@
+"""The looped model and what it is made of: ``config`` (LoopedConfig, family detection), ``checkpoint`` (Hugging
+Face folders in and out), ``layers`` (norms, RoPE, blocks), ``attention`` (the paper's eq. 2-3), ``looped``
+(LoopedLM: prelude, core step, readout), ``cache`` (the depth cache), ``policy`` (prefix read policies) and
+``tokenizer``."""
+
+from .cache import CacheCapacityError, DepthCache
+from .config import ConfigError, LoopedConfig
+from .looped import LoopedLM
+from .policy import ReadPolicy, parse_policy
+
+__all__ = ["LoopedLM", "LoopedConfig", "ConfigError", "DepthCache", "CacheCapacityError", "ReadPolicy",
+           "parse_policy"]

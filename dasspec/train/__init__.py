@@ -1,0 +1,1 @@
+"""``dasspec train``: the bundled model's recipe."""
