@@ -1,4 +1,4 @@
-"""Wide masked attention on CPU: torch's SDPA against ``layers.gemm_attention`` (scores materialised), in isolation
+"""Wide masked attention on CPU: torch's SDPA against ``attention.cpu_gemm_attention`` (scores materialised), in isolation
 and inside whole DAS-Wave requests.
 
     python benchmarks/cpu_attention.py --threads 2                                   # both parts
@@ -6,7 +6,7 @@ and inside whole DAS-Wave requests.
 
 Part 1 times one attention call (4 heads of 48, the bundled model's) for W queries over n prefix rows with an
 additive causal-block mask.  Part 2 runs DAS-Wave on development prompts with the GEMM path on and off
-(``layers.GEMM_ATTENTION_MIN_W``), alternating the order per prompt, and prints the ratio of total wall time.
+(``attention.GEMM_ATTENTION_MIN_W``), alternating the order per prompt, and prints the ratio of total wall time.
 A benchmark, not a test: it asserts nothing about speed (it does check that both settings give the same tokens).
 """
 
@@ -34,7 +34,7 @@ def isolated(widths: list[int], prefixes: list[int]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dasspec.model.layers import gemm_attention
+    from dasspec.model.attention import cpu_gemm_attention as gemm_attention
 
     print("| n (prefix rows) | W (queries) | SDPA (µs) | GEMM (µs) | SDPA / GEMM |\n|---|---|---|---|---|")
     for n in prefixes:
@@ -50,9 +50,9 @@ def isolated(widths: list[int], prefixes: list[int]) -> None:
 def end_to_end(tasks: str, prompts: int, reps: int, cap: int, shots: list[str], prefix_cache: bool,
                data: str | None) -> None:
     import dasspec
-    from dasspec import layers
+    from dasspec.engine.prefix_cache import common_prefix
     from dasspec.eval.bench.runner import dev_prompts
-    from dasspec.prefix_cache import common_prefix
+    from dasspec.model import attention as layers
 
     model = dasspec.load_model()
     on = layers.GEMM_ATTENTION_MIN_W

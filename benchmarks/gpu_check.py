@@ -39,7 +39,7 @@ TINY = dict(vocab_size=512, n_embd=64, n_heads=4, n_kv_heads=4, head_dim=16, int
 def build(shape: str, device: torch.device, dtype: torch.dtype):
     from dasspec.model.looped import LoopedLM
     from dasspec.testing import tiny_config
-    from dasspec.train.recipe import init_weights
+    from dasspec.train.objective import init_weights
 
     cfg = tiny_config("huginn", **(HUGINN if shape == "huginn" else TINY))
     with torch.device("meta"):
@@ -64,10 +64,10 @@ def sync(device: torch.device) -> None:
 
 def pass_costs(model, prompt: list[int], widths: list[int], reps: int) -> dict[int, float]:
     """Seconds per full-depth target pass over W positions after the prompt (scratch rows, nothing committed)."""
-    from dasspec.decoding import Decoding
-    from dasspec.stopping import StopRule
+    from dasspec.engine.request import Request
+    from dasspec.engine.stopping import StopRule
 
-    dec = Decoding(model, prompt, StopRule(max(widths) + 2), width=max(widths), method="ar")
+    dec = Request(model, prompt, StopRule(max(widths) + 2), width=max(widths), method="ar")
     out = {}
     with torch.inference_mode():
         dec.prefill()
@@ -127,10 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     ref_tokens = None
     for mode in modes:
-        if mode != "eager":
-            dasspec.optimize(model, static_shapes=True, cuda_graphs=(mode == "cuda-graphs"))
+        runtime = dasspec.Runtime(static_shapes=mode != "eager", cuda_graphs=mode == "cuda-graphs")
         for method, knobs in (("ar", {}), ("das-wave", schedule)):
-            kw = dict(max_new_tokens=args.new_tokens, eos=False, **knobs)
+            kw = dict(max_new_tokens=args.new_tokens, eos=False, runtime=runtime, **knobs)
             dasspec.generate(model, prompt, method, **kw)                   # warm-up / compile
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

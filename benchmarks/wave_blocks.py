@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import dasspec
     from dasspec.eval.bench.runner import dev_prompts, parse_knobs
-    from dasspec.decoders import wave
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,33 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     knobs.update(seed_branch=0, copy_run=False)         # every block runs its rounds and verifies the chain alone
     prompts = dev_prompts(model, args.tasks, args.prompts, args.max_new_tokens, args.shots, args.data)
 
-    blocks: list[dict] = []
-    real = wave.propose_wave
-
-    def record(dec, *a, guesses=None, **kw):          # run_wave calls the module-level name at every block
-        out = real(dec, *a, guesses=guesses, **kw)
-        blocks.append({"n": dec.n, "seed": [] if guesses is None else guesses.tolist(), "wave": out.tolist()})
-        return out
-
     rows = []
-    wave.propose_wave = record
-    try:
-        for pr in tqdm(prompts, desc="blocks", unit="prompt"):
-            stop = list(pr.task.stop)
-            ref = dasspec.generate(model, pr.ids, "ar", max_new_tokens=pr.task.cap, stop=stop)
-            blocks.clear()
-            out = dasspec.generate(model, pr.ids, "das-wave", max_new_tokens=pr.task.cap, stop=stop, **knobs)
-            if out.tokens != ref.tokens:
-                raise AssertionError(f"{pr.example.id}: DAS-Wave differs from AR")
-            text = list(pr.ids) + ref.tokens
-            for i, b in enumerate(blocks):
-                truth = text[b["n"] + 1:]
-                a_wave, a_seed = matched(b["wave"], truth), matched(b["seed"], truth)
-                rows.append({"task": pr.task.name, "prompt": pr.example.id, "block": i, "position": b["n"],
-                             "seed_len": len(b["seed"]), "wave_len": len(b["wave"]), "wave_accepted": a_wave,
-                             "seed_accepted": a_seed, "common_prefix": matched(b["wave"], b["seed"])})
-    finally:
-        wave.propose_wave = real
+    for pr in tqdm(prompts, desc="blocks", unit="prompt"):
+        stop = list(pr.task.stop)
+        ref = dasspec.generate(model, pr.ids, "ar", max_new_tokens=pr.task.cap, stop=stop)
+        out = dasspec.generate(model, pr.ids, "das-wave", max_new_tokens=pr.task.cap, stop=stop, trace=True,
+                               **knobs)
+        if out.tokens != ref.tokens:
+            raise AssertionError(f"{pr.example.id}: DAS-Wave differs from AR")
+        text = list(pr.ids) + ref.tokens
+        n = len(pr.ids)                                   # the anchor's position: the prefill's token
+        for i, (draft, verdict) in enumerate(out.trace):
+            seed = [] if draft.notes["seed"] is None else draft.notes["seed"].tolist()
+            truth = text[n + 1:]
+            a_wave, a_seed = matched(draft.tokens, truth), matched(seed, truth)
+            rows.append({"task": pr.task.name, "prompt": pr.example.id, "block": i, "position": n,
+                         "seed_len": len(seed), "wave_len": len(draft.tokens), "wave_accepted": a_wave,
+                         "seed_accepted": a_seed, "common_prefix": matched(draft.tokens, seed)})
+            n += verdict.kept
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,19 +2,26 @@
 
 Depth-Asynchronous Self-Speculation (DAS), Mature-Spec and DAS-Wave, with the paper's baselines, benchmarks and
 mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small looped model.
+
+    dasspec.model    the looped model, its depth cache and read policies, checkpoints, tokenizer
+    dasspec.engine   one request's state, the full-depth verifier, the decode loop, generate()
+    dasspec.methods  one module per decoding method (a drafter each) and their typed knobs
+    dasspec.eval     tasks, the paired benchmark, the mechanism probes
+    dasspec.train    the bundled model's recipe
 """
 
 from __future__ import annotations
 
-from .accel import optimize
+from .engine.draft import Draft, Drafter, Verdict
+from .engine.generate import GenerationResult, generate
+from .engine.prefix_cache import PrefixCache
+from .engine.runtime import Runtime
+from .methods import build_drafter, method_names
 from .model.cache import CacheCapacityError, DepthCache
 from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .model.config import ConfigError, LoopedConfig
-from .generate import GenerationResult, generate
-from .methods import method_names
 from .model.looped import LoopedLM
 from .model.policy import ReadPolicy, parse_policy
-from .prefix_cache import PrefixCache
 from .model.tokenizer import Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
@@ -26,6 +33,7 @@ def load_model(source=None, device=None, dtype=None) -> LoopedLM:
     return load_checkpoint(source, device=device, dtype=dtype)
 
 
-__all__ = ["optimize", "load_model", "load_tokenizer", "generate", "GenerationResult", "LoopedLM", "LoopedConfig",
-           "DepthCache", "PrefixCache", "ReadPolicy", "parse_policy", "Tokenizer", "method_names", "save_checkpoint",
-           "CheckpointError", "ConfigError", "CacheCapacityError", "__version__"]
+__all__ = ["load_model", "load_tokenizer", "generate", "GenerationResult", "build_drafter", "Drafter", "Draft",
+           "Verdict", "Runtime", "LoopedLM", "LoopedConfig", "DepthCache", "PrefixCache", "ReadPolicy",
+           "parse_policy", "Tokenizer", "method_names", "save_checkpoint", "CheckpointError", "ConfigError",
+           "CacheCapacityError", "__version__"]

@@ -10,70 +10,43 @@ import argparse
 import json
 import sys
 
-# Paper knobs get their own flags; any method knob can also be given as --set name=value.
-KNOB_FLAGS = {
-    "gamma": int, "rounds": int, "w_init": int, "k": int, "draft_depth": int, "block": int, "policy": str,
-    "guesses": str, "seed_branch": int,
-}
-
-
 def add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """Every registered method's knobs as flags (derived from their dataclasses), plus --set NAME=VALUE."""
+    from .methods import all_knobs
+    from .methods.knobs import add_knob_flags as add
+
     g = p.add_argument_group("method knobs (named after the paper; defaults per model family, Table 5)")
-    g.add_argument("--gamma", type=int, help="DAS-Wave verifier capacity / max active width")
-    g.add_argument("--rounds", "-J", type=int, help="DAS-Wave refinement rounds J")
-    g.add_argument("--w-init", dest="w_init", type=int, help="DAS-Wave initial active width W_init")
-    g.add_argument("-k", type=int, help="DAS-Wave core updates per round")
-    g.add_argument("--draft-depth", "-d", dest="draft_depth", type=int, help="sequential draft depth d")
-    g.add_argument("--block", "-b", type=int, help="sequential draft block length b")
-    g.add_argument("--policy", help="prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | k=..,v=..")
-    g.add_argument("--guesses", help="DAS-Wave window seed: anchor (repeat it, the paper's) | lookup (prompt lookup) "
-                                     "| copy (periodic copy of the latest match)")
-    g.add_argument("--trim", dest="trim", action="store_true", default=None,
-                   help="DAS-Wave: verify only up to the first proposal the last round changed")
-    g.add_argument("--no-trim", dest="trim", action="store_false", help="DAS-Wave: verify every proposal (paper)")
-    g.add_argument("--seed-branch", dest="seed_branch", type=int,
-                   help="DAS-Wave: verify up to N tokens of the window's seed as a second branch (0 = off)")
-    g.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
-                   help="DAS-Wave: after a block whose seed was accepted whole, verify the next seed without rounds")
-    g.add_argument("--no-copy-run", dest="copy_run", action="store_false", help="DAS-Wave: always run the rounds")
-    g.add_argument("--early-stop", dest="early_stop", action="store_true", default=None,
-                   help="DAS-Wave: stop a block's rounds after one that changed no guess (J becomes a cap)")
-    g.add_argument("--no-early-stop", dest="early_stop", action="store_false", help="DAS-Wave: always run J rounds")
-    g.add_argument("--carry", dest="carry", action="store_true", default=None, help="carry latent states (wave)")
-    g.add_argument("--no-carry", dest="carry", action="store_false", help="re-initialise states every round")
+    add(g, all_knobs())
     g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",
-                   help="any other method knob, e.g. --set max_ngram=3 (repeatable)")
+                   help="a method knob as NAME=VALUE (repeatable), e.g. --set static_corpus=docs.jsonl")
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict:
-    names = list(KNOB_FLAGS) + ["carry", "trim", "copy_run", "early_stop"]
-    knobs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    for item in getattr(args, "extra", []) or []:
-        if "=" not in item:
-            raise SystemExit(f"--set expects NAME=VALUE, got {item!r}")
-        name, value = item.split("=", 1)
-        try:
-            knobs[name.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            knobs[name.strip()] = value
-    return knobs
+    from .methods import all_knobs
+    from .methods.knobs import knobs_from_args as parse
+
+    return parse(args, all_knobs(), getattr(args, "extra", []))
 
 
 def add_exec_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("execution (GPU options; see dasspec.accel)")
+    g = p.add_argument_group("execution (GPU options; see dasspec.Runtime)")
     g.add_argument("--static-shapes", action="store_true", help="fixed-shape attention over the whole cache")
     g.add_argument("--compile", action="store_true", help="torch.compile the model primitives (implies static)")
     g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs via torch.compile reduce-overhead")
 
 
+def runtime_from_args(args: argparse.Namespace, track_memory: bool = False):
+    from .engine.runtime import Runtime
+
+    return Runtime(static_shapes=getattr(args, "static_shapes", False), compile=getattr(args, "compile", False),
+                   cuda_graphs=getattr(args, "cuda_graphs", False), track_memory=track_memory)
+
+
 def load_for_args(args: argparse.Namespace):
-    """load_model + the execution flags shared by generate / bench / probe / the speed benchmark."""
+    """load_model for the --model / --device / --dtype flags shared by generate / bench / probe and benchmarks."""
     import dasspec
 
-    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
-    if any(getattr(args, flag, False) for flag in ("static_shapes", "compile", "cuda_graphs")):
-        dasspec.optimize(model, static_shapes=True, compile=args.compile, cuda_graphs=args.cuda_graphs)
-    return model
+    return dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 class TextStreamer:
@@ -124,7 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     streamer = None if args.quiet else TextStreamer(model.tokenizer, prompt=prompt)
     res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
                            num_steps=args.num_steps, init_scale=args.init_scale, stop=args.stop or None,
-                           seed=args.seed, streamer=streamer, **knobs_from_args(args))
+                           seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
+                           **knobs_from_args(args))
     s = res.stats
     if args.quiet:
         print(res.text)
@@ -162,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_exec_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    for module in ("dasspec.eval.bench.cli", "dasspec.eval.probes.cli", "dasspec.train.recipe"):
+    for module in ("dasspec.eval.bench.cli", "dasspec.eval.probes.cli", "dasspec.train.cli"):
         try:
             mod = __import__(module, fromlist=["add_parser"])
         except ModuleNotFoundError as err:

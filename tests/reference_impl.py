@@ -16,22 +16,11 @@ import math
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 HUGINN_SPECIAL_IDS = {"bos_token_id": 65504, "eos_token_id": 65505, "pad_token_id": 65509}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Import into a test module to run it on one intra-op thread: these models are tiny, and on a shared 2-core
-    machine two spinning OpenMP threads make each small matmul ~50x slower.  The setting is restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # =================================================================================================================

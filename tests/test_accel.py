@@ -1,5 +1,5 @@
-"""GPU execution options run on CPU too and change no token: static-shape attention (every method) and
-torch.compile of the primitives."""
+"""Execution options (``dasspec.Runtime``) run on CPU too and change no token: static-shape attention (every
+method) and torch.compile of the primitives; none of them touches the model or process-wide settings."""
 
 from __future__ import annotations
 
@@ -21,17 +21,13 @@ METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 4}),
 def test_static_shapes_change_no_token(family: str) -> None:
     model = random_model(family, seed=1, mean_recurrence=5)
     prompts = [list(range(3, 15)), [5, 6, 7, 5, 6, 7, 5, 6], list(range(40, 70, 2))]
+    static = dasspec.Runtime(static_shapes=True)
     for i, prompt in enumerate(prompts):
-        model.static_shapes = False
         ref = dasspec.generate(model, prompt, "ar", max_new_tokens=12, eos=False, seed=i, init_scale=i % 2)
-        model.static_shapes = True
-        try:
-            for method, knobs in METHODS:
-                out = dasspec.generate(model, prompt, method, max_new_tokens=12, eos=False, seed=i,
-                                       init_scale=i % 2, **knobs)
-                assert out.tokens == ref.tokens, (family, i, method, knobs)
-        finally:
-            model.static_shapes = False
+        for method, knobs in METHODS:
+            out = dasspec.generate(model, prompt, method, max_new_tokens=12, eos=False, seed=i,
+                                   init_scale=i % 2, runtime=static, **knobs)
+            assert out.tokens == ref.tokens, (family, i, method, knobs)
 
 
 def test_static_shapes_with_a_prefix_cache() -> None:
@@ -42,14 +38,12 @@ def test_static_shapes_with_a_prefix_cache() -> None:
     pc = dasspec.PrefixCache(model, prefix, init_scale=1.0)
     prompts = [prefix + [9, 10, 11], prefix + [3, 5, 6, 7, 8]]
     refs = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False, prefix_cache=pc).tokens for p in prompts]
-    model.static_shapes = True
-    try:
-        for prompt, ref in zip(prompts, refs):
-            for method, knobs in (("ar", {}), ("das-wave", {"gamma": 6, "rounds": 5}), ("pld", {})):
-                out = dasspec.generate(model, prompt, method, max_new_tokens=10, eos=False, prefix_cache=pc, **knobs)
-                assert out.tokens == ref and out.stats.cached_tokens == len(prefix), (method, prompt)
-    finally:
-        model.static_shapes = False
+    static = dasspec.Runtime(static_shapes=True)
+    for prompt, ref in zip(prompts, refs):
+        for method, knobs in (("ar", {}), ("das-wave", {"gamma": 6, "rounds": 5}), ("pld", {})):
+            out = dasspec.generate(model, prompt, method, max_new_tokens=10, eos=False, prefix_cache=pc,
+                                   runtime=static, **knobs)
+            assert out.tokens == ref and out.stats.cached_tokens == len(prefix), (method, prompt)
 
 
 def test_static_span_visibility_matches_dynamic() -> None:
@@ -58,20 +52,31 @@ def test_static_span_visibility_matches_dynamic() -> None:
     st = model.span(5, 7, 3, static_capacity=16)
     want = torch.zeros(3, 16, dtype=torch.bool)
     want[:, :10] = dyn.mask
-    assert torch.equal(st.visible, want)
-    assert torch.equal(st.vis_prefix | st.vis_own, want) and not (st.vis_prefix & st.vis_own).any()
-    assert st.vis_prefix[:, 5:].sum() == 0 and st.rows.tolist() == [7, 8, 9]
+    assert torch.equal(st.mask, want)
+    prefix, own = st.source_masks()
+    assert torch.equal(prefix | own, want) and not (prefix & own).any()
+    assert prefix[:, 5:].sum() == 0 and st.rows.tolist() == [7, 8, 9]
+    dyn_prefix, dyn_own = dyn.source_masks()                     # the dynamic split: rows [0, n) and [n, end)
+    assert torch.equal(dyn_prefix, want[:, :5]) and torch.equal(dyn_own, want[:, 5:10])
 
 
 def test_compiled_primitives_give_the_same_tokens() -> None:
+    """torch.compile through a Runtime: same tokens; the model object and dynamo's process-wide recompile limit are
+    left as they were (the limit is raised for the compiled primitives only)."""
+    from torch._dynamo import config as dynamo_config
+
     model = random_model("huginn", seed=2, mean_recurrence=1)
     prompt = list(range(3, 11))
     ref = dasspec.generate(model, prompt, "ar", max_new_tokens=3, eos=False).tokens
+    attrs, limit = dict(vars(model)), dynamo_config.recompile_limit
+    rt = dasspec.Runtime(compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dasspec.optimize(model, compile=True)
-        out = dasspec.generate(model, prompt, "ar", max_new_tokens=3, eos=False).tokens
-    assert out == ref and model.compiled and model.static_shapes
+        out = dasspec.generate(model, prompt, "ar", max_new_tokens=3, eos=False, runtime=rt).tokens
+    assert out == ref and rt.static_shapes
+    assert rt.primitives(model) is rt.primitives(model) is not model          # compiled once, kept by the runtime
+    assert vars(model).keys() == attrs.keys() and dynamo_config.recompile_limit == limit
+    assert dasspec.generate(model, prompt, "ar", max_new_tokens=3, eos=False).tokens == ref   # eager again
 
 
 def test_cuda_graphs_need_cuda() -> None:
@@ -79,7 +84,21 @@ def test_cuda_graphs_need_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(ValueError, match="CUDA"):
-        dasspec.optimize(model, cuda_graphs=True)
+        dasspec.generate(model, [3, 4, 5], max_new_tokens=2, runtime=dasspec.Runtime(cuda_graphs=True))
+
+
+def test_peak_memory_is_measured_only_when_asked(monkeypatch) -> None:
+    """A plain generate call leaves process-wide counters alone (no peak-memory window); a benchmark's Runtime
+    with track_memory=True opens one and reports the peak."""
+    from dasspec.engine import request
+
+    opened = []
+    monkeypatch.setattr(request, "reset_peak_memory", lambda device: opened.append(device))
+    model = random_model("huginn", mean_recurrence=2)
+    out = dasspec.generate(model, [3, 4, 5], max_new_tokens=2)
+    assert opened == [] and out.stats.peak_memory is None
+    out = dasspec.generate(model, [3, 4, 5], max_new_tokens=2, runtime=dasspec.Runtime(track_memory=True))
+    assert len(opened) == 1 and (out.stats.peak_memory is None or out.stats.peak_memory > 0)
 
 
 def test_gpu_check_script_runs_on_cpu(tmp_path):

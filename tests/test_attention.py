@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dasspec
-from dasspec import layers
+from dasspec.model import attention
 from dasspec.testing import random_model
 
 
@@ -26,7 +26,7 @@ def test_gemm_attention_matches_sdpa(heads, kv_heads, dtype, tol):
     bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
     want = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                           enable_gqa=heads != kv_heads)
-    got = layers.gemm_attention(q, k, v, bias, hd ** -0.5)
+    got = attention.cpu_gemm_attention(q, k, v, bias, hd ** -0.5)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
@@ -34,12 +34,29 @@ def test_gemm_attention_matches_sdpa(heads, kv_heads, dtype, tol):
 def test_wide_calls_take_the_gemm_path_and_stay_lossless(monkeypatch):
     model = random_model("raven-llama", seed=2, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)   # GQA
     calls = []
-    real = layers.gemm_attention
-    monkeypatch.setattr(layers, "gemm_attention", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    real = attention.cpu_gemm_attention
+    monkeypatch.setattr(attention, "cpu_gemm_attention", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
     prompt = [3, 4, 5, 6] * 6
     ref = dasspec.generate(model, prompt, "ar", max_new_tokens=24, eos=False)
     assert calls == []                      # AR: a causal prefill and one-query steps, both SDPA
     for method, knobs in (("das-wave", {"gamma": 24, "rounds": 3, "w_init": 24, "k": 1}), ("pld", {"num_pred": 20})):
         out = dasspec.generate(model, prompt, method, max_new_tokens=24, eos=False, **knobs)
         assert out.tokens == ref.tokens, method
-    assert calls and min(calls) >= layers.GEMM_ATTENTION_MIN_W
+    assert calls and min(calls) >= attention.GEMM_ATTENTION_MIN_W
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_two_source_attention_is_one_softmax_over_both_sources(heads, kv_heads):
+    """Eq. (2)-(3): prefix keys/values from one depth and the call's own from another, under one softmax, equal
+    ordinary attention over the concatenated rows (with masks hiding rows of either source)."""
+    g = torch.Generator().manual_seed(1)
+    W, n, hd = 6, 11, 8
+    q = torch.randn(1, heads, W, hd, generator=g)
+    kc, vc = torch.randn(kv_heads, n, hd, generator=g), torch.randn(kv_heads, n, hd, generator=g)
+    ku, vu = torch.randn(kv_heads, W, hd, generator=g), torch.randn(kv_heads, W, hd, generator=g)
+    mc = torch.rand(W, n, generator=g) > 0.3
+    mu = torch.ones(W, W, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, torch.cat((kc, ku), 1)[None], torch.cat((vc, vu), 1)[None],
+                                          attn_mask=torch.cat((mc, mu), 1), enable_gqa=heads != kv_heads)
+    got = attention.two_source_attention(q, kc, vc, mc, ku, vu, mu, hd ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

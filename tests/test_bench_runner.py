@@ -5,14 +5,14 @@ import json
 from argparse import Namespace
 
 import pytest
-import torch
 
 from dasspec.eval.bench import runner
 from dasspec.eval.bench.cli import cmd_bench
 from dasspec.eval.bench.report import write_report
 from dasspec.eval.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
-from dasspec.decoders.ar import run_ar
-from dasspec.methods import METHODS, MethodSpec, register
+from dasspec.engine.draft import Drafter
+from dasspec.methods import METHODS, Method
+from dasspec.methods.ar import ARKnobs
 from dasspec.eval.tasks import Example, Task, select
 from dasspec.testing import random_model
 
@@ -38,32 +38,29 @@ def toy_task(n=10, cap=CAP, stop=("\n\n\n",), long_ids=()):
     return Task("toy", cap, tuple(stop), lambda root: rows, lambda r, s: Example("toy", r["id"], r["text"]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # One intra-op thread: these generations are tiny, and on a busy shared CPU two threads contend badly.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return random_model("huginn")
 
 
-@pytest.fixture
-def extra_methods():
-    """Test-only methods: one that breaks AR's output, one that declares cross-request state."""
-    def run_broken(dec, knobs):
-        run_ar(dec, knobs)
-        dec.generated[-1] = (dec.generated[-1] + 1) % dec.model.config.vocab_size
+class Broken(Drafter):
+    """AR, with its last token changed after the stop: output that differs from AR's."""
 
-    register(MethodSpec("test-broken", run_broken))
-    register(MethodSpec("test-stateful", run_ar, stateful=True))
-    yield
-    METHODS.pop("test-broken")
-    METHODS.pop("test-stateful")
+    name = "test-broken"
+
+    def observe(self, req, verdict):
+        if req.done:
+            req.generated[-1] = (req.generated[-1] + 1) % req.model.config.vocab_size
+
+
+@pytest.fixture
+def extra_methods(monkeypatch):
+    """Test-only methods: one that breaks AR's output, one that declares cross-request state."""
+    from dasspec import methods
+    methods.method_names()                                       # the built-in methods first
+    monkeypatch.setitem(METHODS, "test-broken", Method("test-broken", ARKnobs, lambda k: Broken()))
+    monkeypatch.setitem(METHODS, "test-stateful", Method("test-stateful", ARKnobs, lambda k: Drafter(),
+                                                          stateful=True))
 
 
 def plan(methods, prompts=3, **kw):
@@ -104,7 +101,7 @@ def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monke
     def interrupted(*a, **k):
         if len(calls) == 4:
             raise KeyboardInterrupt
-        calls.append(k["method"])
+        calls.append(k["drafter"].name)
         return real(*a, **k)
 
     monkeypatch.setattr(runner, "generate", interrupted)
@@ -113,7 +110,7 @@ def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monke
     assert len(load_records(tmp_path / "records.jsonl")) == 4       # everything finished is kept
 
     def counting(*a, **k):
-        calls.append(k["method"])
+        calls.append(k["drafter"].name)
         return real(*a, **k)
 
     monkeypatch.setattr(runner, "generate", counting)
@@ -128,6 +125,62 @@ def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monke
     # more prompts extend the same folder
     run = bench(model, tmp_path, plan(["mature-spec"], prompts=4))
     assert run.ran == 2 and len(load_records(tmp_path / "records.jsonl")) == 8
+
+
+def test_schedule_warms_up_rotates_and_keeps_slots_of_skipped_runs(monkeypatch):
+    """The shared schedule (dasspec.eval.pairing): warm-up of every arm on the first prompt before any timed run,
+    an order rotating by one per prompt, garbage collected before every run, done runs skipped in place."""
+    from dasspec.eval import pairing
+
+    calls = []
+    monkeypatch.setattr(pairing.gc, "collect", lambda: calls.append("gc"))
+    arms = ["ar", "x", "y"]
+    runs = pairing.paired_runs(["p0", "p1", "p2", "p3"], arms, lambda p, a: calls.append((p, a)) or f"{p}/{a}",
+                               warmup=lambda p, a: calls.append(("warm", p, a)),
+                               pending=lambda p, a: (p, a) != ("p2", "y"))
+    got = [(r.prompt, r.arm, r.slot, r.result) for r in runs]
+    assert calls[:6] == ["gc", ("warm", "p0", "ar"), "gc", ("warm", "p0", "x"), "gc", ("warm", "p0", "y")]
+    timed = calls[6:]
+    assert timed[::2] == ["gc"] * 11 and [c[:2] for c in timed[1::2]] == [(p, a) for p, a, _, _ in got]
+    assert [(p, a, slot) for p, a, slot, _ in got] == [
+        ("p0", "ar", 0), ("p0", "x", 1), ("p0", "y", 2),
+        ("p1", "x", 0), ("p1", "y", 1), ("p1", "ar", 2),
+        ("p2", "ar", 1), ("p2", "x", 2),                       # ("p2", "y") was done: its slot 0 stays empty
+        ("p3", "ar", 0), ("p3", "x", 1), ("p3", "y", 2)]
+    assert all(result == f"{p}/{a}" for p, a, _, result in got)
+    calls.clear()
+    shifted = pairing.paired_runs(["q", "r"], arms, lambda p, a: None, warmup=lambda p, a: calls.append(p),
+                                  pending=lambda p, a: p == "r", shift=lambda p: 5)
+    assert [(r.arm, r.slot) for r in shifted] == [("y", 0), ("ar", 1), ("x", 2)]   # rotation from shift(prompt)
+    assert [c for c in calls if c != "gc"] == ["q", "q", "q"]  # warm-up on the first prompt, done or not
+    calls.clear()
+    assert list(pairing.paired_runs(["q"], arms, lambda p, a: None, warmup=lambda p, a: calls.append(p),
+                                    pending=lambda p, a: False)) == []
+    assert calls == []                                         # nothing to time: no warm-up either
+
+
+def test_warm_up_runs_every_method_once_on_the_first_prompt_with_a_short_cap(model, tmp_path, monkeypatch):
+    real = runner.generate
+    calls = []
+
+    def counting(*a, **k):
+        calls.append((k["drafter"].name, k["max_new_tokens"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "generate", counting)
+    monkeypatch.setattr(runner, "WARMUP_TOKENS", 2)
+    bench(model, tmp_path, plan(["mature-spec"], prompts=2, warmup=True))
+    assert calls == [("ar", 2), ("mature-spec", 2), ("ar", CAP), ("mature-spec", CAP), ("mature-spec", CAP),
+                     ("ar", CAP)]
+    assert [(r["method"], r["order"]) for r in load_records(tmp_path / "records.jsonl")] == [
+        ("ar", 0), ("mature-spec", 1), ("mature-spec", 0), ("ar", 1)]
+
+
+def test_target_depth_is_validated(model, tmp_path):
+    with pytest.raises(ValueError, match="num_steps must be a whole number"):
+        bench(model, tmp_path, plan(["ar"], num_steps=2.5))
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        bench(model, tmp_path, plan(["ar"], num_steps=0))
 
 
 def test_a_torn_last_line_is_dropped(tmp_path):
@@ -161,12 +214,16 @@ def test_unknown_methods_and_bad_knobs_fail_before_any_run(model, tmp_path):
 
 def test_prompts_that_do_not_fit_the_context_are_skipped_with_a_reason(model, tmp_path):
     first = select(10, 3)[0]                                       # the first selected prompt is too long
-    run = bench(model, tmp_path, plan(["ar"], task=toy_task(long_ids=(first,))))
+    run = bench(model, tmp_path, plan(["ar", "pld"], task=toy_task(long_ids=(first,))))
     assert [sk["prompt_id"] for sk in run.skipped] == [f"p{first}"]
     assert "> context 256" in run.skipped[0]["reason"]
     _, text = write_report(tmp_path, run.skipped, n_resamples=100)
     assert f"skipped toy `p{first}`: prompt 401 tokens + cap 6 > context 256" in text
-    assert len(load_records(tmp_path / "records.jsonl")) == 2
+    recs = load_records(tmp_path / "records.jsonl")
+    assert len(recs) == 4
+    # the rotation follows each prompt's place in the selection, skipped prompts included
+    assert all(r["order"] == (run.methods.index(r["method"]) - r["prompt_index"]) % 2 for r in recs)
+    assert {r["prompt_index"] for r in recs} == {1, 2}
 
 
 def test_task_stop_strings_reach_generate(model, tmp_path):
@@ -230,8 +287,10 @@ def char_checkpoint(folder):
     return folder
 
 
-def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys):
+def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys, monkeypatch):
     from dasspec.cli import main
+
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)             # HumanEval from the package: no data needed
 
     ckpt = char_checkpoint(tmp_path / "ckpt")
     argv = ["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "mature-spec", "--prompts", "1",
@@ -293,3 +352,18 @@ def test_prefix_cache_serves_every_method_alike_and_is_pinned(model, tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["prefix_cache"] is True
     with pytest.raises(ValueError, match="prefix_cache"):       # resuming without it would mix two setups
         bench(model, tmp_path, plan(["das-wave", "pld"], prompts=4, task=task))
+
+
+def test_a_stateful_drafter_follows_the_whole_request_stream(model, tmp_path, monkeypatch):
+    """The paper's protocol for Token Recycling: one successor table for the whole stream of requests (warm-up
+    included), so the benchmark keeps one drafter per method for the run."""
+    real = runner.build_drafter
+    built = {}
+
+    def keep(model, method, *a, **k):
+        built[method] = real(model, method, *a, **k)
+        return built[method]
+
+    monkeypatch.setattr(runner, "build_drafter", keep)
+    bench(model, tmp_path, plan(["token-recycling"], prompts=3, warmup=True))
+    assert built["token-recycling"].table.requests == 1 + 3

@@ -1,7 +1,9 @@
 """Every method runs in bfloat16 (the CUDA default) on every family, loaded the way users load checkpoints, with
 eager and static-shape execution.  CPU stands in for the GPU here: the dtype paths (masks, carried states, tree
-compaction, the depth cache) are the same.  Tokens may differ from bf16 AR after the first (near-tie flips across
-pass widths, paper sec. B.3); the first comes from the same full-depth prefill for every method, so it must match."""
+compaction, the depth cache) are the same.  bf16 is not bit-lossless (near-tie flips across pass widths, paper
+sec. B.3), so the checks are: the bf16 model computes what the float32 one does (logits close), the first token
+(the same full-depth prefill for every method) equals bf16 AR's, and pooled over the methods almost every token
+does."""
 
 from __future__ import annotations
 
@@ -12,36 +14,38 @@ import dasspec
 from dasspec.methods import method_names
 from dasspec.testing import random_model
 
-torch.set_num_threads(1)
-
 PROMPT = [5, 9, 13, 7, 22, 31] * 4          # repeats, so retrieval drafts and copy seeds get accepted
 NEW = 16
+WAVE_EXTENSIONS = dict(guesses="copy", trim=True, seed_branch=8, copy_run=True, early_stop=True, gamma=8, rounds=4,
+                       w_init=8, k=1)
 
 
 @pytest.fixture(scope="module", params=["huginn", "raven-llama", "raven-olmo"])
-def bf16_model(request, tmp_path_factory):
+def models(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "ckpt"
     dasspec.save_checkpoint(random_model(request.param, mean_recurrence=16), folder)   # R > self-spec d = 8
-    model = dasspec.load_model(folder, device="cpu", dtype=torch.bfloat16)
-    assert model.dtype == torch.bfloat16
-    return model
+    bf16 = dasspec.load_model(folder, device="cpu", dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    return bf16, dasspec.load_model(folder, device="cpu", dtype=torch.float32)
+
+
+def test_bfloat16_logits_follow_float32(models):
+    bf16, fp32 = models
+    ids = torch.tensor([PROMPT])
+    a, b = bf16(ids, num_steps=4)[0], fp32(ids, num_steps=4)[0]
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cos.min() > 0.98, cos.min()
 
 
 @pytest.mark.parametrize("static_shapes", [False, True], ids=["eager", "static"])
-def test_every_method_runs_in_bfloat16(bf16_model, static_shapes):
-    model = dasspec.optimize(bf16_model, static_shapes=static_shapes)
-    try:
-        ref = dasspec.generate(model, PROMPT, "ar", max_new_tokens=NEW, eos=False)
-        assert len(ref.tokens) == NEW
-        for method in method_names():
-            out = dasspec.generate(model, PROMPT, method, max_new_tokens=NEW, eos=False)
-            assert len(out.tokens) == NEW, method
-            assert all(0 <= t < model.config.vocab_size for t in out.tokens), method
-            assert out.tokens[0] == ref.tokens[0], method
-            assert out.stats.sequential_passes > 0, method
-        wave = dasspec.generate(model, PROMPT, "das-wave", max_new_tokens=NEW, eos=False, guesses="copy",
-                                trim=True, seed_branch=8, copy_run=True, early_stop=True, gamma=8, rounds=4,
-                                w_init=8, k=1)
-        assert len(wave.tokens) == NEW and wave.tokens[0] == ref.tokens[0]
-    finally:
-        dasspec.optimize(model, static_shapes=False)
+def test_every_method_follows_bfloat16_ar(models, static_shapes):
+    model = models[0]
+    rt = dasspec.Runtime(static_shapes=static_shapes)
+    ref = dasspec.generate(model, PROMPT, "ar", max_new_tokens=NEW, eos=False, runtime=rt).tokens
+    same = total = 0
+    for method, knobs in [(m, {}) for m in method_names()] + [("das-wave", WAVE_EXTENSIONS)]:
+        out = dasspec.generate(model, PROMPT, method, max_new_tokens=NEW, eos=False, runtime=rt, **knobs).tokens
+        assert out[0] == ref[0], method
+        same += sum(a == b for a, b in zip(out, ref))
+        total += NEW
+    assert same >= 0.9 * total, f"only {same} of {total} bf16 tokens equal bf16 AR's"

@@ -16,7 +16,6 @@ import dasspec.model.checkpoint as ckpt
 from dasspec import CheckpointError, ConfigError, LoopedLM
 from dasspec.testing import random_model
 from reference_impl import fake_hf_cache, write_checkpoint, write_tokenizer
-from reference_impl import single_thread  # noqa: F401  (autouse fixture)
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 61, 7, 23, 11]])
 

@@ -16,7 +16,6 @@ import pytest
 import dasspec
 from dasspec.cli import main
 from reference_impl import fake_hf_cache, write_checkpoint, write_tokenizer
-from reference_impl import single_thread  # noqa: F401  (autouse fixture)
 
 TEXT = "Shallow queries read"
 

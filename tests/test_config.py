@@ -11,7 +11,6 @@ import pytest
 from dasspec.model.config import ConfigError, LoopedConfig, detect_family
 from dasspec.testing import tiny_config
 from reference_impl import FAMILY_OF, HUGINN_STD, LAYOUTS, huginn_style_config, random_tensors
-from reference_impl import single_thread  # noqa: F401  (autouse fixture)
 
 LAYOUT_NAMES = list(LAYOUTS)
 

@@ -6,11 +6,28 @@ from pathlib import Path
 
 import pytest
 
-from dasspec.train.corpus import (MBPP_TRAIN, Document, build_corpus, contamination, corpus_stats, default_data_dir,
-                            eval_prompts, format_gsm8k, split_corpus)
+from dasspec.eval.data import DATA_ENV, DataError, data_dir
+from dasspec.train.corpus import (MBPP_TRAIN, Document, build_corpus, contamination, corpus_stats, eval_prompts,
+                                  format_gsm8k, split_corpus)
 
-DATA = default_data_dir()
-pytestmark = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason=f"no evaluation data in {DATA}")
+NEEDED = ("gsm8k/train.jsonl", "gsm8k/test.jsonl", "math500/test.jsonl", "humaneval/HumanEval.jsonl.gz",
+          "mbpp/mbpp.jsonl")
+
+
+def _data() -> tuple[Path | None, str]:
+    """The data folder of ``$DASSPEC_DATA``, or None and why the tests are skipped."""
+    try:
+        root = data_dir()
+    except DataError as err:
+        return None, str(err)
+    if root is None:
+        return None, f"no evaluation data: set {DATA_ENV} to the data folder"
+    missing = [name for name in NEEDED if not (root / name).exists()]
+    return (None, f"{root} lacks {', '.join(missing)}") if missing else (root, "")
+
+
+DATA, WHY_SKIPPED = _data()
+pytestmark = pytest.mark.skipif(DATA is None, reason=WHY_SKIPPED)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ drafter, prefix read policy or carry setting, with zero and with seeded random i
 from __future__ import annotations
 
 import itertools
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,14 +81,14 @@ def test_seeded_initial_state_changes_output_but_stays_lossless() -> None:
 
 
 def _bundled_prompts(count: int) -> list[str]:
-    data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    prompts = []
-    gsm = data / "gsm8k" / "test.jsonl"
-    if gsm.exists():
-        import json
-        with gsm.open() as f:
-            for line in itertools.islice(f, count // 2):
-                prompts.append("Question: " + json.loads(line)["question"] + "\nAnswer:")
+    """Half GSM8K test questions (zero-shot, from $DASSPEC_DATA; the test skips without them), half code."""
+    from dasspec.eval.data import data_dir
+    from dasspec.eval.tasks import gsm8k
+
+    root = data_dir()
+    if root is None or not (root / "gsm8k" / "test.jsonl").exists():
+        pytest.skip("GSM8K test questions not found: set DASSPEC_DATA to the data folder")
+    prompts = [gsm8k.prompt(row["question"], shots=0) for row in gsm8k.load(root)[: count // 2]]
     code = ["def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
             "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"", "for i in range(10):",
             "def read_json(path):", "import re\n\nPATTERN = ", "def merge_sort(items):",
@@ -151,25 +149,38 @@ def test_bundled_model_default_decoders_match_full_depth_ar() -> None:
     assert accepted > 0
 
 
+def _wave_request(model, ids, **knobs):
+    """A prefilled request and the validated DAS-Wave knobs for calling ``wave.refine`` directly."""
+    from dasspec.engine.request import Request
+    from dasspec.engine.stopping import StopRule
+    from dasspec.methods.wave import WaveKnobs
+
+    kn = WaveKnobs(**knobs).validate(model.R)
+    req = Request(model, ids, StopRule(40), width=kn.w + 1, method="das-wave")
+    req.prefill()
+    return req, kn
+
+
+def _refine(req, kn, incremental=True, guesses=None):
+    from dasspec.methods.wave import refine
+
+    H = req.h0.new_empty(1, kn.w, req.model.config.n_embd)
+    inj = torch.empty_like(H) if incremental else None
+    return refine(req, kn, guesses, H, inj, {}).clone()
+
+
 def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> None:
     """The CPU shortcut (prelude recomputed from the first changed guess) is an optimisation only: proposals
     equal those of recomputing the whole window's prelude every round, with and without trim and early stop."""
-    from dasspec.decoders.wave import propose_wave
-    from dasspec.decoding import Decoding
-    from dasspec.model.policy import parse_policy
-    from dasspec.stopping import StopRule
-
     model = _bundled()
     changed_late = 0
     for i, text in enumerate(_bundled_prompts(8)):
         ids = model.tokenizer.encode(text)
-        props = []
         cut = i % 2 == 1                               # odd prompts: trim and early stop on
+        props = []
         for incremental in (True, False):
-            dec = Decoding(model, ids, StopRule(40), width=20, method="das-wave")
-            dec.prefill()
-            props.append(propose_wave(dec, 19, 12, 8, 1, parse_policy("deep-kv"), incremental=incremental,
-                                      trim=cut, early_stop=cut).clone())
+            req, kn = _wave_request(model, ids, gamma=19, rounds=12, w_init=8, k=1, trim=cut, early_stop=cut)
+            props.append(_refine(req, kn, incremental))
         assert torch.equal(props[0], props[1]), i
         changed_late += int((props[0] != props[0][0]).any())
     assert changed_late > 0, "every proposal repeated the anchor: the prelude shortcut went untested"
@@ -178,7 +189,7 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
 def test_wave_lookup_guesses_seed_the_first_round() -> None:
     """guesses="lookup" / "copy": round 0 refines the text that followed an earlier occurrence of the suffix
     (earliest / latest, ``find_draft`` / ``find_copy``), not copies of the anchor."""
-    from dasspec.drafters.pld import find_copy, find_draft
+    from dasspec.methods.pld import find_copy, find_draft
 
     model = random_model("huginn", seed=3, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
     V = model.config.vocab_size
@@ -213,21 +224,14 @@ def test_wave_lookup_guesses_seed_the_first_round() -> None:
 def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> None:
     """trim=True: the proposals are the untrimmed ones up to and including the first position whose guess the
     last round changed (found here by running one round fewer on a fixed-width window)."""
-    from dasspec.decoders.wave import propose_wave
-    from dasspec.decoding import Decoding
-    from dasspec.model.policy import parse_policy
-    from dasspec.stopping import StopRule
-
     model = _bundled()
-    policy = parse_policy("deep-kv")
     trimmed = 0
     for text in _bundled_prompts(10):
         ids = model.tokenizer.encode(text)
         props = {}
         for J, trim in ((3, False), (4, False), (4, True)):
-            dec = Decoding(model, ids, StopRule(40), width=20, method="das-wave")
-            dec.prefill()
-            props[J, trim] = propose_wave(dec, 16, J, 16, 1, policy, trim=trim).tolist()
+            req, kn = _wave_request(model, ids, gamma=16, rounds=J, w_init=16, k=1, trim=trim)
+            props[J, trim] = _refine(req, kn).tolist()
         before, after, got = props[3, False], props[4, False], props[4, True]
         first = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), None)
         assert got == (after if first is None else after[: first + 1]), text
@@ -238,18 +242,18 @@ def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> No
 def test_wave_seed_branch_tree_layout() -> None:
     """seed_branch: the verifier gets [anchor, wave chain, seed past the common prefix] as a two-branch tree; a
     seed that adds nothing beyond the chain leaves the plain chain."""
-    from dasspec.decoders.wave import seed_branch_layout
-    from dasspec.decoding import Decoding
-    from dasspec.stopping import StopRule
+    from dasspec.engine.request import Request
+    from dasspec.engine.stopping import StopRule
+    from dasspec.methods.wave import seed_branch_layout
 
     model = random_model("huginn", seed=1, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
-    dec = Decoding(model, [2, 3, 4], StopRule(30), width=16, method="das-wave")
+    dec = Request(model, [2, 3, 4], StopRule(30), width=16, method="das-wave")
     dec.prefill()
     n = dec.n
 
     def layout(props, seed, max_len):
         dec.tokens[n + 1: n + 1 + len(props)] = torch.tensor(props)
-        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len, "cpu")
+        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len)
 
     lay = layout([5, 6, 7, 8], [5, 6, 9, 9, 9], 4)              # common prefix 2, seed capped at 4
     assert lay.parents == (-1, 0, 1, 2, 3, 2, 5)
@@ -265,65 +269,38 @@ def test_wave_seed_branch_tree_layout() -> None:
     assert layout([5, 6, 7], [9, 9], 0) is None                 # capped to nothing
 
 
-def test_wave_seed_branch_and_copy_run_on_the_bundled_model(monkeypatch) -> None:
+def test_wave_seed_branch_and_copy_run_on_the_bundled_model() -> None:
     """seed_branch: on repetitive output some blocks accept a path through the seed branch (not the wave's
     chain).  copy_run: a block runs no rounds exactly when the previous block committed the whole seed it tested
-    (the seed branch's L tokens after rounds, the whole seed after none); without it every block runs J rounds.
-    Tokens stay AR's."""
-    from dasspec.decoders import wave
+    (the seed branch's L tokens after rounds, the whole seed after none); without it every block runs rounds.
+    Tokens stay AR's.  Read off the per-block trace."""
+    from dasspec.methods.wave import COPY_RUN_GROWTH
 
     model = _bundled()
     L = 8
-    blocks: list[dict] = []
-
-    class Lookup(wave.PromptLookup):
-        def propose(self, dec, num_pred=None):
-            seed = super().propose(dec, num_pred)
-            blocks.append({"seed": seed.tolist(), "rounds": False, "asked": num_pred})
-            return seed
-
-    real = wave.propose_wave
-
-    def rounds(dec, *a, **kw):
-        blocks[-1]["rounds"] = True
-        return real(dec, *a, **kw)
-
-    def note(verify):
-        def run(dec, *a):
-            start = len(dec.generated)
-            out = verify(dec, *a)
-            blocks[-1]["committed"] = dec.generated[start:]
-            if verify is real_tree:             # a path that leaves the first rows went through the seed branch
-                blocks[-1]["seed_path"] = out.path != list(range(len(out.path)))
-            return out
-        return run
-
-    real_tree = wave.verify_tree
-
-    monkeypatch.setattr(wave, "PromptLookup", Lookup)
-    monkeypatch.setattr(wave, "propose_wave", rounds)
-    monkeypatch.setattr(wave, "verify_chain", note(wave.verify_chain))
-    monkeypatch.setattr(wave, "verify_tree", note(wave.verify_tree))
     skipped = seed_paths = 0
     for text in _bundled_prompts(6):
         ids = model.tokenizer.encode(text)
         ref = dasspec.generate(model, ids, "ar", max_new_tokens=48)
         for copy_run in (False, True):
-            blocks.clear()
             out = dasspec.generate(model, ids, "das-wave", max_new_tokens=48, gamma=16, w_init=16, rounds=3,
-                                   guesses="copy", trim=True, seed_branch=L, copy_run=copy_run)
+                                   guesses="copy", trim=True, seed_branch=L, copy_run=copy_run, trace=True)
             assert out.tokens == ref.tokens, (copy_run, text)
+            blocks = [(d.notes, v) for d, v in out.trace]
             if not copy_run:
-                assert all(b["rounds"] for b in blocks)
-                seed_paths += sum(b.get("seed_path", False) for b in blocks)
+                assert all(notes["kind"] != "copy-run" and notes["rounds"] >= 1 for notes, _ in blocks)
+                seed_paths += sum(notes["kind"] == "seed-branch" and v.path != list(range(len(v.path)))
+                                  for notes, v in blocks)
                 continue
-            assert blocks[0]["rounds"]
-            for prev, b in zip(blocks, blocks[1:]):
-                tested = prev["seed"][:L] if prev["rounds"] else prev["seed"]
-                whole = bool(tested) and prev["committed"][: len(tested)] == tested
-                assert b["rounds"] == (not (whole and b["seed"])), (text, prev, b)
-                skipped += not b["rounds"]
-                assert b["asked"] == (wave.COPY_RUN_GROWTH * 16 if whole else 16)   # a copy run asks for more
+            assert blocks[0][0]["kind"] != "copy-run"
+            for (prev, verdict), (notes, _) in zip(blocks, blocks[1:]):
+                seed = prev["seed"].tolist()
+                tested = seed if prev["kind"] == "copy-run" else seed[:L]
+                committed = verdict.tokens[: verdict.kept]
+                whole = bool(tested) and committed[: len(tested)] == tested
+                assert (notes["kind"] == "copy-run") == (whole and len(notes["seed"]) > 0), (text, prev, notes)
+                skipped += notes["kind"] == "copy-run"
+                assert notes["asked"] == (COPY_RUN_GROWTH * 16 if whole else 16)   # a copy run asks for more
     assert seed_paths > 0, "no block accepted a path through the seed branch: the tree path went untested"
     assert skipped > 0, "no block skipped its rounds: the copy-run path went untested"
 
@@ -332,49 +309,43 @@ def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatc
     """early_stop: a block's rounds end right after the first round whose readout changed no guess (that round's
     whole window is proposed); without it every block runs J rounds.  A window narrower than seed_branch still
     draws a seed of seed_branch tokens.  Tokens stay AR's."""
-    from dasspec.decoders import wave
+    from dasspec.methods.wave import WaveDrafter
 
     model = _bundled()
     J, gamma, L = 6, 4, 12
     rounds: list[list[bool]] = []           # per block: did each round change a guess?
-    asked: list[int | None] = []
-    live = {}                                # the decoding whose rounds are running
-    real_readout, real_propose = model.readout, wave.propose_wave
+    live = {}                                # the request whose rounds are running
+    real_readout = model.readout
 
     def readout(h, span, cache=None, rows=None):
         out = real_readout(h, span, cache, rows)
-        if "dec" in live:                    # the guesses in the token scratch are the previous round's
-            W, guesses = h.shape[1], live["dec"].tokens
+        if "req" in live:                    # the guesses in the token scratch are the previous round's
+            W, guesses = h.shape[1], live["req"].tokens
             rounds[-1].append(bool((out[0].argmax(-1) != guesses[span.start + 1: span.start + W + 1]).any()))
         return out
 
-    def propose(dec, *a, **kw):
-        rounds.append([])
-        live["dec"] = dec
-        try:
-            return real_propose(dec, *a, **kw)
-        finally:
-            live.clear()
-
-    class Lookup(wave.PromptLookup):
-        def propose(self, dec, num_pred=None):
-            asked.append(num_pred)
-            return super().propose(dec, num_pred)
+    class Spy(WaveDrafter):                  # marks the draft phase, where readouts are rounds
+        def propose(self, req):
+            rounds.append([])
+            live["req"] = req
+            try:
+                return super().propose(req)
+            finally:
+                live.clear()
 
     monkeypatch.setattr(model, "readout", readout)
-    monkeypatch.setattr(wave, "propose_wave", propose)
-    monkeypatch.setattr(wave, "PromptLookup", Lookup)
     stopped = 0
     for text in _bundled_prompts(4):
         ids = model.tokenizer.encode(text)
         ref = dasspec.generate(model, ids, "ar", max_new_tokens=32)
         for early in (False, True):
             rounds.clear()
-            asked.clear()
-            out = dasspec.generate(model, ids, "das-wave", max_new_tokens=32, gamma=gamma, w_init=gamma, rounds=J,
-                                   guesses="copy", trim=True, seed_branch=L, copy_run=False, early_stop=early)
+            knobs = dict(gamma=gamma, w_init=gamma, rounds=J, guesses="copy", trim=True, seed_branch=L,
+                         copy_run=False, early_stop=early)
+            drafter = Spy(dasspec.methods.resolve_knobs(model, "das-wave", knobs))
+            out = dasspec.generate(model, ids, drafter=drafter, max_new_tokens=32, trace=True)
             assert out.tokens == ref.tokens, (early, text)
-            assert set(asked) == {L}                         # the seed is seed_branch long, not gamma
+            assert {d.notes["asked"] for d, _ in out.trace} == {L}   # the seed is seed_branch long, not gamma
             assert out.stats.draft_passes == sum(len(r) for r in rounds)
             for r in rounds:
                 first = r.index(False) + 1 if early and False in r else J

@@ -11,15 +11,14 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.drafters import lookahead as la
-from dasspec.drafters import recycling as tr
-from dasspec.drafters.pld import find_copy, find_draft
-from dasspec.drafters.sam import STATIC_TOPK, StaticAutomaton, SuffixAutomaton
-from dasspec.drafters.tree import TreeFiller, tree_from_choices
+from dasspec.engine.draft import TreeLayout
+from dasspec.methods import lookahead as la
+from dasspec.methods import recycling as tr
+from dasspec.methods.pld import find_copy, find_draft
+from dasspec.methods.sam import STATIC_TOPK, StaticAutomaton, SuffixAutomaton
+from dasspec.methods.tree import TreeFiller, tree_from_choices
 from dasspec.methods import get_method, method_names
 from dasspec.testing import random_model
-
-torch.set_num_threads(1)
 
 
 def random_text(rng: random.Random, n: int, V: int) -> list[int]:
@@ -220,21 +219,26 @@ def test_successor_table_update_and_hot_start() -> None:
         assert st.table[t].tolist() == logits[row].argsort(descending=True)[:3].tolist()
 
     model = random_model("raven-olmo", seed=2)
-    tr.reset(model)
     prompt = [3, 4, 5, 6, 3, 4]
-    dasspec.generate(model, prompt, "token-recycling", max_new_tokens=12, eos=False)
-    table = tr.successor_table(model, 8)
+    drafter = dasspec.build_drafter(model, "token-recycling")
+    dasspec.generate(model, prompt, max_new_tokens=12, eos=False, drafter=drafter)
+    table = drafter.table
     assert table.requests == 1 and int(table.table.count_nonzero()) > 0
     snapshot = table.table.clone()
+    dasspec.generate(model, prompt, max_new_tokens=12, eos=False, drafter=drafter)
+    assert drafter.table is table and table.requests == 2                   # kept across requests
+    assert not torch.equal(snapshot, table.table)                          # and still learning
     dasspec.generate(model, prompt, "token-recycling", max_new_tokens=12, eos=False)
-    assert tr.successor_table(model, 8) is table and table.requests == 2        # kept across requests
-    assert not torch.equal(snapshot, torch.zeros_like(snapshot))
-    dasspec.generate(model, prompt, "token-recycling", max_new_tokens=12, eos=False, reset=True)
-    assert tr.successor_table(model, 8).requests == 1                           # reset knob: cold start
-    tr.reset(model)
-    assert tr.successor_table(model, 8).requests == 0
-    assert int(tr.successor_table(model, 8).table.count_nonzero()) == 0
-    assert get_method("token-recycling").stateful
+    assert drafter.table is table and table.requests == 2                   # a call without it: its own drafter
+    fresh = dasspec.build_drafter(model, "token-recycling", {"reset": True})
+    for _ in range(2):
+        dasspec.generate(model, prompt, max_new_tokens=12, eos=False, drafter=fresh)
+        assert fresh.table.requests == 1                                    # reset knob: every request cold
+    drafter.reset()
+    assert drafter.table is None
+    dasspec.generate(model, prompt, max_new_tokens=12, eos=False, drafter=drafter)
+    assert drafter.table.requests == 1
+    assert get_method("token-recycling").stateful and drafter.stateful
 
 
 # --- Lookahead -----------------------------------------------------------------------------------------------
@@ -267,11 +271,10 @@ def lookahead_brute(W: int, N: int, g: int) -> tuple[list[list[bool]], list[int]
 @pytest.mark.parametrize("W,N,g", [(1, 2, 0), (3, 2, 2), (4, 3, 1), (5, 4, 3), (7, 5, 7)])
 def test_lookahead_layout_matches_section_4_3(W: int, N: int, g: int) -> None:
     parents, leaves = la.lookahead_parents(W, N, g)
-    lay = dasspec.verify.TreeLayout(parents, leaves=leaves)
+    lay = TreeLayout(parents, leaves=leaves)
     vis, pos = lookahead_brute(W, N, g)
     assert lay.mask.tolist() == vis
     assert lay.depth.tolist() == pos
-    assert lay.depth[: W * (N - 1)].tolist() == la.lookahead_positions(W, N).tolist()
     # every node's visible context is a proper causal chain: positions 0..pos, each exactly once
     for i in range(lay.size):
         seen = sorted(lay.depth[lay.mask[i]].tolist())

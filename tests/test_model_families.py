@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.decoding import Decoding
+from dasspec.engine.request import Request
 from dasspec.model.layers import apply_rope, rope_inv_freq, rope_operands
-from dasspec.stopping import StopRule
+from dasspec.engine.stopping import StopRule
 from dasspec.testing import tiny_config
 from reference_impl import (LAYOUTS, LLAMA3_MINI, huginn_freqs_cis, raven_inv_freq, rotate_half,
                             write_checkpoint)
-from reference_impl import single_thread  # noqa: F401  (autouse fixture)
 
 LAYOUT_NAMES = list(LAYOUTS)
 TOL = 1e-4
@@ -41,7 +40,7 @@ def cached_logits(model, ids: torch.Tensor, R: int, chunks: list[int], init_scal
     """Logits of every position, computed chunk by chunk against the depth cache: the first chunk is a prefill
     (causal from row 0), later chunks are blocks over a materialised prefix (bottom-right causal)."""
     assert sum(chunks) == ids.numel()
-    dec = Decoding(model, ids.tolist(), StopRule(1), R, init_scale, seed, width=max(chunks))
+    dec = Request(model, ids.tolist(), StopRule(1), R, init_scale, seed, width=max(chunks))
     rows = []
     for w in chunks:
         rows.append(dec.target_pass(dec.n, w))

@@ -12,9 +12,9 @@ import torch
 import dasspec
 from dasspec.eval.bench.runner import dev_prompts
 from dasspec.model.checkpoint import BUNDLED_DIR
-from dasspec.decoding import Decoding
-from dasspec.prefix_cache import common_prefix
-from dasspec.stopping import StopRule
+from dasspec.engine.request import Request
+from dasspec.engine.prefix_cache import common_prefix
+from dasspec.engine.stopping import StopRule
 from dasspec.testing import random_model
 
 # Small knobs so that every method drafts within a 12-token budget on an R = 6 model.
@@ -41,8 +41,8 @@ def _prompts(vocab: int, prefix_len: int, count: int) -> tuple[list[int], list[l
     return prefix, [prefix + t for t in tails]
 
 
-def _prefilled(model, prompt, **kw) -> Decoding:
-    dec = Decoding(model, prompt, StopRule(4), num_steps=kw.pop("num_steps", None), init_scale=1.0, seed=3, **kw)
+def _prefilled(model, prompt, **kw) -> Request:
+    dec = Request(model, prompt, StopRule(4), num_steps=kw.pop("num_steps", None), init_scale=1.0, seed=3, **kw)
     with torch.inference_mode():
         dec.prefill()
     return dec
@@ -120,11 +120,13 @@ def test_requests_with_other_settings_are_refused(model):
 def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     """A request (or a prefix cache) whose depth cache would exceed 90% of the free memory is refused up front,
     with the bytes it needs in the message."""
-    from dasspec import decoding
+    from dasspec.engine import memory
 
     per = dasspec.model.cache.bytes_per_token(model.config, model.R, model.dtype)
-    assert per == 1792
-    monkeypatch.setattr(decoding, "available_memory", lambda device: 10 * per)
+    cfg, size = model.config, torch.finfo(model.dtype).bits // 8
+    layers = cfg.n_core * model.R + cfg.n_prelude + cfg.n_coda      # core layers at every depth, prelude, coda
+    assert per == layers * 2 * cfg.n_kv_heads * cfg.head_dim * size    # K and V, every KV head
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10 * per)
     monkeypatch.delenv("DASSPEC_IGNORE_MEMORY", raising=False)
     with pytest.raises(dasspec.CacheCapacityError, match=r"needs 42.0 KiB \(1792 B/token x 24 positions at R=6\) but only 17.5 KiB"):
         dasspec.generate(model, [3] * 4, max_new_tokens=18)       # 4 + 18 + 2 scratch rows
@@ -157,7 +159,7 @@ def test_bundled_model_few_shot_prompts_under_a_prefix_cache():
 
 def _first_logits(model, prompt, pc=None):
     """The prefill's last-row logits, with the prompt's common prefix with ``pc`` copied in (when given)."""
-    dec = Decoding(model, prompt, StopRule(1), prefix_cache=pc)
+    dec = Request(model, prompt, StopRule(1), prefix_cache=pc)
     m = pc.reusable(prompt) if pc is not None else 0
     with torch.inference_mode():
         if m:

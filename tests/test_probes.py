@@ -3,24 +3,25 @@ decoders it explains."""
 
 from __future__ import annotations
 
+import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from dasspec.decoders.sequential import propose_sequential
-from dasspec.decoding import Decoding
+from dasspec.engine.draft import Draft
+from dasspec.engine.loop import place
+from dasspec.engine.request import Request
+from dasspec.engine.stopping import StopRule
+from dasspec.engine.verify import verify
+from dasspec.methods.sequential import propose_sequential
 from dasspec.model.policy import parse_policy
+from dasspec.eval.data import DataError
 from dasspec.eval.probes import channels, common, cost, factorial, grid, maturity, sweep
 from dasspec.eval.probes.teacher import TeacherForced, scored_rows
-from dasspec.stopping import StopRule
 from dasspec.testing import random_model
-from dasspec.verify import verify_chain
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +57,22 @@ def test_maturity_rows_and_capture_restored(model, trajs):
     assert mean[0]["positions"] == sum(len(t.tokens) for t in trajs)
     per_layer = [r for r in rows if r["layer"] != "mean" and r["r"] == 1]
     assert mean[0]["cos_q"] == pytest.approx(np.mean([r["cos_q"] for r in per_layer]))
-    assert all(blk.attn.capture is None for blk in model.transformer.core_block)
+    assert all(not blk.attn._forward_hooks for blk in model.transformer.core_block)     # hooks removed
 
 
-def test_maturity_matches_manual_depth_states(model, trajs):
-    # v at depth r from the probe equals v recomputed from a plain depth-r forward's captured values
+def test_maturity_captures_what_the_depth_cache_stores(model, trajs):
+    """The probe's k and v at every core layer and depth r are the K/V a full-depth prefill writes into the depth
+    cache at depth r (an independent path: the cache write, not the probe's hooks)."""
     ids = trajs[0].tokens
-    full = maturity.capture_qkv(model, ids)
-    short = maturity.capture_qkv(model, ids, num_steps=2)
+    captured = maturity.capture_qkv(model, ids)
+    tf = TeacherForced(model, ids)
+    T = len(ids)
     for layer in range(model.config.n_core):
-        for c in range(3):
-            assert torch.allclose(full[layer][1][c], short[layer][1][c], atol=1e-6)
+        assert len(captured[layer]) == model.R
+        for r in range(model.R):
+            _, k, v = captured[layer][r]
+            torch.testing.assert_close(k[0], tf.cache.core_k[layer, r, :, :T], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[0], tf.cache.core_v[layer, r, :, :T], rtol=1e-5, atol=1e-5)
 
 
 # --- teacher forcing: channels and grid ------------------------------------------------------------------------
@@ -101,14 +107,14 @@ def test_probe_draft_equals_sequential_decoder(model, policy):
     """At every anchor of an AR run, the probe's depth-d draft token is the one propose_sequential drafts."""
     prompt = torch.randint(2, 97, (6,), generator=torch.Generator().manual_seed(4)).tolist()
     d = 2
-    dec = Decoding(model, prompt, StopRule(8), width=2)
+    dec = Request(model, prompt, StopRule(8), width=2)
     anchors, drafted = [], []
     with torch.inference_mode():
         dec.prefill()
         while not dec.done:
             anchors.append(dec.n)
             drafted.append(int(propose_sequential(dec, d, 1, parse_policy(policy))[0]))
-            verify_chain(dec)                           # AR step: the trajectory is the target's own
+            verify(dec, *place(dec, Draft()))           # AR step: the trajectory is the target's own
     tokens = torch.tensor(prompt + dec.generated)
     tf = TeacherForced(model, tokens[:-1])
     rows = scored_rows(len(prompt), len(tokens))
@@ -225,8 +231,40 @@ def test_cost_tiny_run(model, tmp_path):
 
 # --- CLI ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason="GSM8K data not available")
-def test_cli_probe_writes_md_csv_png(tmp_path):
+def test_probe_prompts_are_zero_shot_gsm8k_test_questions_in_file_order(eval_data):
+    DATA = eval_data("gsm8k/test.jsonl")
+    lines = (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()
+    questions = [json.loads(line)["question"] for line in lines[3:5]]
+    assert common.gsm8k_prompts(2, DATA, offset=3) == [f"Question: {q}\nAnswer:" for q in questions]
+    with pytest.raises(ValueError, match=f"only 2 questions after offset {len(lines) - 2}"):
+        common.gsm8k_prompts(3, DATA, offset=len(lines) - 2)
+
+
+def test_probe_cli_without_a_data_folder_says_how_to_set_one(monkeypatch, tmp_path, capsys):
+    from dasspec.cli import main
+
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    with pytest.raises(DataError, match="no data folder: pass --data DIR or set DASSPEC_DATA"):
+        common.gsm8k_prompts(1)
+    assert main(["probe", "channels", "--prompts", "1", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "no data folder: pass --data DIR or set DASSPEC_DATA" in capsys.readouterr().err
+    # the target depth is checked first, before any data is read
+    assert main(["probe", "channels", "--num-steps", "0", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "num_steps must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_steps, message", [(2.5, "whole number"), (0, ">= 1")])
+def test_probes_validate_the_target_depth(model, trajs, num_steps, message):
+    with pytest.raises(ValueError, match=f"num_steps must be (a )?{message}"):
+        channels.run(model, trajs, depths=[1], num_steps=num_steps, progress=False)
+    with pytest.raises(ValueError, match=f"num_steps must be (a )?{message}"):
+        maturity.run(model, trajs, num_steps=num_steps, progress=False)
+    with pytest.raises(ValueError, match=f"num_steps must be (a )?{message}"):
+        common.model_setup(model, num_steps)
+
+
+def test_cli_probe_writes_md_csv_png(tmp_path, eval_data):
+    DATA = eval_data("gsm8k/test.jsonl")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from dasspec.model.checkpoint import save_checkpoint

@@ -13,7 +13,6 @@ import torch
 import dasspec
 import reference_impl
 from reference_impl import FAMILY_OF, LAYOUTS, ReferenceModel, write_checkpoint
-from reference_impl import single_thread  # noqa: F401  (autouse fixture)
 
 LAYOUT_NAMES = list(LAYOUTS)
 TOL = 1e-4

@@ -106,8 +106,8 @@ def test_tune_wave_script_keeps_the_fastest_of_repeats(tmp_path):
     data = _bundled_data()
     mod = _script("tune_wave")
     assert mod.main(["--out", str(tmp_path), "--tasks", "gsm8k", "--prompts", "1", "--max-new-tokens", "24",
-                     "--ks", "1", "--rounds", "3", "--gammas", "8", "--w-inits", "g", "--guesses", "copy",
-                     "--trims", "true", "--seed-branches", "8", "--copy-runs", "true", "--early-stops", "false,true",
+                     "-k", "1", "--rounds", "3", "--gamma", "8", "--w-init", "g", "--guesses", "copy",
+                     "--trim", "true", "--seed-branch", "8", "--copy-run", "true", "--early-stop", "false,true",
                      "--repeats", "2", "--data", str(data)]) == 0
     text = (tmp_path / "tune.md").read_text()
     assert "fastest of 2 run(s)" in text

@@ -1,19 +1,13 @@
 """Workloads: registry, seeded eval/dev selection, prompt construction, data sources and stop rules."""
 
-import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from dasspec.stopping import StopRule
+from dasspec.engine.stopping import StopRule
 from dasspec.eval.tasks import DataError, get_task, select, task_names
 from dasspec.eval.tasks import gsm8k, humaneval, math500, mbpp
-
-DATA = Path(os.environ.get("DASSPEC_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
-needs_data = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(),
-                                reason=f"evaluation data not found at {DATA} (set DASSPEC_DATA)")
 
 
 class CharTokenizer:
@@ -99,8 +93,8 @@ def test_humaneval_comes_from_the_package_without_a_data_folder(monkeypatch):
     assert not {e.id for e in exs} & {e.id for e in dev}
 
 
-@needs_data
-def test_dataset_pools_and_prompt_formats_from_the_data_folder():
+def test_dataset_pools_and_prompt_formats_from_the_data_folder(eval_data, monkeypatch):
+    DATA = eval_data("gsm8k/test.jsonl", "math500/test.jsonl", "mbpp/mbpp.jsonl")
     g = get_task("gsm8k").examples(3, data=DATA)
     assert all(e.id.startswith("gsm8k/test/") and e.prompt.endswith("\nAnswer:") for e in g)
     assert len(get_task("gsm8k").load(DATA)) == 1319
@@ -112,12 +106,34 @@ def test_dataset_pools_and_prompt_formats_from_the_data_folder():
     assert ex.id == "mbpp/11"
     assert ex.prompt == ('"""\nWrite a python function to remove first and last occurrence of a given character '
                          'from the string.\nassert remove_Occ("hello","l") == "heo"\n"""\n')
-    # the environment variable is honoured
-    os.environ["DASSPEC_DATA"] = str(DATA)
-    try:
-        assert get_task("mbpp").examples(2) == get_task("mbpp").examples(2, data=DATA)
-    finally:
-        del os.environ["DASSPEC_DATA"]
+    # the environment variable is honoured, and is all there is: without it (and offline) there is no data
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    assert get_task("mbpp").examples(2) == get_task("mbpp").examples(2, data=DATA)
+    monkeypatch.delenv("DASSPEC_DATA")
+    with pytest.raises(DataError, match="DASSPEC_DATA"):
+        get_task("mbpp").examples(2)
+
+
+def test_the_data_folder_is_the_flag_else_the_environment_never_a_guess(monkeypatch, tmp_path):
+    from dasspec.eval.data import data_dir
+
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shared" / "data").mkdir(parents=True)            # a sibling folder that must not be picked up
+    assert data_dir() is None
+    with pytest.raises(DataError, match="no data folder: pass --data DIR or set DASSPEC_DATA"):
+        data_dir(required=True)
+    env, flag = tmp_path / "env", tmp_path / "flag"
+    env.mkdir()
+    flag.mkdir()
+    monkeypatch.setenv("DASSPEC_DATA", str(env))
+    assert data_dir() == env and data_dir(required=True) == env
+    assert data_dir(flag) == flag                                  # the flag wins over the environment
+    with pytest.raises(DataError, match="does not exist.*--data"):
+        data_dir(tmp_path / "nope")
+    monkeypatch.setenv("DASSPEC_DATA", str(tmp_path / "gone"))
+    with pytest.raises(DataError, match="does not exist.*DASSPEC_DATA"):
+        data_dir()
 
 
 def test_missing_data_names_the_remedy(monkeypatch, tmp_path):

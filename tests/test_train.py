@@ -1,5 +1,6 @@
-"""The training recipe: tokenizer files, the depth sampler, and a few real training steps that save a checkpoint
-``dasspec.load_model`` reads back."""
+"""The training recipe: tokenizer files, the depth sampler, a few real training steps that save a checkpoint
+``dasspec.load_model`` reads back, and a run that is stopped and resumed ending exactly where an uninterrupted
+one does."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 import dasspec
 from dasspec.testing import random_model
 from dasspec.train.corpus import Document
-from dasspec.train.recipe import (BOS, EOS, PAD, PRESETS, TrainConfig, depth_agreement, lr_at, mean_depth_at,
-                           run_fraction, sample_depth, save_tokenizer, train, train_tokenizer)
+from dasspec.train import PRESETS, TrainConfig, depth_agreement, train
+from dasspec.train.loop import Interrupted
+from dasspec.train.prepare import BOS, EOS, PAD, save_tokenizer, train_tokenizer
+from dasspec.train.resume import ResumeError, open_state
+from dasspec.train.schedule import lr_at, mean_depth_at, run_fraction, sample_depth
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -70,7 +74,7 @@ def test_training_smoke_saves_a_loadable_checkpoint(tmp_path, monkeypatch):
                   depth_warmup_start=1, depth_warmup_frac=0.4)
     means = []
     spy = lambda rng, mean, *a: means.append(mean) or sample_depth(rng, mean, *a)      # noqa: E731
-    monkeypatch.setattr("dasspec.train.recipe.sample_depth", spy)
+    monkeypatch.setattr("dasspec.train.loop.sample_depth", spy)
     summary = train(cfg, tmp_path, docs=docs, progress=False)
     # the loop draws every step's depth from the curriculum's mean: 1 -> mean_recurrence over 10 steps, then flat
     assert means == pytest.approx([1 + 3 * s / 10 for s in range(10)] + [4.0] * 15)
@@ -89,6 +93,10 @@ def test_training_smoke_saves_a_loadable_checkpoint(tmp_path, monkeypatch):
     assert summary["val"]["tokens"] > 0 and summary["steps"] == 25
     assert (tmp_path / "train_loss.png").stat().st_size > 0
     assert "![training loss](train_loss.png)" in (tmp_path / "README.md").read_text()
+    # a finished run leaves no resume state, and the same command again says so instead of retraining
+    assert not (tmp_path / "resume.pt").exists() and summary["resumed_at"] == []
+    with pytest.raises(ResumeError, match="already finished"):
+        train(cfg, tmp_path, docs=docs, progress=False)
 
 
 def test_depth_agreement_counts_argmax_matches():
@@ -120,11 +128,10 @@ def test_presets_build_valid_huginn_configs():
     (dict(batch_size=0), "batch_size must be >= 1"),
     (dict(min_depth=9, max_depth=8), r"min_depth \(9\) > max_depth \(8\)"),
     (dict(n_embd=30, n_heads=4), "multiple of n_heads"),
+    (dict(checkpoint_every=-1), "checkpoint_every must be >= 0"),
 ])
 def test_bad_training_settings_fail_before_the_corpus_is_built(override, message, tmp_path, monkeypatch):
-    from dataclasses import replace
     from dasspec.train import corpus
-    from dasspec.train.recipe import train
 
     def no_corpus(*a, **k):
         raise AssertionError("the corpus was built before the settings were checked")
@@ -140,3 +147,89 @@ def test_gpu_preset_on_a_cpu_only_machine_says_so():
     with pytest.raises(ValueError, match="pass --device cpu"):
         PRESETS["cuda-small"].validate()
     assert PRESETS["tiny"].validate() is PRESETS["tiny"]
+
+
+def test_training_without_a_data_folder_says_how_to_set_one(tmp_path, monkeypatch):
+    from dasspec.eval.data import DataError
+
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    with pytest.raises(DataError, match="pass --data DIR or set DASSPEC_DATA"):
+        train(PRESETS["micro"], tmp_path, progress=False)
+
+
+def _log_rows(path) -> list[dict]:
+    """train_log.csv without its time columns."""
+    with open(path) as f:
+        return [{k: v for k, v in row.items() if k not in ("elapsed_s", "tokens_per_s")} for row in csv.DictReader(f)]
+
+
+def test_stopped_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch, capsys):
+    """Ctrl-C at step 6 (saved at the step boundary), a hard kill inside step 11 (the periodic state of step 8
+    stands), two resumes: the same weights and the same log as one uninterrupted 12-step run."""
+    import signal
+
+    from dasspec.train import run
+
+    docs = [Document("stdlib", f"d{i}.py", t) for i, t in enumerate(TEXTS * 4)]
+    cfg = replace(PRESETS["micro"], max_steps=12, checkpoint_every=4, lr=1e-2, warmup_steps=3, val_fraction=0.1)
+    finished = {}
+
+    def finish(cfg, out, model, data, p, *args):          # evaluation and card are the smoke test's business
+        finished[out.name] = ({k: v.clone() for k, v in model.state_dict().items()}, p)
+        return {}
+
+    monkeypatch.setattr(run, "finish", finish)
+
+    def stop_during(step: int, how):
+        """Make the depth draw of ``step`` (counted in this session) send SIGINT or raise."""
+        calls = []
+
+        def spy(*args):
+            calls.append(1)
+            if len(calls) == step:
+                how()
+            return sample_depth(*args)
+        monkeypatch.setattr("dasspec.train.loop.sample_depth", spy)
+
+    def killed():
+        raise RuntimeError("killed")
+
+    train(cfg, tmp_path / "whole", docs=docs, progress=False)
+    out = tmp_path / "stopped"
+    stop_during(6, lambda: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(Interrupted, match="stopped at step 6"):
+        train(cfg, out, docs=docs, progress=False)
+    assert len(_log_rows(out / "train_log.csv")) == 6 and (out / "resume.pt").exists()
+    with pytest.raises(ResumeError, match=r"lr \(saved 0.01, now 0.02\).*--fresh"):
+        train(replace(cfg, lr=2e-2), out, docs=docs, progress=False)
+    stop_during(5, killed)                                  # steps 7-10 run, step 11 dies half-way
+    with pytest.raises(RuntimeError, match="killed"):
+        train(cfg, out, docs=docs, progress=False)
+    assert len(_log_rows(out / "train_log.csv")) == 10     # rows 9-10 are past the saved state
+    monkeypatch.setattr("dasspec.train.loop.sample_depth", sample_depth)
+    train(cfg, out, docs=docs, progress=False)
+    said = capsys.readouterr().out
+    assert "resuming" in said and "from step 6 of 12" in said and "from step 8 of 12" in said
+    whole, stopped = finished["whole"], finished["stopped"]
+    assert whole[0].keys() == stopped[0].keys() and all(torch.equal(whole[0][k], stopped[0][k]) for k in whole[0])
+    assert _log_rows(tmp_path / "whole" / "train_log.csv") == _log_rows(out / "train_log.csv")
+    assert (stopped[1].step, stopped[1].tokens, stopped[1].resumed_at) == (12, whole[1].tokens, [6, 8])
+    with open(out / "train_log.csv") as f:
+        elapsed = [float(row["elapsed_s"]) for row in csv.DictReader(f)]
+    assert elapsed == sorted(elapsed)                       # training time continues across resumes
+    assert open_state(out, cfg, fresh=True) is None and not (out / "resume.pt").exists()     # --fresh
+
+
+def test_cli_passes_fresh_and_reports_a_stop(monkeypatch, capsys):
+    from dasspec.cli import main
+
+    seen = {}
+
+    def stopped(cfg, out, data_dir=None, pilots=None, fresh=False):
+        seen.update(cfg=cfg, fresh=fresh)
+        raise Interrupted("stopped at step 3; run the same command again to resume")
+
+    monkeypatch.setattr("dasspec.train.run.train", stopped)
+    assert main(["train", "--out", "x", "--preset", "micro", "--fresh", "--set", "checkpoint_every=7"]) == 130
+    assert seen["fresh"] and seen["cfg"].checkpoint_every == 7 and seen["cfg"].preset == "micro"
+    assert "stopped at step 3" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tree verification (``verify_tree``): the layout (mask, depths, candidate paths) and greedy acceptance against
+"""Tree verification (``engine.verify`` with a ``TreeLayout``): the layout (mask, depths, candidate paths) and greedy acceptance against
 brute force; one tree pass gives every node the logits of its root path run as a plain sequence; the compacted
 cache equals the cache of AR decoding the same tokens; the stop rule applies inside the committed chunk."""
 
@@ -10,12 +10,17 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.decoding import Decoding
-from dasspec.stopping import StopRule
+from dasspec.engine.draft import Draft, TreeLayout
+from dasspec.engine.loop import place
+from dasspec.engine.request import Request
+from dasspec.engine.stopping import StopRule
+from dasspec.engine.verify import accept, verify
 from dasspec.testing import random_model
-from dasspec.verify import TreeLayout, greedy_accept, verify_chain, verify_tree
 
-torch.set_num_threads(1)   # tiny models: threads only add contention on the shared test machine
+
+def step(req: Request, draft: Draft = Draft()):
+    """One block of the decode loop: place the draft, verify it (an empty draft is an AR step)."""
+    return verify(req, *place(req, draft))
 
 
 def random_parents(rng: random.Random, T: int) -> list[int]:
@@ -75,7 +80,7 @@ def test_chain_and_fork_layouts_are_shared_per_shape() -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_greedy_accept_matches_brute_force(seed: int) -> None:
+def test_accept_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     T = rng.randrange(1, 25)
     parents = random_parents(rng, T)
@@ -83,7 +88,7 @@ def test_greedy_accept_matches_brute_force(seed: int) -> None:
     V = rng.choice([2, 3, 5])                       # tiny vocabularies: many matches and duplicate siblings
     toks = torch.tensor([rng.randrange(V) for _ in range(T)])
     pred = torch.tensor([rng.randrange(V) for _ in range(T)])
-    acc, best = greedy_accept(toks, pred, lay.paths)
+    acc, best = accept(toks, pred, lay.paths)
     brute = []
     for row in lay.paths.tolist():
         path = [j for j in row if j >= 0]
@@ -95,8 +100,8 @@ def test_greedy_accept_matches_brute_force(seed: int) -> None:
     assert int(best) == brute.index(max(brute))   # first longest path wins
 
 
-def _decoding(model, prompt, max_new, init_scale, seed=0, width=16, stop_ids=()) -> Decoding:
-    return Decoding(model, prompt, StopRule(max_new, stop_ids), None, init_scale, seed, width=width)
+def _decoding(model, prompt, max_new, init_scale, seed=0, width=16, stop_ids=()) -> Request:
+    return Request(model, prompt, StopRule(max_new, stop_ids), None, init_scale, seed, width=width)
 
 
 def _tree_with_truth(truth: list[int], V: int) -> tuple[list[int], list[int], list[int]]:
@@ -123,7 +128,7 @@ def test_tree_pass_equals_sequential_decoding(family: str, init_scale: float) ->
     with torch.inference_mode():
         ref.prefill()
         for _ in range(4):
-            verify_chain(ref)
+            step(ref)
     assert ref.generated == ar[:5]
 
     parents, toks, path = _tree_with_truth(ar[1:5], V)
@@ -131,10 +136,8 @@ def test_tree_pass_equals_sequential_decoding(family: str, init_scale: float) ->
     with torch.inference_mode():
         dec.prefill()
         n = dec.n
-        dec.tokens[n + 1: n + len(parents)] = torch.tensor(toks)
-        tree_tokens = dec.tokens[n: n + len(parents)].tolist()
-        lay = TreeLayout(parents)
-        verdict = verify_tree(dec, lay)
+        tree_tokens = dec.tokens[n: n + 1].tolist() + toks
+        verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
         # every node's logits = the last logits of a plain forward over prompt + its root path
         for i in range(len(parents)):
             seq = prompt + [tree_tokens[j] for j in ancestors(parents, i)]
@@ -154,7 +157,7 @@ def test_tree_pass_equals_sequential_decoding(family: str, init_scale: float) ->
     # decoding continues from the compacted cache exactly like AR
     with torch.inference_mode():
         while not dec.done:
-            verify_chain(dec)
+            step(dec)
     assert dec.generated == ar
 
 
@@ -169,10 +172,23 @@ def test_stop_rule_inside_tree_chunk() -> None:
         dec = _decoding(model, prompt, max_new, 0.0, stop_ids=stop_ids)
         with torch.inference_mode():
             dec.prefill()
-            n = dec.n
-            dec.tokens[n + 1: n + len(parents)] = torch.tensor(toks)
-            verdict = verify_tree(dec, TreeLayout(parents))
+            verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
         assert dec.done and dec.generated == expect
         assert verdict.kept == len(expect) - 1
         assert dec.stats.accepted[-1] == min(3, verdict.kept)
         assert dec.stats.stop_reason == ("eos" if stop_ids else "max_new_tokens")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_accept_on_a_chain_whose_last_proposal_is_no_input(seed: int) -> None:
+    """The paper's chain block feeds [anchor, y_1 .. y_{w-1}] and tests y_1 .. y_w: the target's tokens cover
+    nodes 0 .. w-1 only, and acceptance may still reach node w."""
+    rng = random.Random(seed)
+    w = rng.randrange(0, 10)
+    toks = torch.tensor([rng.randrange(3) for _ in range(w + 1)])
+    pred = torch.tensor([rng.randrange(3) for _ in range(max(w, 1))])
+    acc, best = accept(toks, pred, TreeLayout.chain(w + 1).paths)
+    a = 0
+    while a < w and int(toks[a + 1]) == int(pred[a]):
+        a += 1
+    assert (int(acc), int(best)) == (a, 0)

@@ -3,8 +3,8 @@ plus the (depth-free) prelude and coda K/V.
 
 Layout (batch 1): ``core_k[l, r-1]`` is a [H_kv, capacity, hd] tensor, one row per position.  Rows [0, n) are
 the materialised, verified prefix.  Rows >= n are scratch: draft and verification passes write their own K/V
-there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Rolling back is
-lowering ``n``.  Tree verification commits a non-contiguous set of rows with ``compact``.
+there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Tree verification
+commits a non-contiguous set of rows with ``compact``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .config import LoopedConfig
-from .layers import LayerKV
+from .attention import LayerKV
 
 
 class CacheCapacityError(RuntimeError):
@@ -96,11 +96,6 @@ class DepthCache:
         if self.n + m > self.capacity:
             raise CacheCapacityError(f"commit past capacity {self.capacity}")
         self.n += m
-
-    def rollback(self, n: int) -> None:
-        if not 0 <= n <= self.n:
-            raise ValueError(f"rollback to {n} outside [0, {self.n}]")
-        self.n = n
 
     def load_prefix(self, src: "DepthCache", m: int) -> None:
         """Make ``src``'s first ``m`` verified rows this (empty) cache's verified prefix: a copy at every depth and

@@ -1,21 +1,20 @@
-"""Building blocks shared by the three looped families: RMSNorm, RoPE, attention with depth-indexed prefix reads,
-gated MLP and the three block styles (sandwich / pre-norm / post-norm).
+"""Building blocks shared by the three looped families: RMSNorm, RoPE, the attention layer, gated MLP and the three
+block styles (sandwich / pre-norm / post-norm).
 
-Attention is where the paper's read policy lives (eq. 2-3): the queries of the current computation attend,
-under one softmax, to the verified prefix's keys at depth kappa and values at depth nu, and to the draft-side
-positions' own keys/values.  The layer never decides depths; it receives a ``LayerKV`` (views of the depth cache
-picked by the caller) and a ``Span`` (which rows are queries, which are visible).
+The attention layer projects and rotates; what it attends to is ``attention.attend`` (the paper's eq. 2-3).  It
+never decides depths: it receives a ``LayerKV`` (views of the depth cache picked by the caller) and a ``Span``
+(which rows are queries, which are visible).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import LayerKV, Span, attend
 from .config import LoopedConfig
 
 
@@ -86,116 +85,6 @@ def apply_rope(x: Tensor, rot: Tensor | tuple[Tensor, Tensor], interleaved: bool
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# What one model call computes: query rows, their positions, visibility
-# ---------------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Span:
-    """The W query positions of one model call, shared by every layer and every recurrence step of that call.
-
-    Cache rows [0, n) hold the verified prefix; the call's draft-side rows are [n, start + W), of which the last
-    W (rows [start, start + W)) are the queries computed now and written now.  ``rot`` holds the RoPE
-    rotation of the queries' *positions* (see ``rope_operands``; they equal the rows except for tree drafts and
-    probes).  ``mask`` [W, start + W] (bool, True = visible; it may hide prefix rows too) is None when a single
-    query sees every row up to its own, or when ``causal`` is set (a block starting at row 0, where top-left and
-    bottom-right causal alignment agree)."""
-
-    n: int
-    start: int
-    W: int
-    rot: Tensor | tuple[Tensor, Tensor]
-    mask: Tensor | None = None
-    causal: bool = False
-    bias: Tensor | None = None      # ``mask`` as additive 0 / -inf (CPU SDPA would convert a bool mask per call)
-    # Static-shape form (CUDA graphs / torch.compile): the rows to write as a device tensor, and visibility over
-    # *every* cache row ([W, capacity]), split into verified-prefix rows and draft-side rows.  Layers then
-    # never slice by a Python int, so one compiled graph serves every position.
-    rows: Tensor | None = None
-    visible: Tensor | None = None
-    vis_prefix: Tensor | None = None
-    vis_own: Tensor | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + self.W
-
-
-@dataclass
-class LayerKV:
-    """Views of one layer's cache rows, each [H_kv, capacity, hd]: the verified prefix is read from
-    ``k_prefix``/``v_prefix`` (depth kappa / nu), the draft-side rows live in ``k_own``/``v_own``."""
-
-    k_prefix: Tensor
-    v_prefix: Tensor
-    k_own: Tensor
-    v_own: Tensor
-
-    @property
-    def contiguous(self) -> bool:
-        return self.k_prefix is self.k_own and self.v_prefix is self.v_own
-
-
-def _two_source_attention(q: Tensor, kp: Tensor, vp: Tensor, mp: Tensor | None, ko: Tensor, vo: Tensor,
-                          mo: Tensor | None, scale: float) -> Tensor:
-    """Eq. (2)-(3) with the two key/value sources kept apart: [Pi_C, Pi_U] = softmax(q [K_C; K_U]^T / sqrt(d_h)),
-    O = Pi_C V_C + Pi_U V_U.  q [1, H, W, hd]; K/V [H_kv, rows, hd]; masks [W, rows] (True = visible) or None."""
-    _, H, W, hd = q.shape
-    hkv = ko.shape[0]
-    g = H // hkv
-    qg = q.reshape(hkv, g * W, hd)                                   # GQA: query groups share a kv head
-    sp = torch.matmul(qg, kp.transpose(-1, -2))
-    so = torch.matmul(qg, ko.transpose(-1, -2))
-    if mp is not None:
-        sp = sp.masked_fill(~mp.repeat(g, 1), float("-inf"))
-    if mo is not None:
-        so = so.masked_fill(~mo.repeat(g, 1), float("-inf"))
-    p = torch.softmax(torch.cat((sp, so), dim=-1).float() * scale, dim=-1).to(q.dtype)
-    m = kp.shape[1]
-    out = torch.matmul(p[..., :m], vp) + torch.matmul(p[..., m:], vo)
-    return out.reshape(1, H, W, hd)
-
-
-def _split_softmax_attention(q: Tensor, kv: LayerKV, span: Span, scale: float) -> Tensor:
-    """Prefix rows [0, n) from the read depths, draft-side rows [n, end) from the own depths (see above)."""
-    n, end, W = span.n, span.end, span.W
-    if span.rows is not None:                                        # static shapes: every row, masked
-        return _two_source_attention(q, kv.k_prefix, kv.v_prefix, span.vis_prefix, kv.k_own, kv.v_own,
-                                     span.vis_own, scale)
-    if span.mask is not None:
-        mp, mo = span.mask[:, :n], span.mask[:, n:]
-    else:
-        mp, mo = None, (torch.ones(W, W, dtype=torch.bool, device=q.device).tril() if span.causal else None)
-    return _two_source_attention(q, kv.k_prefix[:, :n], kv.v_prefix[:, :n], mp, kv.k_own[:, n:end],
-                                 kv.v_own[:, n:end], mo, scale)
-
-
-# CPU, masked calls of at least this many queries (verification blocks, draft windows, trees, the uncached rest of a
-# prompt): two batched GEMMs and a softmax beat torch's CPU flash kernel with an additive mask, 1.4-2x in isolation
-# at W = 16-100 over 150-2,000 rows, and 1-6% on whole DAS-Wave requests (benchmarks/cpu_attention.py,
-# docs/performance.md).  Below it, and above a score matrix of 2^19 elements (2 MiB in float32), SDPA stays: the
-# scores and their softmax are two fresh buffers per call, and from about 128 queries over 1,000 rows glibc's malloc
-# often hands such buffers back to the OS and page-faults them in again on the next call, which made the GEMM path
-# 2-3x *slower* than SDPA in fresh processes (1.6x faster when it did not; SDPA never loses more than that).
-GEMM_ATTENTION_MIN_W = 16
-GEMM_ATTENTION_MAX_SCORES = 1 << 19
-
-
-def gemm_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale + bias) v with the scores materialised.  q [1, H, W, hd]; k, v [H_kv, rows, hd];
-    bias [W, rows], additive (0 / -inf).  Softmax in float32."""
-    _, H, W, hd = q.shape
-    hkv, rows = k.shape[0], k.shape[1]
-    g = H // hkv
-    if g == 1:
-        s = torch.baddbmm(bias, q[0], k.transpose(1, 2), alpha=scale)
-    else:                                             # GQA: a kv head's g query heads form one [g * W] batch
-        s = torch.matmul(q[0].reshape(hkv, g * W, hd), k.transpose(1, 2)).view(hkv, g, W, rows)
-        s = s.mul_(scale).add_(bias).view(hkv, g * W, rows)
-    p = torch.softmax(s.float(), dim=-1).to(v.dtype)
-    return torch.bmm(p, v).view(1, H, W, hd)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
@@ -210,9 +99,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.capture: list | None = None       # probes set a list here to receive (q, k, v) of every call
 
-    def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+    def qkv(self, x: Tensor, span: Span) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys (both after RoPE) and values of x [B, W, d], each [B, heads, W, hd]."""
         B, W, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = self.Wqkv(x)
@@ -224,38 +113,17 @@ class Attention(nn.Module):
         if self.qk_bias is not None:
             qk = qk + self.qk_bias.view(2 * H, hd)
         qk = apply_rope(qk, span.rot, self.interleaved)
-        q = qk[:, :, :H].transpose(1, 2)
-        k = qk[:, :, H:].transpose(1, 2)
-        v = qkv[:, :, H + Hkv:].transpose(1, 2)
-        if self.capture is not None:
-            self.capture.append((q, k, v))
-        if kv is None:                                # full forward without cache
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=W > 1, enable_gqa=Hkv != H)
-        elif span.rows is not None and kv.contiguous:            # static shapes: attend over every row
-            kv.k_own.index_copy_(1, span.rows, k[0])
-            kv.v_own.index_copy_(1, span.rows, v[0])
-            y = F.scaled_dot_product_attention(q, kv.k_own.unsqueeze(0), kv.v_own.unsqueeze(0),
-                                               attn_mask=span.visible, enable_gqa=Hkv != H)
-        elif span.rows is not None:
-            kv.k_own.index_copy_(1, span.rows, k[0])
-            kv.v_own.index_copy_(1, span.rows, v[0])
-            y = _split_softmax_attention(q, kv, span, 1.0 / math.sqrt(hd))
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
+
+    def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        B, W, _ = x.shape
+        q, k, v = self.qkv(x, span)
+        if kv is None:      # a forward without cache (training, model(ids)): the call's own keys, causally
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=W > 1, enable_gqa=self.n_kv != self.n_heads)
         else:
-            kv.k_own[:, span.start: span.end] = k[0]
-            kv.v_own[:, span.start: span.end] = v[0]
-            if kv.contiguous and span.bias is not None and W >= GEMM_ATTENTION_MIN_W \
-                    and H * W * span.end <= GEMM_ATTENTION_MAX_SCORES:
-                y = gemm_attention(q, kv.k_own[:, : span.end], kv.v_own[:, : span.end], span.bias,
-                                   1.0 / math.sqrt(hd))
-            elif kv.contiguous:
-                K = kv.k_own[:, : span.end].unsqueeze(0)
-                V = kv.v_own[:, : span.end].unsqueeze(0)
-                y = F.scaled_dot_product_attention(q, K, V, attn_mask=span.mask if span.bias is None else span.bias,
-                                                   is_causal=span.causal,
-                                                   enable_gqa=Hkv != H)
-            else:
-                y = _split_softmax_attention(q, kv, span, 1.0 / math.sqrt(hd))
-        return self.proj(y.transpose(1, 2).reshape(B, W, H * hd))
+            kv.store(span, k[0], v[0])
+            y = attend(q, kv, span)
+        return self.proj(y.transpose(1, 2).reshape(B, W, self.n_heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):

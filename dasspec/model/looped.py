@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from .cache import DepthCache
 from .config import LoopedConfig
-from .layers import Block, RMSNorm, Span, rope_operands, rope_tables
+from .attention import Span
+from .layers import Block, RMSNorm, rope_operands, rope_tables
 
 _MASK32 = 0xFFFFFFFF
 _TRUNC = 3.0                                   # initial states are truncated at +-3 std, as in Huginn's like-init
@@ -47,7 +48,29 @@ def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
     return (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).to(torch.float32)
 
 
-class LoopedLM(nn.Module):
+class Recurrence:
+    """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
+    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``)."""
+
+    R: int
+
+    def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
+              depths: range | None = None) -> Tensor:
+        """Core steps r in ``depths`` (default 1..R), each reading and writing the cache at depth r (aligned
+        reads): the target's recurrence, as AR, verification, prefill, training and every full forward run it."""
+        for r in depths if depths is not None else range(1, self.R + 1):
+            h = self.core_step(h, inj, span, cache, read=(r, r))
+        return h
+
+    def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
+                   rows: slice | None = None) -> Tensor:
+        """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d], readout: float32
+        logits [B, W', V] (``rows`` of the W positions).  With a cache, the span's K/V are written at every depth."""
+        inj = self.prelude(ids, span, cache)
+        return self.readout(self.recur(h, inj, span, cache, range(1, (R or self.R) + 1)), span, cache, rows)
+
+
+class LoopedLM(Recurrence, nn.Module):
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
         self.config = cfg.validate()
@@ -66,7 +89,6 @@ class LoopedLM(nn.Module):
         cos, sin = rope_tables(cfg, cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.static_shapes = False              # set by dasspec.accel.optimize (GPU execution options)
         self.tokenizer = None                   # attached by load_model when the folder has tokenizer.json
         self.generation_defaults: dict = {}     # knobs from generation_config.json
         self.source: str | None = None
@@ -128,9 +150,7 @@ class LoopedLM(nn.Module):
         else:
             visible = torch.zeros(W, capacity, dtype=torch.bool, device=dev)
             visible[:, : start + W] = mask
-        prefix = cols < n
-        return Span(n=n, start=start, W=W, rot=rot, rows=rows, visible=visible, vis_prefix=visible & prefix,
-                    vis_own=visible & ~prefix)
+        return Span(n=n, start=start, W=W, rot=rot, mask=visible, rows=rows)
 
     def initial_state(self, positions: Tensor, init_scale: float = 1.0, seed: int = 0) -> Tensor:
         """The checkpoint's initialisation for the given absolute positions: truncated normal with
@@ -181,21 +201,6 @@ class LoopedLM(nn.Module):
             x = x[:, rows]
         return self.lm_head(t.ln_f(x)).float()
 
-    def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
-              depths: range | None = None) -> Tensor:
-        """The target's recurrence: core steps r in ``depths`` (default 1..R), each reading and writing the cache
-        at depth r (aligned), as AR, verification, prefill and every full forward run it."""
-        for r in depths if depths is not None else range(1, self.R + 1):
-            h = self.core_step(h, inj, span, cache, read=(r, r))
-        return h
-
-    def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
-                   rows: slice | None = None) -> Tensor:
-        """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d], readout: float32
-        logits [B, W', V] (``rows`` of the W positions).  With a cache, the span's K/V are written at every depth."""
-        inj = self.prelude(ids, span, cache)
-        return self.readout(self.recur(h, inj, span, cache, range(1, self.depth(R) + 1)), span, cache, rows)
-
     # --- full forward (no cache) -------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
                 seed: int = 0) -> Tensor:
@@ -205,14 +210,14 @@ class LoopedLM(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("empty input")
+        R = self.depth(num_steps)
         h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
-        return self.full_depth(input_ids, h, self.span(0, 0, T), R=num_steps)
+        return self.full_depth(input_ids, h, self.span(0, 0, T), None, R)
 
     def cpu_weight_layout(self) -> "LoopedLM":
         """Store every Linear weight [out, in] with in-major strides (its transpose contiguous); values and shapes
-        are unchanged.  CPU GEMM kernels then multiply a few-row activation without repacking the weight: on the
-        2-core machine a 25-row product with the bundled model's projections runs 1.8-3.3x faster and a one-row
-        product the same (benchmarks/cpu_layout.py, docs/performance.md).  Applied by load_model on CPU."""
+        are unchanged.  CPU GEMM kernels then multiply a few-row activation without repacking the weight
+        (benchmarks/cpu_layout.py; docs/performance.md has the figures).  Applied by load_model on CPU."""
         for m in self.modules():
             if isinstance(m, nn.Linear) and m.weight.is_contiguous():   # a tied head is transposed once
                 m.weight.data = m.weight.data.t().contiguous().t()

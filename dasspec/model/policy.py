@@ -28,14 +28,6 @@ class ReadPolicy:
             return d
         return pick(self.key), pick(self.value)
 
-    @property
-    def deep_k(self) -> bool:
-        return self.key == "R"
-
-    @property
-    def deep_v(self) -> bool:
-        return self.value == "R"
-
 
 ALIGNED = ReadPolicy("aligned", "r", "r")
 DEEP_V = ReadPolicy("deep-v", "r", "R")

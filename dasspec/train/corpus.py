@@ -14,14 +14,15 @@ Evaluation splits are never read for training: GSM8K test, MATH-500, HumanEval a
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import random
 import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..eval.data import data_dir as resolve_data_dir
+from ..eval.data import data_file, read_jsonl
 
 MBPP_TRAIN = range(601, 975)          # Hugging Face "train" split of MBPP
 MBPP_TEST = range(11, 511)            # the benchmark split
@@ -36,20 +37,8 @@ class Document:
     text: str
 
 
-def default_data_dir() -> Path:
-    """``$DASSPEC_DATA``, else ``../shared/data`` next to the repository (where the project keeps the data)."""
-    env = os.environ.get("DASSPEC_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        raise FileNotFoundError(f"missing {path}; pass --data DIR (or set DASSPEC_DATA) to the evaluation data folder")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _jsonl(root: Path, relative: str) -> list[dict]:
+    return read_jsonl(data_file(root, relative))
 
 
 # --- training sources ------------------------------------------------------------------------------------------
@@ -78,7 +67,7 @@ def format_gsm8k(question: str, answer: str) -> str:
 
 
 def gsm8k_documents(data_dir: Path) -> list[Document]:
-    rows = _jsonl(data_dir / "gsm8k" / "train.jsonl")
+    rows = _jsonl(data_dir, "gsm8k/train.jsonl")
     return [Document("gsm8k", f"train/{i}", format_gsm8k(r["question"], r["answer"])) for i, r in enumerate(rows)]
 
 
@@ -88,7 +77,7 @@ def format_mbpp(text: str, code: str, tests: list[str]) -> str:
 
 
 def mbpp_documents(data_dir: Path) -> list[Document]:
-    rows = _jsonl(data_dir / "mbpp" / "mbpp.jsonl")
+    rows = _jsonl(data_dir, "mbpp/mbpp.jsonl")
     return [Document("mbpp", f"task/{r['task_id']}", format_mbpp(r["text"], r["code"], r["test_list"]))
             for r in rows if r["task_id"] in MBPP_TRAIN]
 
@@ -97,13 +86,13 @@ def mbpp_documents(data_dir: Path) -> list[Document]:
 
 def eval_prompts(data_dir: str | os.PathLike | None = None) -> dict[str, list[str]]:
     """The prompts of every evaluation split: GSM8K test questions, MATH-500 problems, HumanEval prompts and
-    MBPP 11-510 task texts."""
-    d = Path(data_dir) if data_dir is not None else default_data_dir()
+    MBPP 11-510 task texts.  ``data_dir``: the data folder (default ``$DASSPEC_DATA``; an error when neither)."""
+    d = resolve_data_dir(data_dir, required=True)
     return {
-        "gsm8k-test": [r["question"] for r in _jsonl(d / "gsm8k" / "test.jsonl")],
-        "math500": [r["problem"] for r in _jsonl(d / "math500" / "test.jsonl")],
-        "humaneval": [r["prompt"] for r in _jsonl(d / "humaneval" / "HumanEval.jsonl.gz")],
-        "mbpp-test": [r["text"] for r in _jsonl(d / "mbpp" / "mbpp.jsonl") if r["task_id"] in MBPP_TEST],
+        "gsm8k-test": [r["question"] for r in _jsonl(d, "gsm8k/test.jsonl")],
+        "math500": [r["problem"] for r in _jsonl(d, "math500/test.jsonl")],
+        "humaneval": [r["prompt"] for r in _jsonl(d, "humaneval/HumanEval.jsonl.gz")],
+        "mbpp-test": [r["text"] for r in _jsonl(d, "mbpp/mbpp.jsonl") if r["task_id"] in MBPP_TEST],
     }
 
 
@@ -153,8 +142,8 @@ def contamination(docs: list[Document], prompts: dict[str, list[str]], n: int = 
 def build_corpus(data_dir: str | os.PathLike | None = None, stdlib_dir: str | os.PathLike | None = None,
                  decontaminate: bool = True) -> list[Document]:
     """Every training document (stdlib, GSM8K train, MBPP 601-974), with documents that contain an evaluation
-    prompt removed."""
-    d = Path(data_dir) if data_dir is not None else default_data_dir()
+    prompt removed.  ``data_dir``: the data folder (default ``$DASSPEC_DATA``; an error when neither)."""
+    d = resolve_data_dir(data_dir, required=True)
     docs = stdlib_documents(stdlib_dir) + gsm8k_documents(d) + mbpp_documents(d)
     if decontaminate:
         bad = {name for _, _, name in contamination(docs, eval_prompts(d))}

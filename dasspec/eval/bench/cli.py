@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...cli import add_exec_flags, load_for_args
+from ...cli import add_exec_flags, load_for_args, runtime_from_args
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
-# One intra-op thread: on a shared 2-core CPU two threads per process contend so badly that a generation can take
-# 10-40x longer (measured: 16 tokens of the bundled model in 2 s with one thread, 27-89 s with two, under load).
+# One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly (docs/performance.md).
 QUICK = {"tasks": "humaneval,gsm8k", "prompts": 3, "max_new_tokens": 64, "shots": ["gsm8k=2"], "threads": 1}
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp"
 
@@ -133,7 +132,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.fresh:
         from .runner import clear_results
         clear_results(args.out)
-    plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=40 if args.prompts is None else args.prompts, split=args.split,
+    plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=40 if args.prompts is None else args.prompts,
+                     runtime=runtime_from_args(args, track_memory=True), split=args.split,
                      seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
                      warmup=args.warmup, prefix_cache=args.prefix_cache)
     name = args.model or "bundled (dasspec-tiny)"

@@ -1,9 +1,9 @@
 """The timing protocol of paper Appendix A.3, run into an output folder one record at a time.
 
 * The model is loaded once; every method runs in the same process, stack and session as its paired full-depth AR.
-* Warm-up first: one short generation per method, not recorded.
-* For each prompt, AR and every method run in an order that rotates by one per prompt, so slow drift (thermal,
-  other load) hits every method alike.
+* The schedule is ``dasspec.eval.pairing``'s: warm-up first (one short generation per method, not recorded);
+  for each prompt, AR and every method run in an order that rotates by one per prompt (by the prompt's place in
+  its task's selection), so slow drift (thermal, other load) hits every method alike.
 * Each run is timed by ``dasspec.generate`` itself (``stats.wall_time``: prefill included, CUDA synchronised at
   the end); nothing is recomputed inside the timed region.
 * One JSONL record per (task, prompt, method) is appended to ``records.jsonl`` and flushed as soon as it exists.
@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -26,10 +25,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ...generate import generate
-from ...methods import get_method, resolve_knobs
+from ...engine.generate import generate
+from ...engine.runtime import Runtime
+from ...methods import build_drafter, get_method, resolve_knobs
 from ...model.looped import LoopedLM
-from ...prefix_cache import PrefixCache, common_prefix
+from ...engine.prefix_cache import PrefixCache, common_prefix
+from ..pairing import PairedRun, paired_runs
 from ..tasks import Example, Task, get_task
 
 RECORDS = "records.jsonl"
@@ -52,6 +53,7 @@ class BenchPlan:
     gen_seed: int = 0             # seed of the per-position initial states (shared by every method)
     warmup: bool = True
     prefix_cache: bool = False    # reuse each task's shared prompt prefix (few-shot exemplars) across requests
+    runtime: Runtime = field(default_factory=lambda: Runtime(track_memory=True))   # execution options
 
 
 @dataclass
@@ -102,10 +104,8 @@ def resolved_knobs(model: LoopedLM, methods: list[str], user: dict[str, dict], R
                          f"(methods: {', '.join(methods)})")
     out = {}
     for name in methods:
-        spec = get_method(name)
         try:
-            out[name] = jsonable(resolve_knobs(spec, model.config, model.generation_defaults,
-                                               dict(user.get(name, {})), R))
+            out[name] = jsonable(resolve_knobs(model, name, user.get(name, {}), R).as_dict())
         except ValueError as err:
             raise ValueError(f"method {name}: {err} (set its knobs with --knobs {name}:NAME=VALUE)") from None
     return out
@@ -233,7 +233,7 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
         raise ValueError("the benchmark encodes text prompts and needs a tokenizer (tokenizer.json next to the "
                          "weights, or tokenizer=)")
     methods = canonical_methods(plan.methods)
-    R = model.R if plan.num_steps is None else int(plan.num_steps)
+    R = model.depth(plan.num_steps)
     knobs = resolved_knobs(model, methods, plan.knobs, R)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,55 +248,61 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     done = {record_key(r) for r in load_records(records_path)}
     pending = sum((p.task.name, p.example.id, m) not in done for p in prompts for m in methods)
     kept = sum((p.task.name, p.example.id, m) in done for p in prompts for m in methods)
-
-    cuda = model.device.type == "cuda"
     prefixes = task_prefix_caches(model, prompts, R, plan) if plan.prefix_cache and pending else {}
 
-    def run_one(p: Prompt, method: str, cap: int):
-        # Outside the timed region: collect garbage and drain the device so neither lands inside a measurement.
-        gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-        return generate(model, p.ids, method=method, max_new_tokens=cap, num_steps=R, init_scale=plan.init_scale,
-                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok,
-                        prefix_cache=prefixes.get(p.task.name), **plan.knobs.get(method, {}))
+    # One drafter per method for the whole run: state a method keeps across requests (Token Recycling's table)
+    # follows the request stream, warm-up included, as in the paper.
+    drafters = {m: build_drafter(model, m, plan.knobs.get(m, {}), R) for m in methods}
 
-    if pending and plan.warmup and prompts:
-        for method in methods:            # first calls pay for allocator growth, lazy init, kernel selection
-            run_one(prompts[0], method, min(WARMUP_TOKENS, prompts[0].task.cap))
+    def run_one(p: Prompt, method: str, cap: int):
+        return generate(model, p.ids, max_new_tokens=cap, num_steps=R, init_scale=plan.init_scale,
+                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok,
+                        prefix_cache=prefixes.get(p.task.name), drafter=drafters[method], runtime=plan.runtime)
 
     from tqdm.auto import tqdm
     bar = tqdm(total=pending, desc="bench", unit="gen", disable=not progress or pending == 0, dynamic_ncols=True)
     ran = 0
+
+    def timed(p: Prompt, method: str):
+        bar.set_postfix_str(f"{p.task.name} #{p.index} {method}", refresh=False)
+        try:
+            return run_one(p, method, p.task.cap)
+        except Exception:
+            bar.write(f"bench: {method} failed on {p.task.name} {p.example.id}; "
+                      f"{ran} new records kept in {records_path}")
+            raise
+
+    runs = paired_runs(prompts, methods, timed, cuda=model.device.type == "cuda", shift=lambda p: p.index,
+                       pending=lambda p, m: (p.task.name, p.example.id, m) not in done,
+                       warmup=(lambda p, m: run_one(p, m, min(WARMUP_TOKENS, p.task.cap))) if plan.warmup else None)
     try:
         with open(records_path, "a", encoding="utf-8") as sink:
-            for p in prompts:
-                rot = p.index % len(methods)
-                order = methods[rot:] + methods[:rot]
-                for slot, method in enumerate(order):
-                    if (p.task.name, p.example.id, method) in done:
-                        continue
-                    bar.set_postfix_str(f"{p.task.name} #{p.index} {method}", refresh=False)
-                    try:
-                        res = run_one(p, method, p.task.cap)
-                    except Exception:
-                        bar.write(f"bench: {method} failed on {p.task.name} {p.example.id}; "
-                                  f"{ran} new records kept in {records_path}")
-                        raise
-                    rec = {"task": p.task.name, "prompt_id": p.example.id, "prompt_index": p.index,
-                           "method": method, "order": slot, "session": session, "cap": p.task.cap,
-                           "stateful": get_method(method).stateful, **res.stats.to_dict(),
-                           "tokens": res.tokens, "text": res.text}
-                    rec["method"] = method            # the canonical name, whatever stats call it
-                    sink.write(json.dumps(rec) + "\n")
-                    sink.flush()
-                    os.fsync(sink.fileno())
-                    done.add((p.task.name, p.example.id, method))
-                    ran += 1
-                    bar.update(1)
+            for run in runs:
+                append_record(sink, bench_record(run, session))
+                done.add((run.prompt.task.name, run.prompt.example.id, run.arm))
+                ran += 1
+                bar.update(1)
     finally:
         bar.close()
     return BenchRun(out, ran, kept, skipped, methods)
+
+
+def bench_record(run: PairedRun, session: str) -> dict:
+    """One finished generation as a ``records.jsonl`` line: where it ran in the schedule, its stats and output."""
+    p, method, res = run.prompt, run.arm, run.result
+    rec = {"task": p.task.name, "prompt_id": p.example.id, "prompt_index": p.index,
+           "method": method, "order": run.slot, "session": session, "cap": p.task.cap,
+           "stateful": get_method(method).stateful, **res.stats.to_dict(),
+           "tokens": res.tokens, "text": res.text}
+    rec["method"] = method            # the canonical name, whatever stats call it
+    return rec
+
+
+def append_record(sink, rec: dict) -> None:
+    """Write one record and push it to disk, so an interrupt keeps everything finished."""
+    sink.write(json.dumps(rec) + "\n")
+    sink.flush()
+    os.fsync(sink.fileno())
 
 
 def task_prefix_caches(model: LoopedLM, prompts: list[Prompt], R: int, plan: BenchPlan,
@@ -313,9 +319,9 @@ def task_prefix_caches(model: LoopedLM, prompts: list[Prompt], R: int, plan: Ben
 
 
 def parse_knobs(items: Iterable[str]) -> dict[str, dict]:
-    """``METHOD:NAME=VALUE[,NAME=VALUE...]`` (repeatable) -> {method: {name: value}}.  Values are read as JSON
-    (16, 0.5, true) and otherwise kept as strings (deep-kv).  A value that itself contains "=" (an explicit read
-    policy such as k=4,v=32) takes the following comma-separated item with it."""
+    """``METHOD:NAME=VALUE[,NAME=VALUE...]`` (repeatable) -> {method: {name: value}}, each value parsed by the
+    knob's declared type (``Knobs.parse``).  A value that itself contains "=" (an explicit read policy such as
+    k=4,v=32) takes the following comma-separated item with it."""
     out: dict[str, dict] = {}
     for item in items:
         method, sep, body = item.partition(":")
@@ -331,12 +337,12 @@ def parse_knobs(items: Iterable[str]) -> dict[str, dict]:
             if not eq or not name.strip():
                 raise ValueError(f"--knobs {item!r}: {part!r} is not NAME=VALUE")
             pairs.append([name.strip(), value.strip()])
+        knobs = get_method(method).knobs
         for name, value in pairs:
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError:
-                parsed = value
-            out.setdefault(method, {})[name] = parsed
+            if name not in knobs.names():
+                raise ValueError(f"--knobs {item!r}: method {method!r} does not take {name}; its knobs: "
+                                 f"{', '.join(knobs.names()) or 'none'}")
+            out.setdefault(method, {})[name] = knobs.parse(name, value)
     return out
 
 

@@ -61,7 +61,7 @@ def run(model: LoopedLM, trajectories: Sequence[Trajectory], depths: Sequence[in
         coda: str = "target", progress: bool = True) -> list[dict]:
     """One row per (policy, draft depth): agreement with prompt-bootstrap interval, and the paired gain over
     Aligned at the same depth."""
-    R = model.R if num_steps is None else int(num_steps)
+    R = model.depth(num_steps)
     depths = check_depths(default_depths(R) if depths is None else depths, R)
     cells = [(d, pol) for pol in policies for d in depths]
     hits, total, mismatch = agreement_counts(model, trajectories, cells, R, init_scale, seed, coda, progress,

@@ -33,7 +33,8 @@ def _common() -> argparse.ArgumentParser:
     g.add_argument("--prompt-offset", type=int, default=0, help="skip this many GSM8K test questions first")
     g.add_argument("--max-new-tokens", type=int, default=64, help="generation cap per prompt (default 64)")
     g.add_argument("--out", default="probe-results", help="folder for NAME.md / NAME.csv / NAME.png")
-    g.add_argument("--data", default=None, help="evaluation data folder (default: $DASSPEC_DATA or ../shared/data)")
+    g.add_argument("--data", default=None,
+                   help="evaluation data folder holding gsm8k/test.jsonl (default: $DASSPEC_DATA)")
     g.add_argument("--num-steps", type=int, default=None, help="target recurrence depth R (default: config)")
     g.add_argument("--init-scale", type=float, default=1.0, help="initial-state scale (0: zero state)")
     g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states")
@@ -45,24 +46,16 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch", "copy_run", "early_stop")
+
+
 def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--gamma", type=int, default=None, help=f"{what} verifier capacity gamma (default: family)")
-    p.add_argument("--rounds", "-J", type=int, default=None, help=f"{what} refinement rounds J (default: family)")
-    p.add_argument("--w-init", dest="w_init", type=int, default=None, help=f"{what} initial width W_init")
-    p.add_argument("-k", type=int, default=None, help=f"{what} core updates per round k (default: family)")
-    p.add_argument("--guesses", default=None, help=f"{what} window seed: anchor (the paper's) | lookup | copy "
-                                                   "(default: the model's)")
-    p.add_argument("--trim", dest="trim", action="store_true", default=None,
-                   help=f"{what}: verify only up to the first proposal the last round changed (default: the model's)")
-    p.add_argument("--no-trim", dest="trim", action="store_false", help=f"{what}: verify every proposal (paper)")
-    p.add_argument("--seed-branch", dest="seed_branch", type=int, default=None,
-                   help=f"{what}: verify up to N seed tokens as a second branch, 0 = off (default: the model's)")
-    p.add_argument("--copy-run", dest="copy_run", action="store_true", default=None,
-                   help=f"{what}: verify a seed without rounds after one was accepted whole (default: the model's)")
-    p.add_argument("--no-copy-run", dest="copy_run", action="store_false", help=f"{what}: always run the rounds")
-    p.add_argument("--early-stop", dest="early_stop", action="store_true", default=None,
-                   help=f"{what}: stop the rounds after one that changed no guess (default: the model's)")
-    p.add_argument("--no-early-stop", dest="early_stop", action="store_false", help=f"{what}: always run J rounds")
+    """The DAS-Wave budget knobs as flags, derived from ``WaveKnobs`` (default: the model's)."""
+    from ...methods.knobs import add_knob_flags
+    from ...methods.wave import WaveKnobs
+
+    add_knob_flags(p.add_argument_group(f"{what} (default: the model's DAS-Wave knobs)"), [WaveKnobs],
+                   set(WAVE_BUDGET))
 
 
 def add_parser(sub) -> None:
@@ -95,17 +88,16 @@ def add_parser(sub) -> None:
     probe.set_defaults(func=cmd_probe)
 
 
-WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch", "copy_run", "early_stop")
-
-
 def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:
     """The flags given, over the model's tuned DAS-Wave defaults, resolved as ``generate`` resolves them (so a
     tuned W_init or seed branch yields to a caller's smaller gamma or anchor window the same way)."""
-    from ...methods import get_method, resolve_knobs
+    from ...methods import resolve_knobs
+    from ...methods.knobs import knobs_from_args
+    from ...methods.wave import WaveKnobs
 
-    user = {k: getattr(args, k) for k in WAVE_BUDGET if getattr(args, k) is not None}
-    knobs = resolve_knobs(get_method("das-wave"), model.config, model.generation_defaults, user, R)
-    return {k: knobs[k] for k in WAVE_BUDGET}
+    user = {k: v for k, v in knobs_from_args(args, [WaveKnobs]).items() if k in WAVE_BUDGET}
+    knobs = resolve_knobs(model, "das-wave", user, R)
+    return {k: getattr(knobs, k) for k in WAVE_BUDGET}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -123,7 +115,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
-    R = model.R if args.num_steps is None else args.num_steps
+    R = model.depth(args.num_steps)
     prompts = common.encode_prompts(model, common.gsm8k_prompts(args.prompts, args.data, args.prompt_offset))
     kw = dict(num_steps=args.num_steps, init_scale=args.init_scale, seed=args.seed, progress=progress)
     setup = common.model_setup(model, args.num_steps, max_new_tokens=args.max_new_tokens,

@@ -1,12 +1,10 @@
-"""What the probes share: GSM8K prompts, the target's greedy trajectories, paired timed runs against AR, the
-paper's summary statistics (S eq. 8, A eq. 9, G eq. 10 and the prompt bootstrap, from dasspec.eval.bench.metrics) and
-table output (markdown + CSV)."""
+"""What the probes share: GSM8K prompts (dasspec.eval.tasks.gsm8k), the target's greedy trajectories, paired timed
+runs against AR (dasspec.eval.pairing), the paper's summary statistics (S eq. 8, A eq. 9, G eq. 10 and the prompt
+bootstrap, from dasspec.eval.bench.metrics) and table output (markdown + CSV)."""
 
 from __future__ import annotations
 
 import csv
-import gc
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,42 +16,27 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..bench import metrics
-from ...generate import GenerationResult, generate
+from ..data import data_dir
+from ..pairing import paired_runs
+from ..tasks import gsm8k
+from ...engine.generate import GenerationResult, generate
 from ...model.looped import LoopedLM
 
 # --------------------------------------------------------------------------------------------------------------
 # Prompts
 # --------------------------------------------------------------------------------------------------------------
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-def data_dir(path: str | os.PathLike | None = None) -> Path:
-    """``path``, else $DASSPEC_DATA, else ../shared/data next to the repository (/work/shared/data here)."""
-    folder = Path(path or os.environ.get("DASSPEC_DATA") or DEFAULT_DATA).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"evaluation data folder {folder} does not exist; pass --data DIR or set DASSPEC_DATA")
-    return folder
-
-
 def gsm8k_prompts(n: int, data: str | os.PathLike | None = None, offset: int = 0) -> list[str]:
-    """The first ``n`` GSM8K test questions (after ``offset``) as zero-shot "Question: ...\\nAnswer:" prompts."""
+    """The first ``n`` GSM8K test questions (file order, after ``offset``) as zero-shot "Question: ...\\nAnswer:"
+    prompts.  The data folder is ``data``, else ``$DASSPEC_DATA``; an error says how to set one."""
     if n < 1:
         raise ValueError(f"--prompts must be >= 1, got {n}")
-    path = data_dir(data) / "gsm8k" / "test.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing (expected the GSM8K test split as JSONL)")
-    out: list[str] = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < offset:
-                continue
-            out.append(f"Question: {json.loads(line)['question']}\nAnswer:")
-            if len(out) == n:
-                break
-    if len(out) < n:
-        raise ValueError(f"{path} has only {len(out)} questions after offset {offset}; asked for {n}")
-    return out
+    if offset < 0:
+        raise ValueError(f"--prompt-offset must be >= 0, got {offset}")
+    rows = gsm8k.load(data_dir(data, required=True))[offset:offset + n]
+    if len(rows) < n:
+        raise ValueError(f"GSM8K test has only {len(rows)} questions after offset {offset}; asked for {n}")
+    return [gsm8k.prompt(row["question"], shots=0) for row in rows]
 
 
 def encode_prompts(model: LoopedLM, texts: Sequence[str]) -> list[list[int]]:
@@ -97,6 +80,9 @@ def greedy_trajectories(model: LoopedLM, prompts: Sequence[Sequence[int]], max_n
 # Paired timed runs (each arm against a full-depth AR reference on the same prompt, in the same process)
 # --------------------------------------------------------------------------------------------------------------
 
+WARMUP_TOKENS = 8
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
@@ -107,32 +93,24 @@ class Arm:
 def run_paired(model: LoopedLM, prompts: Sequence[Sequence[int]], arms: Sequence[Arm], max_new_tokens: int,
                num_steps: int | None = None, init_scale: float = 1.0, seed: int = 0, progress: bool = True,
                warmup: bool = True) -> dict[str, list[GenerationResult]]:
-    """The timing protocol of the benchmark runner (dasspec/bench/runner.py) for arms that share a method but differ
-    in knobs: run AR and every arm on every prompt; per prompt the arms are interleaved (their order rotates from prompt
-    to prompt so slow drift of a shared machine does not favour one arm).  Returns results by arm name, with
-    full-depth AR under "ar"."""
+    """The benchmark runner's schedule (dasspec.eval.pairing) for arms that share a method but differ in knobs: AR
+    and every arm on every prompt, interleaved in an order that rotates from prompt to prompt.  Returns results by
+    arm name, in prompt order, with full-depth AR under "ar"."""
     names = [a.name for a in arms]
     if "ar" in names or len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique and not 'ar': {names}")
     all_arms = [Arm("ar", "ar")] + list(arms)
-    common = dict(num_steps=num_steps, init_scale=init_scale, seed=seed)
-    if warmup:      # first calls pay allocator / kernel-selection costs that do not belong to any arm
-        for arm in all_arms:
-            generate(model, list(prompts[0]), method=arm.method, max_new_tokens=min(8, max_new_tokens),
-                     **common, **arm.knobs)
+
+    def run_one(prompt: Sequence[int], arm: Arm, cap: int) -> GenerationResult:
+        return generate(model, list(prompt), method=arm.method, max_new_tokens=cap, num_steps=num_steps,
+                        init_scale=init_scale, seed=seed, **arm.knobs)
+
+    warm = (lambda prompt, arm: run_one(prompt, arm, min(WARMUP_TOKENS, max_new_tokens))) if warmup else None
+    runs = paired_runs(prompts, all_arms, lambda prompt, arm: run_one(prompt, arm, max_new_tokens), warmup=warm,
+                       cuda=model.device.type == "cuda")
     out: dict[str, list[GenerationResult]] = {a.name: [] for a in all_arms}
-    bar = tqdm(total=len(prompts) * len(all_arms), desc="paired runs", disable=not progress, leave=False)
-    cuda = model.device.type == "cuda"
-    for i, prompt in enumerate(prompts):
-        shift = i % len(all_arms)
-        for arm in all_arms[shift:] + all_arms[:shift]:
-            gc.collect()                 # outside the timed region, as in the benchmark runner
-            if cuda:
-                torch.cuda.synchronize()
-            out[arm.name].append(generate(model, list(prompt), method=arm.method, max_new_tokens=max_new_tokens,
-                                          **common, **arm.knobs))
-            bar.update()
-    bar.close()
+    for run in tqdm(runs, total=len(prompts) * len(all_arms), desc="paired runs", disable=not progress, leave=False):
+        out[run.arm.name].append(run.result)
     return out
 
 
@@ -237,7 +215,7 @@ def pyplot():
 def model_setup(model: LoopedLM, num_steps: int | None, **extra) -> dict:
     cfg = model.config
     setup = {"model": model.source or "(in-memory)", "family": cfg.family,
-             "R": model.R if num_steps is None else num_steps,
+             "R": model.depth(num_steps),
              "layers (prelude/core/coda)": f"{cfg.n_prelude}/{cfg.n_core}/{cfg.n_coda}",
              "device": str(model.device), "dtype": str(model.dtype).replace("torch.", "")}
     setup.update(extra)

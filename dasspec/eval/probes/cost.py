@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...methods import get_method, resolve_knobs
+from ...methods import resolve_knobs
 from ...model.looped import LoopedLM
 from .common import (Arm, bootstrap_ci, markdown_table, mean_A, pyplot, run_paired, same_tokens, speedup_ratios,
                      write_report)
@@ -46,8 +46,7 @@ def run(model: LoopedLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         ratios = speedup_ratios(rr, res["ar"])
         lo, hi = bootstrap_ci(ratios)
         rows.append({"drafter": arm.method, "d": arm.knobs["draft_depth"], "policy": arm.knobs["policy"],
-                     "block": resolve_knobs(get_method(arm.method), model.config, model.generation_defaults,
-                                            dict(arm.knobs), R)["block"],
+                     "block": resolve_knobs(model, arm.method, arm.knobs, R).block,
                      "A": mean_A(rr), "draft_ms_per_request": float(draft.mean() * 1e3),
                      "draft_ms_per_token": float((draft / np.maximum(new, 1)).mean() * 1e3),
                      "draft_ms_per_accepted_token": float(draft.sum() / accepted * 1e3) if accepted else float("nan"),

@@ -1,8 +1,8 @@
 """Q/K/V maturity (paper sec. 3.1, Figure 2 top): how close each core layer's queries, keys and values at recurrence
 depth r are to their final-depth (r = R) values.
 
-For every prompt's greedy trajectory, one synchronous full-depth forward runs with ``capture`` switched on in the core
-layers' attention, which records (q, k, v) at every recurrence step.  At each position the heads are flattened into
+For every prompt's greedy trajectory, one synchronous full-depth forward runs with forward hooks on the core layers'
+attention, which record (q, k, v) at every recurrence step.  At each position the heads are flattened into
 one vector and the cosine to the depth-R vector is taken; the table reports the mean over core layers, positions and
 prompts (pooled), and the CSV also has each layer.
 
@@ -33,23 +33,24 @@ def cosine_to_final(xs: Sequence[Tensor]) -> Tensor:
 
 def capture_qkv(model: LoopedLM, ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
                 seed: int = 0) -> list[list[tuple[Tensor, Tensor, Tensor]]]:
-    """Run one synchronous forward; returns per core layer the list of (q, k, v) per recurrence step 1..R."""
-    layers = [blk.attn for blk in model.transformer.core_block]
-    for attn in layers:
-        attn.capture = []
+    """Run one synchronous forward; returns per core layer the list of (q, k, v) per recurrence step 1..R, read by
+    forward hooks on the core layers' attention (which recompute the projections from the layer's input)."""
+    captured: list[list] = [[] for _ in model.transformer.core_block]
+    hooks = [blk.attn.register_forward_hook(lambda mod, args, out, sink=sink: sink.append(mod.qkv(args[0], args[1])))
+             for blk, sink in zip(model.transformer.core_block, captured)]
     try:
         with torch.inference_mode():
             model(ids.reshape(1, -1), num_steps=num_steps, init_scale=init_scale, seed=seed)
-        return [attn.capture for attn in layers]
+        return captured
     finally:
-        for attn in layers:
-            attn.capture = None
+        for h in hooks:
+            h.remove()
 
 
 def run(model: LoopedLM, trajectories: Sequence[Trajectory], num_steps: int | None = None, init_scale: float = 1.0,
         seed: int = 0, progress: bool = True) -> list[dict]:
     """Rows per depth r (layer = "mean") and per (layer, r): mean cosine of q, k and v to depth R."""
-    R = model.R if num_steps is None else int(num_steps)
+    R = model.depth(num_steps)
     L = model.config.n_core
     sums = torch.zeros(L, R, 3, dtype=torch.float64)
     count = 0

@@ -32,12 +32,14 @@ and the window bookkeeping are inside the timed draft phase.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from dataclasses import dataclass
 
-from ..decoding import Decoding
-from ..methods import MethodSpec, positive_int, register
-from ..verify import TreeLayout, verify_chain, verify_tree
+import numpy as np
+
+from ..engine.draft import Draft, Drafter, TreeLayout, Verdict
+from ..engine.request import Request
+from . import Method, register
+from .knobs import Knobs, boolean, knob, positive_int
 
 
 def lookahead_parents(W: int, N: int, g: int) -> tuple[list[int], list[int]]:
@@ -53,11 +55,6 @@ def lookahead_parents(W: int, N: int, g: int) -> tuple[list[int], list[int]]:
         parents += [0] + [base + j for j in range(N - 2)]
         leaves.append(len(parents) - 1)
     return parents, leaves
-
-
-def lookahead_positions(W: int, N: int) -> np.ndarray:
-    """Position offset (from the root) of every window node, level-major: level l column i -> l + i."""
-    return (np.arange(N - 1)[:, None] + np.arange(W)[None, :]).reshape(-1)
 
 
 class NgramPool:
@@ -83,9 +80,9 @@ class NgramPool:
 
 
 class LookaheadState:
-    def __init__(self, dec: Decoding, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
+    def __init__(self, req: Request, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
         self.W, self.N, self.G = W, N, G
-        prompt = dec.tokens[: dec.P].cpu().numpy()
+        prompt = req.tokens[: req.P].cpu().numpy()
         rng = np.random.default_rng(seed)
         self.window = prompt[rng.integers(0, len(prompt), size=(N - 1, W))]   # [level, column]; [0, 0] unused
         self.pool = NgramPool(G)
@@ -93,7 +90,7 @@ class LookaheadState:
         if pool_from_prompt:
             for i in range(len(prompt) - N + 1):
                 self.pool.insert(int(prompt[i]), tuple(int(t) for t in prompt[i + 1: i + N]))
-        device = dec.tokens.device
+        device = req.tokens.device
         self.layouts = [TreeLayout(*lookahead_parents(W, N, g), device=device) for g in range(G + 1)]
 
     def inputs(self, root: int) -> tuple[list[int], TreeLayout]:
@@ -119,40 +116,46 @@ class LookaheadState:
         self.passes += 1
 
 
-def run_lookahead(dec: Decoding, knobs: dict) -> None:
-    W, N, G = knobs["window"], knobs["ngram"], knobs["guess_set"]
-    dec.prefill()
-    device = dec.tokens.device
-    block = dec.model.config.block_size
-    with dec.timer("draft"):
-        state = LookaheadState(dec, W, N, G, knobs["pool_from_prompt"])
-    top_lo = W * (N - 2)                     # index of (level N-2, column 0) in the pass
-    while not dec.done:
-        n = dec.n
-        root = dec.generated[-1]
-        with dec.timer("draft"):
-            flat, layout = state.inputs(root)
-            T = layout.size
-            if n + T <= block:
-                dec.tokens[n + 1: n + T] = torch.tensor(flat, dtype=torch.long, device=device)
-        if n + T > block:
-            verify_chain(dec)
-            continue
-        verdict = verify_tree(dec, layout)
-        with dec.timer("draft"):
-            state.update(root, verdict.pred[top_lo: top_lo + W].tolist())
+@dataclass(frozen=True)
+class LookaheadKnobs(Knobs):
+    method = "lookahead"
+    window: int = knob(7, "Lookahead: Jacobi window W")
+    ngram: int = knob(5, "Lookahead: n-gram size N")
+    guess_set: int = knob(7, "Lookahead: most n-gram candidates verified per step G")
+    pool_from_prompt: bool = knob(False, "Lookahead: seed the n-gram pool with the prompt's n-grams")
+
+    def validate(self, R: int) -> "LookaheadKnobs":
+        positive_int(self, "window", "ngram", "guess_set")
+        if self.ngram < 2:
+            raise ValueError(f"ngram must be >= 2 (an n-gram is a key plus at least one token), got {self.ngram}")
+        boolean(self, "pool_from_prompt")
+        return self
 
 
-def _validate(knobs: dict, R: int) -> dict:
-    positive_int(knobs, "window", "ngram", "guess_set")
-    if knobs["ngram"] < 2:
-        raise ValueError(f"ngram must be >= 2 (an n-gram is a key plus at least one token), got {knobs['ngram']}")
-    if not isinstance(knobs["pool_from_prompt"], bool):
-        raise ValueError(f"pool_from_prompt must be true or false, got {knobs['pool_from_prompt']!r}")
-    return knobs
+class LookaheadDrafter(Drafter):
+    name = "lookahead"
+
+    def __init__(self, knobs: LookaheadKnobs):
+        self.knobs = knobs
+        self.width = (knobs.window + knobs.guess_set) * (knobs.ngram - 1)
+        self.top_lo = knobs.window * (knobs.ngram - 2)       # index of (level N-2, column 0) in the pass
+
+    def start(self, req: Request) -> None:
+        k = self.knobs
+        self.state = LookaheadState(req, k.window, k.ngram, k.guess_set, k.pool_from_prompt)
+
+    def propose(self, req: Request) -> Draft:
+        self.root = req.generated[-1]
+        flat, layout = self.state.inputs(self.root)
+        if req.n + layout.size > req.model.config.block_size:     # no room for the window: a plain AR step
+            self.root = None
+            return Draft()
+        return Draft(flat, layout=layout)
+
+    def observe(self, req: Request, verdict: Verdict) -> None:
+        if self.root is not None:
+            W = self.knobs.window
+            self.state.update(self.root, verdict.pred[self.top_lo: self.top_lo + W].tolist())
 
 
-register(MethodSpec("lookahead", run_lookahead,
-                    lambda cfg: {"window": 7, "ngram": 5, "guess_set": 7, "pool_from_prompt": False}, _validate,
-                    lambda kn: (kn["window"] + kn["guess_set"]) * (kn["ngram"] - 1),
-                    doc="Lookahead decoding: Jacobi window + n-gram pool, candidates verified in the same pass"))
+register(Method("lookahead", LookaheadKnobs, LookaheadDrafter))

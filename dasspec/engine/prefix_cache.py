@@ -24,10 +24,10 @@ from typing import Sequence
 
 import torch
 
-from .model.cache import DepthCache
-from .decoding import check_cache_fits, full_depth_pass
+from ..model.cache import DepthCache
+from ..model.looped import LoopedLM
 from .generate import as_token_list
-from .model.looped import LoopedLM
+from .memory import check_cache_fits
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -54,12 +54,11 @@ class PrefixCache:
         self.model, self.init_scale, self.seed = model, float(init_scale), int(seed)
         self.tokens = tokens
         check_cache_fits(model, self.R, m, "cache a shorter prefix, or use bfloat16")
-        self.cache = DepthCache(model.config, self.R, m, model.device, model.dtype,
-                                zeroed=bool(getattr(model, "static_shapes", False)))
+        self.cache = DepthCache(model.config, self.R, m, model.device, model.dtype)
         with torch.inference_mode():
             h = model.initial_state(torch.arange(m), self.init_scale, self.seed).unsqueeze(0)
-            ids_t = torch.tensor(tokens, dtype=torch.long, device=model.device)
-            full_depth_pass(model, self.cache, model.span(0, 0, m), ids_t, h, self.R, logit_rows=slice(m - 1, m))
+            ids_t = torch.tensor([tokens], dtype=torch.long, device=model.device)
+            model.full_depth(ids_t, h, model.span(0, 0, m), self.cache, self.R, rows=slice(m - 1, m))
         self.cache.commit(m)
 
     def __len__(self) -> int:

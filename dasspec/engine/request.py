@@ -1,103 +1,54 @@
-"""Decoding: the state of one generation, shared by every method.
+"""Request: the state of one generation, shared by the loop, the verifier and the drafter.
 
-Holds the depth cache, the token buffer, the per-position initial states, the stop rule and the statistics.
+Holds the depth cache, the token buffer, the per-position initial states, the stop rule, the token choice and the
+statistics, and exposes the model's three primitives bound to this request's cache:
+
+    e = req.prelude(ids, span)                     # writes prelude K/V at the span's rows
+    h = req.core_step(h, e, span, read, own=None)  # one recurrence; prefix read at (kappa, nu) = read
+    z = req.readout(h, span)                       # coda + head, float32 logits
+
 Invariant between blocks: the committed tokens are ``tokens[:L]`` with ``L = cache.n + 1``; the last committed
 token (the *anchor*, at position ``n``) has been emitted but not yet materialised - the next target pass does
-that.  Rows and token slots at or beyond ``L`` are scratch for drafts.
+that.  Rows and token slots at or beyond ``L`` are scratch for drafts: ``scratch(w)`` hands out the token slots,
+checked against the capacity the drafter's ``width`` reserved.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
-from .model.cache import CacheCapacityError, DepthCache, bytes_per_token
-from .model.layers import Span
-from .model.looped import LoopedLM
+from ..model.attention import Span
+from ..model.cache import CacheCapacityError, DepthCache
+from ..model.looped import LoopedLM
+from .memory import check_cache_fits, peak_memory, reset_peak_memory
+from .runtime import DEFAULT, Runtime
 from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
 
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
 
-
-def _proc_bytes(path: str, key: str) -> int | None:
-    """A ``key: N kB`` field of a Linux /proc file, in bytes (None when the platform does not tell)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+# (logits [W, V], positions: the first row's position or a tensor of every row's) -> chosen tokens [W]
+TokenChoice = Callable[[Tensor, "int | Tensor"], Tensor]
 
 
-def available_memory(device: torch.device) -> int | None:
-    """Free bytes on the device (None when unknown)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return _proc_bytes("/proc/meminfo", "MemAvailable")
+def greedy(logits: Tensor, positions: "int | Tensor") -> Tensor:
+    return logits.argmax(-1)
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (CUDA allocator peak, or the process's peak RSS on Linux)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+class DraftCapacityError(CacheCapacityError):
+    """A draft needs more verifier rows than its drafter's declared ``width`` reserved."""
 
 
-def peak_memory(device: torch.device) -> int | None:
-    """Peak bytes since ``reset_peak_memory``: CUDA memory allocated, or resident memory of the process (model
-    weights included) on CPU.  None when the platform does not tell."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return _proc_bytes("/proc/self/status", "VmHWM")
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def check_cache_fits(model: LoopedLM, R: int, positions: int, advice: str) -> None:
-    """Raise ``CacheCapacityError`` naming the memory needed when a depth cache of ``positions`` rows at depth R
-    would take more than 90% of the device's free memory (before allocating anything)."""
-    per = bytes_per_token(model.config, R, model.dtype)
-    need, free = per * positions, available_memory(model.device)
-    if free is not None and need > 0.9 * free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
-        raise CacheCapacityError(
-            f"the depth cache needs {format_bytes(need)} ({per} B/token x {positions} positions at R={R}) but "
-            f"only {format_bytes(free)} is free on {model.device}; {advice}")
-
-
-def full_depth_pass(model: LoopedLM, cache: DepthCache, span: Span, ids: Tensor, h: Tensor, R: int,
-                    logit_rows: slice | None = None) -> Tensor:
-    """The target on one span: prelude of ``ids`` [W], R aligned core steps from the initial states ``h``
-    [1, W, d] (depth r reads and writes the cache at depth r), readout.  Writes the span's K/V at every depth;
-    returns float32 logits [W', V] for ``logit_rows``."""
-    inj = model.prelude(ids.unsqueeze(0), span, cache)
-    for r in range(1, R + 1):
-        h = model.core_step(h, inj, span, cache, read=(r, r))
-    return model.readout(h, span, cache, rows=logit_rows)[0]
-
-
-class Decoding:
+class Request:
     def __init__(self, model: LoopedLM, prompt: list[int], stop: StopRule, num_steps: int | None = None,
                  init_scale: float = 1.0, seed: int = 0, width: int = 1, method: str = "ar",
-                 streamer=None, prefix_cache: "PrefixCache | None" = None):
+                 streamer=None, prefix_cache: "PrefixCache | None" = None, runtime: Runtime = DEFAULT,
+                 choose: TokenChoice = greedy):
         cfg = model.config
         self.model = model
         self.R = model.depth(num_steps)
@@ -115,20 +66,21 @@ class Decoding:
             raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({stop.max_new_tokens}) = {need_ctx} exceeds the "
                              f"model context of {cfg.block_size} positions")
         # Scratch beyond the last committed token: a verifier block of `width` inputs plus its last proposal.
+        self.width = width
         self.capacity = min(need_ctx + width + 1, cfg.block_size + width + 1)
         device, dtype = model.device, model.dtype
         check_cache_fits(model, self.R, self.capacity, "lower max_new_tokens or num_steps, or use bfloat16")
-        reset_peak_memory(device)
-        self.static = bool(getattr(model, "static_shapes", False))
-        self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype, zeroed=self.static)
-        if getattr(model, "compiled", False):
-            from torch._dynamo import mark_static_address
-            for t in self.cache.tensors():          # CUDA graphs replay into the same cache storage
-                mark_static_address(t)
+        self.runtime = runtime
+        if runtime.track_memory:
+            reset_peak_memory(device)
+        self.cache = DepthCache(cfg, self.R, self.capacity, device, dtype, zeroed=runtime.static_shapes)
+        runtime.prepare_cache(self.cache.tensors())
+        self.net = runtime.primitives(model)
         self.tokens = torch.zeros(self.capacity + 1, dtype=torch.long, device=device)
         self.tokens[:P] = torch.as_tensor(prompt, dtype=torch.long, device=device)
         positions = torch.arange(self.capacity, device=device)
         self.h0 = model.initial_state(positions, init_scale, seed).unsqueeze(0)   # [1, capacity, d]
+        self.choose = choose
         self.generated: list[int] = []
         self.done = False
         self.streamer = streamer
@@ -147,15 +99,38 @@ class Decoding:
         """Tokens still allowed by max_new_tokens."""
         return self.stop.max_new_tokens - len(self.generated)
 
-    def sequence(self) -> list[int]:
-        """Prompt + committed tokens (host copy), for drafters that match on text."""
-        return self.tokens[: self.P + len(self.generated)].tolist()
+    def scratch(self, w: int) -> Tensor:
+        """The token slots of w proposals after the anchor (``tokens[n + 1 : n + 1 + w]``), for drafters that
+        write their proposals in place."""
+        self.check_fits(w + 1, w + 1)
+        return self.tokens[self.n + 1: self.n + 1 + w]
 
-    def span(self, start: int, W: int, positions: Tensor | None = None, mask: Tensor | None = None):
-        """The model span for queries at rows [start, start+W) over the current verified prefix (static-shape
-        form when the model is set up for it)."""
+    def check_fits(self, rows: int, slots: int) -> None:
+        """A draft of ``rows`` verifier inputs and ``slots`` token slots (anchor included) must fit the cache:
+        the prompt + max_new_tokens rows, plus the drafter's declared ``width`` of scratch."""
+        n = self.n
+        if n + rows > self.capacity or n + slots > self.capacity + 1:
+            raise DraftCapacityError(
+                f"a draft of {max(rows, slots)} positions at row {n} does not fit the request's {self.capacity} "
+                f"cache rows (prompt + max_new_tokens + the drafter's width {self.width}); a drafter must declare "
+                "a width that covers its drafts beyond the remaining budget")
+
+    def span(self, start: int, W: int, positions: Tensor | None = None, mask: Tensor | None = None) -> Span:
+        """The model span for queries at rows [start, start+W) over the current verified prefix (the static-shape
+        form when the runtime asks for it)."""
         return self.model.span(self.cache.n, start, W, positions=positions, mask=mask,
-                               static_capacity=self.capacity if self.static else None)
+                               static_capacity=self.capacity if self.runtime.static_shapes else None)
+
+    # --- the three primitives on this request's cache -------------------------------------------------
+    def prelude(self, ids: Tensor, span: Span) -> Tensor:
+        return self.net.prelude(ids, span, self.cache)
+
+    def core_step(self, h: Tensor, inj: Tensor, span: Span, read: tuple[int, int],
+                  own: tuple[int, int] | None = None) -> Tensor:
+        return self.net.core_step(h, inj, span, self.cache, read=read, own=own)
+
+    def readout(self, h: Tensor, span: Span, rows: slice | None = None) -> Tensor:
+        return self.net.readout(h, span, self.cache, rows=rows)
 
     # --- the full-depth target pass --------------------------------------------------------------------
     def target_pass(self, start: int, W: int, positions: Tensor | None = None,
@@ -164,12 +139,11 @@ class Decoding:
         aligned core steps from the target's own initial states (never draft states), readout.  Writes the
         block's K/V at every depth into scratch rows [start, start+W).  Returns float32 logits [W', V].
         Counts R sequential core passes and R*W position-updates for ``phase`` (verify or prefill)."""
-        st = self.stats
-        setattr(st, phase + "_passes", getattr(st, phase + "_passes") + self.R)
-        setattr(st, phase + "_updates", getattr(st, phase + "_updates") + self.R * W)
+        self.stats.count(phase, self.R, self.R * W)
         span = self.span(start, W, positions=positions, mask=mask)
         h = self.h0[:, start: start + W] if positions is None else self.h0[:, positions]
-        return full_depth_pass(self.model, self.cache, span, self.tokens[start: start + W], h, self.R, logit_rows)
+        ids = self.tokens[start: start + W].unsqueeze(0)
+        return self.net.full_depth(ids, h, span, self.cache, self.R, logit_rows)[0]
 
     def prefill(self) -> None:
         """Materialise the prompt at every depth and emit the first token.  With a prefix cache, the rows of the
@@ -181,7 +155,7 @@ class Decoding:
                 self.stats.cached_tokens = m
             logits = self.target_pass(m, self.P - m, logit_rows=slice(-1, None), phase="prefill")
             self.cache.commit(self.P - m)
-            first = int(logits[-1].argmax())
+            first = int(self.choose(logits, self.P - 1)[-1])
         self.tokens[self.P] = first
         self.emit([first])
 
@@ -207,7 +181,8 @@ class Decoding:
             torch.cuda.synchronize()
         self.stats.wall_time = time.perf_counter() - self._t0
         self.stats.new_tokens = len(self.generated)
-        self.stats.peak_memory = peak_memory(self.model.device)
+        if self.runtime.track_memory:
+            self.stats.peak_memory = peak_memory(self.model.device)
         if self.streamer is not None:
             self.streamer.end()
         return self.stats

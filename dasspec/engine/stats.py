@@ -33,6 +33,11 @@ class GenerationStats:
     cache_bytes: int = 0                 # the depth cache allocated for this request
     peak_memory: int | None = None       # CUDA: peak allocated; CPU: peak resident set of the process
 
+    def count(self, phase: str, passes: int, updates: int) -> None:
+        """Sequential core passes and position-updates spent in ``phase`` (prefill, draft or verify)."""
+        setattr(self, phase + "_passes", getattr(self, phase + "_passes") + passes)
+        setattr(self, phase + "_updates", getattr(self, phase + "_updates") + updates)
+
     def record(self, proposed: int, accepted: int, target_token: bool) -> None:
         """One verification event: w_b proposals, a_b accepted (and kept), u_b."""
         self.proposed.append(proposed)

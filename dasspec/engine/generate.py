@@ -4,7 +4,8 @@
     out.tokens, out.text, out.stats.A, out.stats.G, out.stats.tokens_per_second
 
 Knobs are named after the paper (gamma, rounds=J, w_init, k, draft_depth=d, block=b, policy, carry); defaults
-follow the paper's Table 5 per model family, overridable per model in ``generation_config.json``.
+follow the paper's Table 5 per model family, overridable per model in ``generation_config.json``.  A drafter built
+once (``dasspec.build_drafter``) can be passed as ``drafter=`` to keep its state across requests.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from .decoding import Decoding
-from .methods import get_method, resolve_knobs
-from .model.looped import LoopedLM
+from ..model.looped import LoopedLM
+from .draft import Drafter
+from .loop import decode
+from .request import Request
+from .runtime import DEFAULT, Runtime
 from .stats import GenerationStats
 from .stopping import Criterion, StopRule
 
@@ -30,6 +33,7 @@ class GenerationResult:
     tokens: list[int]              # the new tokens (prompt excluded), cut at the stop token
     stats: GenerationStats
     text: str | None = None        # decoded new tokens, cut before a stop string (when a tokenizer is known)
+    trace: list | None = None      # with trace=True: (Draft, Verdict) per verification block
 
     @property
     def stop_reason(self) -> str:
@@ -100,6 +104,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
              *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True,
              prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
+             drafter: Drafter | None = None, runtime: Runtime | None = None, trace: bool = False,
              **knobs) -> GenerationResult:
     """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
     its tokens equal ``method="ar"``'s.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
@@ -110,12 +115,23 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     same token for every method).
     ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``, given the prompt first and then every
     committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
-    ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses."""
-    spec = get_method(method)
+    ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses.
+    ``drafter``: a drafter from ``dasspec.build_drafter`` (instead of ``method`` and knobs), kept by the caller
+    across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block."""
+    from ..methods import build_drafter
+
     _drop_hf_options(knobs)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
-    resolved = resolve_knobs(spec, model.config, model.generation_defaults, knobs, R)
+    if drafter is None:
+        drafter = build_drafter(model, method, knobs, R)
+    elif knobs or method not in ("ar", drafter.name):
+        raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
+                         f"method {method!r}, knobs {sorted(knobs)})")
+    else:
+        check = getattr(getattr(drafter, "knobs", None), "validate", None)
+        if check is not None:
+            check(R)                        # a kept drafter's knobs must also fit this call's depth
     tok = tokenizer or model.tokenizer
     stop_ids = default_stop_ids(model, tok) if eos else []
     stop_strings: list[str] = []
@@ -125,14 +141,15 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         (stop_strings if isinstance(s, str) else stop_ids).append(s)
     rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None,
                     criteria=stopping_criteria or (), prompt=prompt)
+    blocks: list | None = [] if trace else None
     with torch.inference_mode():
-        dec = Decoding(model, prompt, rule, R, init_scale, seed, width=spec.width(resolved), method=spec.name,
-                       streamer=streamer, prefix_cache=prefix_cache)
+        req = Request(model, prompt, rule, R, init_scale, seed, width=drafter.width, method=drafter.name,
+                      streamer=streamer, prefix_cache=prefix_cache, runtime=runtime or DEFAULT)
         if streamer is not None:      # as in Hugging Face generate: the prompt first, then each committed chunk
             streamer.put(torch.tensor([prompt]))
-        spec.run(dec, resolved)
-        stats = dec.finish()
+        decode(req, drafter, blocks)
+        stats = req.finish()
     text = None
     if tok is not None:
-        text = rule.trim_text(tok.decode(dec.generated)) if stop_strings else tok.decode(dec.generated)
-    return GenerationResult(tokens=list(dec.generated), stats=stats, text=text)
+        text = rule.trim_text(tok.decode(req.generated)) if stop_strings else tok.decode(req.generated)
+    return GenerationResult(tokens=list(req.generated), stats=stats, text=text, trace=blocks)

@@ -17,8 +17,9 @@ a .json list of strings / id lists, or a plain-text file = one document; documen
 matched too (transitions only, never extended).  When its match minus ``len_bias`` is longer than the dynamic
 one, the draft is a tree from the static automaton: best-first over the top-8 transitions of each state by
 occurrence count (priority = product of count ratios along the path), at most 8 nodes per depth, as many nodes as
-the formula above allows; it is verified with ``verify_tree``.  The static automaton is built (in the timed
-region) on first use and cached per file; the dynamic one is rebuilt for every request.
+the formula above allows; it is verified as a tree.  The static automaton is built (in the timed region) on a
+drafter's first request and kept by that drafter (rebuilt when the file changes); the dynamic one is rebuilt for
+every request.
 
 Knobs: ``n_predicts`` (40, verifier positions including the anchor), ``alpha`` (4.0), ``len_threshold`` (1: the
 shortest match that drafts; below it the step is plain AR), ``len_bias`` (5) and ``static_corpus`` (None, the
@@ -31,13 +32,13 @@ from __future__ import annotations
 import heapq
 import json
 import os
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-import torch
-
-from ..decoding import Decoding
-from ..methods import MethodSpec, positive_int, register
-from ..verify import TreeLayout, verify_chain, verify_tree
+from ..engine.draft import Draft, Drafter, TreeLayout
+from ..engine.request import Request
+from . import Method, register
+from .knobs import Knobs, knob, positive_int
 
 STATIC_TOPK = 8          # K: transitions kept per static state and nodes per depth of a static tree
 
@@ -185,9 +186,6 @@ class StaticAutomaton(SuffixAutomaton):
         return tokens, parents
 
 
-_STATIC: dict[tuple, StaticAutomaton] = {}
-
-
 def load_corpus(path: str, tokenizer) -> list[list[int]]:
     """Documents of a static corpus as token ids (see the module docstring for the formats)."""
     if not os.path.isfile(path):
@@ -217,82 +215,79 @@ def load_corpus(path: str, tokenizer) -> list[list[int]]:
         return [ids_of(f.read(), path)]
 
 
-def static_automaton(path: str, model) -> StaticAutomaton:
-    st = os.stat(path) if os.path.isfile(path) else None
-    key = (os.path.abspath(path), st and st.st_mtime_ns, st and st.st_size, id(model.tokenizer))
-    sam = _STATIC.get(key)
-    if sam is None:
-        eos = model.config.eos_token_id
-        sam = _STATIC[key] = StaticAutomaton(load_corpus(path, model.tokenizer), eos[0] if eos else None)
-    return sam
+@dataclass(frozen=True)
+class SAMKnobs(Knobs):
+    method = "sam"
+    n_predicts: int = knob(40, "SAM: most verifier positions per step, the anchor included")
+    alpha: float = knob(4.0, "SAM: draft length per matched token")
+    len_threshold: int = knob(1, "SAM: shortest match that drafts (below it: a plain AR step)")
+    len_bias: int = knob(5, "SAM: how much longer the static match must be to win over the dynamic one")
+    static_corpus: str | None = knob(None, "SAM: a corpus file (.jsonl / .json / text) for the static automaton")
+
+    def validate(self, R: int) -> "SAMKnobs":
+        positive_int(self, "n_predicts", "len_threshold")
+        positive_int(self, "len_bias", minimum=0)
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+            raise ValueError(f"alpha must be a number > 0, got {a!r}")
+        c = self.static_corpus
+        if c is not None:
+            if not isinstance(c, (str, os.PathLike)) or not os.path.isfile(c):
+                raise ValueError(f"static_corpus must be a path to a corpus file, got {c!r}")
+            return replace(self, static_corpus=os.fspath(c))
+        return self
 
 
-def run_sam(dec: Decoding, knobs: dict) -> None:
-    n_pred, alpha = knobs["n_predicts"], knobs["alpha"]
-    threshold, bias = knobs["len_threshold"], knobs["len_bias"]
-    dec.prefill()
-    device = dec.tokens.device
-    with dec.timer("draft"):
-        dyn = SuffixAutomaton()
-        dyn.add(dec.tokens[: dec.P].tolist())
-        static = None
-        if knobs["static_corpus"]:
-            static = static_automaton(knobs["static_corpus"], dec.model)
-            static.match = static.match_len = 0
-            static.advance(dec.tokens[: dec.P].tolist())
-        fed = 0                                   # generated tokens already in the automata (all but the anchor)
-    while not dec.done:
-        layout = None
-        with dec.timer("draft"):
-            gen = dec.generated
-            new = gen[fed: len(gen) - 1]
-            dyn.add(new)
-            if static is not None:
-                static.advance(new)
-            fed = len(gen) - 1
-            anchor = gen[-1]
-            s_d, m_d = dyn.step(dyn.match, dyn.match_len, anchor)
-            s_s, m_s = static.step(static.match, static.match_len, anchor) if static is not None else (0, 0)
-            use_static = static is not None and m_s - bias > m_d
-            m = m_s if use_static else m_d
-            size = min(n_pred, 1 + int(m * alpha), dec.budget, dec.model.config.block_size - dec.n)
-            n = dec.n
-            if m >= threshold and size > 1:
-                if use_static:
-                    toks, parents = static.tree(s_s, anchor, size)
-                    if len(toks) > 1:
-                        dec.tokens[n + 1: n + len(toks)] = torch.tensor(toks[1:], dtype=torch.long, device=device)
-                        layout = TreeLayout(parents, device=device)
-                else:
-                    draft = dyn.draft(s_d, size - 1)
-                    if draft:
-                        k = len(draft)
-                        dec.tokens[n + 1: n + 1 + k] = torch.tensor(draft, dtype=torch.long, device=device)
-                        layout = TreeLayout.chain(k + 1, device)
-        if layout is None:
-            verify_chain(dec)
-        else:
-            verify_tree(dec, layout)
+class SAMDrafter(Drafter):
+    """Owns the static corpus automaton (built on its first request, rebuilt when the file or tokenizer changes)."""
+
+    name = "sam"
+
+    def __init__(self, knobs: SAMKnobs):
+        self.knobs = knobs
+        self.width = knobs.n_predicts
+        self._static: tuple[tuple, StaticAutomaton] | None = None
+
+    def static_automaton(self, req: Request) -> StaticAutomaton:
+        path, model = self.knobs.static_corpus, req.model
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size, model.tokenizer, model.config.eos_token_id)
+        if self._static is None or self._static[0] != key:
+            eos = model.config.eos_token_id
+            self._static = key, StaticAutomaton(load_corpus(path, model.tokenizer), eos[0] if eos else None)
+        return self._static[1]
+
+    def start(self, req: Request) -> None:
+        prompt = req.tokens[: req.P].tolist()
+        self.dyn = SuffixAutomaton()
+        self.dyn.add(prompt)
+        self.static = None
+        if self.knobs.static_corpus:
+            self.static = self.static_automaton(req)
+            self.static.match = self.static.match_len = 0
+            self.static.advance(prompt)
+        self.fed = 0                          # generated tokens already in the automata (all but the anchor)
+
+    def propose(self, req: Request) -> Draft:
+        kn, dyn, static = self.knobs, self.dyn, self.static
+        gen = req.generated
+        new = gen[self.fed: len(gen) - 1]
+        dyn.add(new)
+        if static is not None:
+            static.advance(new)
+        self.fed = len(gen) - 1
+        anchor = gen[-1]
+        s_d, m_d = dyn.step(dyn.match, dyn.match_len, anchor)
+        s_s, m_s = static.step(static.match, static.match_len, anchor) if static is not None else (0, 0)
+        use_static = static is not None and m_s - kn.len_bias > m_d
+        m = m_s if use_static else m_d
+        size = min(kn.n_predicts, 1 + int(m * kn.alpha), req.budget, req.model.config.block_size - req.n)
+        if m < kn.len_threshold or size <= 1:
+            return Draft()
+        if use_static:
+            toks, parents = static.tree(s_s, anchor, size)
+            return Draft(toks[1:], layout=TreeLayout(parents, device=req.tokens.device)) if len(toks) > 1 else Draft()
+        return Draft(dyn.draft(s_d, size - 1), bonus=True)
 
 
-def _validate(knobs: dict, R: int) -> dict:
-    positive_int(knobs, "n_predicts", "len_threshold")
-    a = knobs["alpha"]
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
-        raise ValueError(f"alpha must be a number > 0, got {a!r}")
-    b = knobs["len_bias"]
-    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-        raise ValueError(f"len_bias must be an integer >= 0, got {b!r}")
-    c = knobs["static_corpus"]
-    if c is not None:
-        if not isinstance(c, (str, os.PathLike)) or not os.path.isfile(c):
-            raise ValueError(f"static_corpus must be a path to a corpus file, got {c!r}")
-        knobs["static_corpus"] = os.fspath(c)
-    return knobs
-
-
-register(MethodSpec("sam", run_sam,
-                    lambda cfg: {"n_predicts": 40, "alpha": 4.0, "len_threshold": 1, "len_bias": 5,
-                                 "static_corpus": None},
-                    _validate, lambda kn: kn["n_predicts"],
-                    doc="SAM-Decoding: suffix-automaton retrieval over the request's text (+ optional corpus)"))
+register(Method("sam", SAMKnobs, SAMDrafter))

@@ -14,13 +14,14 @@ incrementally; it is vectorised over all end positions and n-gram sizes (numpy),
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-import torch
 
-from ..decoding import Decoding
-from ..methods import MethodSpec, positive_int, register
-from ..verify import TreeLayout, verify_chain, verify_tree
-
+from ..engine.draft import Draft, Drafter
+from ..engine.request import Request
+from . import Method, register
+from .knobs import Knobs, knob, positive_int
 
 def longest_suffix_matches(seq: np.ndarray, max_ngram: int) -> np.ndarray:
     """End positions e < L-1 of the earlier occurrences of the text's longest repeated suffix n-gram, n <= max_ngram
@@ -65,48 +66,47 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
 class PromptLookup:
     """Host copy of the committed text, appended incrementally, and the per-step draft."""
 
-    def __init__(self, dec: Decoding, max_ngram: int, num_pred: int, find=find_draft):
+    def __init__(self, req: Request, max_ngram: int, num_pred: int, find=find_draft):
         self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
-        self.text = np.empty(dec.P + dec.stop.max_new_tokens + 1, dtype=np.int64)
-        self.text[: dec.P] = dec.tokens[: dec.P].cpu().numpy()
-        self.P = dec.P
+        self.text = np.empty(req.P + req.stop.max_new_tokens + 1, dtype=np.int64)
+        self.text[: req.P] = req.tokens[: req.P].cpu().numpy()
+        self.P = req.P
         self.fed = 0                              # generated tokens copied so far
 
-    def propose(self, dec: Decoding, num_pred: int | None = None) -> np.ndarray:
+    def propose(self, req: Request, num_pred: int | None = None) -> np.ndarray:
         """The draft for the committed text: up to ``num_pred`` tokens (default: the constructor's)."""
-        gen = dec.generated
+        gen = req.generated
         self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
         self.fed = len(gen)
-        k = min(self.num_pred if num_pred is None else num_pred, dec.budget - 1)   # room for the target's token
+        k = min(self.num_pred if num_pred is None else num_pred, req.budget - 1)   # room for the target's token
         if k < 1:
             return self.text[:0]
         return self.find(self.text[: self.P + self.fed], self.max_ngram, k)
 
 
-def run_pld(dec: Decoding, knobs: dict) -> None:
-    dec.prefill()
-    with dec.timer("draft"):
-        lookup = PromptLookup(dec, knobs["max_ngram"], knobs["num_pred"])
-    device = dec.tokens.device
-    while not dec.done:
-        with dec.timer("draft"):
-            draft = lookup.propose(dec)
-            k = int(draft.shape[0])
-            if k:
-                n = dec.n
-                dec.tokens[n + 1: n + 1 + k] = torch.from_numpy(draft).to(device)
-                layout = TreeLayout.chain(k + 1, device)
-        if k:
-            verify_tree(dec, layout)
-        else:
-            verify_chain(dec)
+@dataclass(frozen=True)
+class PLDKnobs(Knobs):
+    method = "pld"
+    max_ngram: int = knob(3, "longest suffix n-gram matched in the text (prompt lookup, DAS-Wave seeds)")
+    num_pred: int = knob(10, "prompt lookup: most tokens drafted per step")
+
+    def validate(self, R: int) -> "PLDKnobs":
+        positive_int(self, "max_ngram", "num_pred")
+        return self
 
 
-def _validate(knobs: dict, R: int) -> dict:
-    positive_int(knobs, "max_ngram", "num_pred")
-    return knobs
+class PLDDrafter(Drafter):
+    name = "pld"
+
+    def __init__(self, knobs: PLDKnobs):
+        self.knobs = knobs
+        self.width = knobs.num_pred + 1
+
+    def start(self, req: Request) -> None:
+        self.lookup = PromptLookup(req, self.knobs.max_ngram, self.knobs.num_pred)
+
+    def propose(self, req: Request) -> Draft:
+        return Draft(self.lookup.propose(req), bonus=True)     # no match: an empty draft, a plain AR step
 
 
-register(MethodSpec("pld", run_pld, lambda cfg: {"max_ngram": 3, "num_pred": 10}, _validate,
-                    lambda kn: kn["num_pred"] + 1,
-                    doc="prompt lookup decoding: longest suffix n-gram match in the text, chain draft + bonus"))
+register(Method("pld", PLDKnobs, PLDDrafter))

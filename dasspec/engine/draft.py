@@ -1,0 +1,138 @@
+"""What a drafter hands the verifier, and what it gets back.
+
+A *draft* extends the anchor (node 0, the last committed token) with proposal nodes 1..: a chain, or a tree given
+by a ``TreeLayout``.  The engine places its tokens in the request's scratch slots after the anchor (checking they
+fit), the full-depth target verifies it (``verify.py``) and returns a ``Verdict`` that the drafter may learn from.
+
+A *drafter* is an object with ``propose(req) -> Draft`` and ``observe(req, verdict)``; ``start(req)`` begins a
+request.  It owns its state: per-request state is reset in ``start``, and state kept across requests (Token
+Recycling's table, SAM's corpus automaton) lives on the object, which the caller may keep, reset or share.
+``width`` is the most verifier inputs any of its drafts needs; the request sizes its scratch rows from it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class TreeLayout:
+    """Topology of a draft tree in verifier input order: node 0 is the root (the anchor), every node's parent
+    comes before it.  Built once per shape and reused every step:
+
+    * ``depth``  [T]      node depth; the node sits at position n + depth (siblings share a position);
+    * ``mask``   [T, T]   ancestor-or-self visibility among the nodes (the prefix is always visible);
+    * ``paths``  [L, D+1] candidate root-to-node index paths, padded with -1 - by default every root-to-leaf
+                          path; ``leaves`` restricts them (Lookahead's Jacobi window rides along in the same
+                          pass but is never a candidate).
+
+    A chain (parent i-1 for every node, all of it a candidate) is flagged ``is_chain``: it verifies as a plain
+    causal block, with no mask and no gather when committing."""
+
+    def __init__(self, parents: Sequence[int], leaves: Sequence[int] | None = None,
+                 device: torch.device | str | None = None):
+        parents = [int(p) for p in parents]
+        T = len(parents)
+        if T == 0 or parents[0] != -1:
+            raise ValueError("a draft tree needs a root: parents[0] must be -1")
+        for i, p in enumerate(parents[1:], 1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; parents must come before their children")
+        path_of: list[list[int]] = [[0]]
+        for i in range(1, T):
+            path_of.append(path_of[parents[i]] + [i])
+        if leaves is None:
+            has_child = set(parents[1:])
+            leaves = [i for i in range(T) if i not in has_child]
+        leaves = [int(i) for i in leaves]
+        rows = [i for i in range(T) for _ in path_of[i]]
+        cols = [j for i in range(T) for j in path_of[i]]
+        mask = torch.zeros(T, T, dtype=torch.bool)
+        mask[rows, cols] = True
+        chosen = [path_of[i] for i in leaves] or [[0]]
+        width = max(len(p) for p in chosen)
+        self.parents = tuple(parents)
+        self.size = T
+        self.depth = torch.tensor([len(p) - 1 for p in path_of], dtype=torch.long, device=device)
+        self.mask = mask.to(device)
+        self.paths = torch.tensor([p + [-1] * (width - len(p)) for p in chosen], dtype=torch.long, device=device)
+        self.is_chain = parents == list(range(-1, T - 1)) and leaves == [T - 1]
+        self.proposals = len({j for p in chosen for j in p}) - 1     # candidate nodes besides the root
+
+    @classmethod
+    def chain(cls, T: int, device: torch.device | str | None = None) -> "TreeLayout":
+        """The anchor followed by T-1 proposals in a row (built once per shape and device, then shared)."""
+        return _shared_layout(tuple(range(-1, T - 1)), _device_key(device))
+
+    @classmethod
+    def fork(cls, a: int, shared: int, b: int, device: torch.device | str | None = None) -> "TreeLayout":
+        """Two chains from the anchor that share their first ``shared`` proposals: nodes 1..a in a row, then b
+        nodes in a row continuing from node ``shared`` (0 = the anchor).  Built once per shape and device."""
+        if not 0 <= shared <= a:
+            raise ValueError(f"the shared prefix ({shared}) must lie within the first chain (a = {a})")
+        parents = tuple(range(-1, a)) + ((shared,) + tuple(range(a + 1, a + b)) if b else ())
+        return _shared_layout(parents, _device_key(device))
+
+
+def _device_key(device: torch.device | str | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_layout(parents: tuple[int, ...], device: torch.device | None) -> TreeLayout:
+    # Layouts are read-only after construction, so every decoder (and every request) can share one per shape.
+    return TreeLayout(parents, device=device)
+
+
+@dataclass
+class Draft:
+    """Proposals after the anchor: ``tokens`` are nodes 1, 2, ... (a device tensor, a numpy array or a list; a
+    view of ``req.scratch(w)`` is used in place).
+
+    A chain (``layout`` None) is verified as the paper's block [anchor, y_1 .. y_{w-1}], which tests y_1 .. y_w: when
+    all w match there is no further conditional, so no bonus token.  ``bonus=True`` feeds y_w too (w + 1 positions),
+    so a fully accepted chain also commits the target's next token.  A tree (``layout`` given, its node 0 the
+    anchor) feeds every node and always commits the target's token after the accepted path.  ``notes``: what the
+    drafter wants a trace to show about this block."""
+
+    tokens: Tensor | np.ndarray | Sequence[int] = ()
+    layout: TreeLayout | None = None
+    bonus: bool = False
+    notes: dict[str, Any] | None = None
+
+
+@dataclass
+class Verdict:
+    """The target's answer to one draft."""
+
+    kept: int                 # tokens committed, after the stop rule
+    accepted: int             # proposals accepted on the best path
+    path: list[int]           # committed node indices, the anchor first (accepted + 1 of them)
+    tokens: list[int]         # the committed chunk before the stop rule: accepted proposals + the target's token
+    pred: Tensor              # [inputs] the target's token at every verifier input node
+    logits: Tensor            # [inputs, V] float32 target logits (drafters learn from them)
+
+
+class Drafter:
+    """Proposes nothing: every block is one full-depth AR step.  Subclasses override what they need."""
+
+    name = "ar"
+    width = 1                 # most verifier inputs a draft of this drafter needs
+    stateful = False          # keeps state across requests (benchmarks then bootstrap over blocks of requests)
+
+    def start(self, req: "Request") -> None:
+        """A new request has been prefilled (its first token emitted)."""
+
+    def propose(self, req: "Request") -> Draft:
+        return Draft()
+
+    def observe(self, req: "Request", verdict: Verdict) -> None:
+        """The verifier's answer to the last draft (already committed)."""

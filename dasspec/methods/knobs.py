@@ -1,0 +1,239 @@
+"""Method knobs, declared once: one frozen dataclass per method, whose fields carry their help text, their CLI
+spelling and their per-family defaults.  Everything else is derived from it - the ``generate(**knobs)`` check,
+``dasspec generate`` / ``bench`` / ``probe`` flags, ``--set`` / ``--knobs`` parsing, tune_wave.py's grids and the
+``generation_config.json`` overrides.
+
+    @dataclass(frozen=True)
+    class SequentialKnobs(Knobs):
+        draft_depth: int = knob({"huginn": 8, "raven-llama": 4, "raven-olmo": 4}, "draft depth d", short="-d")
+        block: int = knob(8, "draft block length b", short="-b")
+
+A default is a value, or a dict family -> value (paper Table 5); a family missing from such a dict is an error,
+never another family's schedule.  Resolution: family defaults <- the model folder's generation_config.json
+(``"dasspec": {"<method>": {...}}``) <- the caller's knobs; then ``fit`` lowers defaulted values that conflict with
+explicit ones or with the call's depth R, and ``validate`` checks every value and returns normalised knobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+FAMILY_DEFAULT = "family default"
+
+
+def knob(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
+         choices: tuple | None = None) -> Any:
+    """A knob field: ``default`` (a value or {family: value}), ``help`` for the CLI, an optional short flag, a parser
+    for text values (default: by the field's type) and the allowed values."""
+    meta = {"help": help, "short": short, "parse": parse, "choices": choices}
+    if isinstance(default, dict):
+        meta["by_family"] = dict(default)
+        return field(default=None, metadata=meta)
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Base class of a method's knobs."""
+
+    method: ClassVar[str] = ""
+
+    # --- declared knobs ------------------------------------------------------------------------------------
+    @classmethod
+    def specs(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def kind(cls, name: str) -> Any:
+        """The annotated type of knob ``name``."""
+        return typing.get_type_hints(cls)[name]
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> Any:
+        """A knob value from command-line text (``--set``, ``--knobs``, tune grids)."""
+        f = {f.name: f for f in dataclasses.fields(cls)}[name]
+        parser = f.metadata.get("parse")
+        if parser is not None:
+            return parser(text)
+        return parse_as(cls.kind(name), text, name)
+
+    # --- resolution ------------------------------------------------------------------------------------------
+    @classmethod
+    def defaults(cls, family: str, given: set[str] = frozenset()) -> dict[str, Any]:
+        """Every knob's default for ``family``; knobs in ``given`` need none (the caller sets them)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            by_family = f.metadata.get("by_family")
+            if f.name in given:
+                continue
+            if by_family is None:
+                out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            elif family in by_family:
+                out[f.name] = by_family[family]
+            else:
+                raise ValueError(f"method {cls.method!r} has no default {f.name} for model family {family!r} (known: "
+                                 f"{', '.join(by_family)}); give {f.name} explicitly")
+        return out
+
+    @classmethod
+    def resolve(cls, family: str, model_defaults: dict | None, user: dict[str, Any], R: int) -> "Knobs":
+        """Family defaults <- the model folder's per-method overrides <- the caller's knobs; fitted, validated."""
+        per_method = ((model_defaults or {}).get("dasspec") or {}).get(cls.method) or {}
+        per_method = {k: v for k, v in per_method.items() if k in cls.names()}
+        values = cls.defaults(family, set(per_method) | set(user))
+        values.update(per_method)
+        unknown = sorted(set(user) - set(cls.names()))
+        if unknown:
+            raise ValueError(f"method {cls.method!r} does not take {', '.join(unknown)}; its knobs: "
+                             f"{', '.join(cls.names()) or 'none'}")
+        values.update(user)
+        values = cls.fit(values, set(user), R)
+        return cls(**values).validate(R)
+
+    @classmethod
+    def fit(cls, values: dict[str, Any], explicit: set[str], R: int) -> dict[str, Any]:
+        """Lower *defaulted* values that conflict with explicit ones or with R (explicit ones are only checked)."""
+        return values
+
+    def validate(self, R: int) -> "Knobs":
+        """Check every value (naming the bad one) and return the knobs with values normalised."""
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# --- value checks used by the methods' validate ----------------------------------------------------------------
+
+def positive_int(knobs: Knobs, *names: str, minimum: int = 1) -> None:
+    for name in names:
+        v = getattr(knobs, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+
+def boolean(knobs: Knobs, *names: str) -> None:
+    for name in names:
+        v = getattr(knobs, name)
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be true or false, got {v!r}")
+
+
+def one_of(knobs: Knobs, name: str, allowed) -> None:
+    v = getattr(knobs, name)
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {v!r}")
+
+
+def parse_as(kind: Any, text: str, name: str = "value") -> Any:
+    """Text -> a value of ``kind`` (bool, int, float, str, Optional[...], or JSON for anything else)."""
+    origin = typing.get_origin(kind)
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if text.lower() in ("none", "null", ""):
+            return None
+        kinds = args
+    else:
+        kinds = [kind]
+    if bool in kinds:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected true or false, got {text!r}")
+    if int in kinds:
+        try:
+            return int(text)
+        except ValueError:
+            if len(kinds) == 1:
+                raise ValueError(f"{name}: expected an integer, got {text!r}") from None
+    if float in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            if len(kinds) == 1:
+                raise ValueError(f"{name}: expected a number, got {text!r}") from None
+    if str in kinds:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+# --- command-line flags, derived from the dataclasses ----------------------------------------------------------
+
+def flag_specs(classes: list[type[Knobs]], names: set[str] | None = None) -> dict[str, tuple[type[Knobs], Any]]:
+    """knob name -> (the first class declaring it, its field), over ``classes``, optionally only ``names``."""
+    out: dict[str, tuple[type[Knobs], Any]] = {}
+    for cls in classes:
+        for f in cls.specs():
+            if (names is None or f.name in names) and f.name not in out:
+                out[f.name] = (cls, f)
+    return out
+
+
+def add_knob_flags(group, classes: list[type[Knobs]], names: set[str] | None = None, grid: bool = False) -> None:
+    """One flag per knob of ``classes`` (``--draft-depth``, its short form, ``--trim`` / ``--no-trim`` for
+    booleans).  ``grid``: every flag takes a comma-separated list of values (tuning scripts)."""
+    for name, (cls, f) in flag_specs(classes, names).items():
+        long = f"-{name}" if len(name) == 1 else f"--{name.replace('_', '-')}"
+        spellings = list(dict.fromkeys([long, f.metadata.get("short") or long]))
+        helptext = f.metadata.get("help", "")
+        if grid:
+            group.add_argument(*spellings, dest=name, default=None, metavar="V[,V...]",
+                               help=f"{helptext} (comma-separated values to try)")
+        elif cls.kind(name) is bool:
+            group.add_argument(*spellings, dest=name, action="store_true", default=None, help=helptext)
+            group.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false",
+                               help=f"the opposite of {long}")
+        else:
+            group.add_argument(*spellings, dest=name, default=None, metavar=name.upper(), help=helptext)
+
+
+def knobs_from_args(args, classes: list[type[Knobs]], extra: list[str] = (), grid: bool = False) -> dict[str, Any]:
+    """The knobs given on the command line, parsed by their declared types: the derived flags plus
+    ``--set NAME=VALUE`` items.  ``grid``: {name: [values]} from comma-separated lists."""
+    specs = flag_specs(classes)
+    out: dict[str, Any] = {}
+    for name, (cls, _) in specs.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if grid:
+            out[name] = [cls.parse(name, v) for v in split_values(str(value))]
+        elif isinstance(value, str):
+            out[name] = cls.parse(name, value)
+        else:
+            out[name] = value
+    for item in extra or []:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
+        if name not in specs:
+            raise ValueError(f"--set {name}: no method has a knob {name!r}; knobs: {', '.join(sorted(specs))}")
+        out[name] = specs[name][0].parse(name, text)
+    return out
+
+
+def split_values(text: str) -> list[str]:
+    """Comma-separated values; an explicit read policy "k=4,v=32" stays one value."""
+    out: list[str] = []
+    for part in (x.strip() for x in text.split(",")):
+        if part.startswith("v=") and out and out[-1].startswith("k="):
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
