@@ -79,6 +79,7 @@ def geo_ci(ratios: list[float], n_resamples: int = 10_000, seed: int = 0) -> tup
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True, help="git revision of the old code")
+    p.add_argument("--new", default=None, help="git revision of the new code (default: the working tree)")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None)
     p.add_argument("--tasks", default="gsm8k,mbpp,math500,humaneval")
@@ -103,24 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old_tree), args.old], check=True,
-                       capture_output=True)
+        trees = {"old": Path(tmp) / "old", "new": Path(tmp) / "new" if args.new else REPO}
+        for version, rev in (("old", args.old), ("new", args.new)):
+            if rev:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(trees[version]), rev],
+                               check=True, capture_output=True)
         try:
             best: dict[str, dict[tuple, dict]] = {"old": {}, "new": {}}
             for r in range(args.rounds):
                 order = ("old", "new") if r % 2 == 0 else ("new", "old")
                 for version in order:
-                    tree = old_tree if version == "old" else REPO
-                    for row in run_worker(tree, job):
+                    for row in run_worker(trees[version], job):
                         key = (row["prompt"], row["method"])
                         if key not in best[version] or row["time"] < best[version][key]["time"]:
                             best[version][key] = row
                     print(f"round {r + 1}/{args.rounds}: {version} done", file=sys.stderr, flush=True)
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old_tree)],
-                           capture_output=True)
-    lines = [f"Old `{args.old}` vs new (working tree), {len(prompts)} development prompts ({args.tasks}, cap "
+            for tree in trees.values():
+                if tree != REPO:
+                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                                   capture_output=True)
+    lines = [f"Old `{args.old}` vs new `{args.new or 'working tree'}`, {len(prompts)} development prompts ({args.tasks}, cap "
              f"{args.max_new_tokens}), fastest of {args.rounds} alternating rounds per version, {args.threads} "
              "threads.", "", "| method | new time / old time (geo. mean) [95% CI] | same tokens |", "|---|---|---|"]
     rows = []

@@ -166,7 +166,8 @@ def plot(table: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dasspec.cli import add_exec_flags, load_for_args
+    from dasspec.cli import (add_exec_flags, add_sampling_flags, load_for_args, runtime_from_args,
+                             sampling_from_args)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--report-only", action="store_true")
     add_exec_flags(p)
+    add_sampling_flags(p)
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--prefix-cache", action="store_true",
                    help="every method reuses each task's shared few-shot prefix, prefilled once before timing")
@@ -202,10 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         model = load_for_args(args)
         shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
         tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
+        sampling = {k: v for k, v in sampling_from_args(args).items() if k != "do_sample"} or None
         plan = BenchPlan(tasks=tasks, methods=args.methods.split(","), knobs=parse_knobs(args.knobs),
-                         prompts=args.prompts, data=args.data, prefix_cache=args.prefix_cache)
+                         prompts=args.prompts, data=args.data, prefix_cache=args.prefix_cache, sampling=sampling,
+                         runtime=runtime_from_args(args, track_memory=True))
         run_bench(model, plan, out, model_name=args.model or "bundled")
+    from dasspec.eval.bench.report import decoding_label
+
     text, table = speed_table(out)
+    info = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    text = f"Decoding: {decoding_label(info.get('sampling'))}\n\n" + text
     (out / "speed.md").write_text(text + "\n")
     with open(out / "speed.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(table[0]))

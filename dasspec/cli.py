@@ -28,6 +28,31 @@ def knobs_from_args(args: argparse.Namespace) -> dict:
     return parse(args, all_knobs(), getattr(args, "extra", []))
 
 
+def add_sampling_flags(p) -> None:
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sample at this temperature (> 0; 0 = greedy, the default); lossless: every method emits "
+                        "what AR sampling emits at the same --seed")
+    p.add_argument("--top-k", dest="top_k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", dest="top_p", type=float, default=None, help="sample from the top tokens holding p")
+    p.add_argument("--min-p", dest="min_p", type=float, default=None,
+                   help="sample from tokens at least min_p x as likely as the most likely one")
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    """generate()'s sampling options from the flags: a temperature > 0 or any filter samples (temperature 1.0 by
+    default); --temperature 0 (or none of them) decodes greedily."""
+    filters = {k: getattr(args, k) for k in ("top_k", "top_p", "min_p") if getattr(args, k, None) is not None}
+    t = getattr(args, "temperature", None)
+    if t == 0:
+        if filters:
+            raise ValueError(f"--temperature 0 decodes greedily; {', '.join(filters)} need sampling (a temperature "
+                             "> 0)")
+        return {}
+    if t is None and not filters:
+        return {}
+    return {"do_sample": True, "temperature": t, **filters}
+
+
 def add_exec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution (GPU options; see dasspec.Runtime)")
     g.add_argument("--static-shapes", action="store_true", help="fixed-shape attention over the whole cache")
@@ -98,7 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
                            num_steps=args.num_steps, init_scale=args.init_scale, stop=args.stop or None,
                            seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
-                           **knobs_from_args(args))
+                           **sampling_from_args(args), **knobs_from_args(args))
     s = res.stats
     if args.quiet:
         print(res.text)
@@ -126,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--num-steps", type=int, default=None, help="target recurrence depth R (default: config)")
     g.add_argument("--init-scale", type=float, default=1.0, help="initial-state scale (0: zero state)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states")
+    g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states and of sampling")
+    add_sampling_flags(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])

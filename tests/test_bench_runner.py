@@ -367,3 +367,23 @@ def test_a_stateful_drafter_follows_the_whole_request_stream(model, tmp_path, mo
     monkeypatch.setattr(runner, "build_drafter", keep)
     bench(model, tmp_path, plan(["token-recycling"], prompts=3, warmup=True))
     assert built["token-recycling"].table.requests == 1 + 3
+
+
+def test_sampled_benchmark_records_its_settings_and_pairs_with_ar_sampling(model, tmp_path):
+    """--temperature: every arm, AR included, samples with the same seed, so every output must equal AR's; the
+    settings are in every record, run.json (pinned for resumes), report.md and summary.csv."""
+    sampling = {"temperature": 1.3, "top_p": 0.9}
+    bench(model, tmp_path, plan(["mature-spec", "das-wave"], sampling=sampling))
+    recs = load_records(tmp_path / "records.jsonl")
+    assert all(r["sampling"] == sampling for r in recs)
+    greedy = tmp_path / "greedy"
+    bench(model, greedy, plan(["mature-spec"]))
+    greedy_ar = {r["prompt_id"]: r["tokens"] for r in load_records(greedy / "records.jsonl") if r["method"] == "ar"}
+    sampled_ar = {r["prompt_id"]: r["tokens"] for r in recs if r["method"] == "ar"}
+    assert sampled_ar != greedy_ar                                     # the AR arm samples too
+    s, text = write_report(tmp_path)
+    assert not s.mismatches and "Decoding: sampled: temperature 1.3, top_p 0.9" in text
+    rows = (tmp_path / "summary.csv").read_text().splitlines()
+    assert rows[0].endswith("decoding,temperature,top_k,top_p,min_p") and rows[1].endswith("sampled,1.3,,0.9,")
+    with pytest.raises(ValueError, match="sampling"):                 # resuming with other settings is refused
+        bench(model, tmp_path, plan(["mature-spec"], sampling={"temperature": 0.5}))

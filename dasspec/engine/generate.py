@@ -10,6 +10,7 @@ once (``dasspec.build_drafter``) can be passed as ``drafter=`` to keep its state
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -19,7 +20,8 @@ import torch
 from ..model.looped import LoopedLM
 from .draft import Drafter
 from .loop import decode
-from .request import Request
+from .request import Request, greedy
+from .sampling import Sampling
 from .runtime import DEFAULT, Runtime
 from .stats import GenerationStats
 from .stopping import Criterion, StopRule
@@ -83,31 +85,54 @@ def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
 
 
 # Hugging Face generate options a user may pass out of habit: no-op values are accepted, the rest named.
-_HF_NOOP = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "use_cache": True}
-_HF_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "num_beams",
-                "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size", "penalty_alpha")
+_HF_NOOP = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True}
+_HF_UNSUPPORTED = ("typical_p", "num_beams", "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size",
+                   "penalty_alpha", "epsilon_cutoff", "eta_cutoff")
 
 
 def _drop_hf_options(knobs: dict) -> None:
     for name, value in list(knobs.items()):
         if name in _HF_NOOP and value == _HF_NOOP[name]:
             del knobs[name]
-        elif name in _HF_SAMPLING:
-            raise ValueError(f"{name}={value!r}: dasspec decodes greedily - every method is verified to reproduce "
-                             "greedy full-depth AR token for token - so sampling, beams and logit penalties are "
-                             "not supported")
+        elif name in _HF_UNSUPPORTED:
+            raise ValueError(f"{name}={value!r} is not supported: every method is verified to reproduce full-depth "
+                             "AR token for token, greedy or sampled (do_sample with temperature, top_k, top_p, "
+                             "min_p); beams, other warpers and logit penalties are not")
         elif name in ("max_length", "min_length", "min_new_tokens"):
             raise ValueError(f"{name} is not supported: give max_new_tokens (new tokens, prompt excluded)")
 
 
+def sampling_options(do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,
+                     min_p: float | None, seed: int) -> Sampling | None:
+    """Hugging Face's conventions: ``do_sample=True`` samples (temperature 1.0 unless given); sampling options
+    without it are ignored with a warning (greedy decoding); ``temperature=0`` with ``do_sample=True`` is an
+    error.  Every value is checked (``Sampling``)."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be true or false, got {do_sample!r}")
+    if not do_sample:
+        given = [f"{n}={v!r}" for n, v, default in (("temperature", temperature, 1.0), ("top_k", top_k, None),
+                                                     ("top_p", top_p, 1.0), ("min_p", min_p, None))
+                 if v is not None and v != default]
+        if given:
+            warnings.warn(f"do_sample is off, so {', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored "
+                          "and decoding is greedy; pass do_sample=True to sample", UserWarning, stacklevel=3)
+        return None
+    if temperature == 0:
+        raise ValueError("temperature=0 with do_sample=True: a zero temperature is greedy decoding - leave "
+                         "do_sample off for it, or give a temperature > 0")
+    return Sampling(1.0 if temperature is None else temperature, top_k, top_p, min_p, seed)
+
+
 def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
-             *, seed: int = 0, streamer=None, tokenizer=None, eos: bool = True,
+             *, seed: int = 0, do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None, streamer=None, tokenizer=None, eos: bool = True,
              prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
              drafter: Drafter | None = None, runtime: Runtime | None = None, trace: bool = False,
              **knobs) -> GenerationResult:
-    """Greedy decoding with ``method``; every speculative method is verified by the same full-depth target, so
-    its tokens equal ``method="ar"``'s.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
+    """Decoding with ``method``, greedy or (``do_sample=True``) sampled; every speculative method is verified by
+    the same full-depth target, so its tokens equal ``method="ar"``'s - for sampling, AR's at the same ``seed``
+    (``dasspec.engine.sampling``).  ``seed``: the per-position initial states and the sampling noise.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
     [1, T] tensor of ids, or a Hugging Face tokenizer's output (a mapping with input_ids).  ``stop``: extra stop
     token ids and/or stop strings (EOS always stops unless ``eos=False``).  ``stopping_criteria``: Hugging
     Face-style callables ``(input_ids, scores) -> bool``, asked after every committed token with input_ids
@@ -121,6 +146,9 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     from ..methods import build_drafter
 
     _drop_hf_options(knobs)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    sampling = sampling_options(do_sample, temperature, top_k, top_p, min_p, seed)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
     if drafter is None:
@@ -144,7 +172,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     blocks: list | None = [] if trace else None
     with torch.inference_mode():
         req = Request(model, prompt, rule, R, init_scale, seed, width=drafter.width, method=drafter.name,
-                      streamer=streamer, prefix_cache=prefix_cache, runtime=runtime or DEFAULT)
+                      streamer=streamer, prefix_cache=prefix_cache, runtime=runtime or DEFAULT,
+                      choose=sampling or greedy)
         if streamer is not None:      # as in Hugging Face generate: the prompt first, then each committed chunk
             streamer.put(torch.tensor([prompt]))
         decode(req, drafter, blocks)

@@ -24,29 +24,7 @@ from .cache import DepthCache
 from .config import LoopedConfig
 from .attention import Span
 from .layers import Block, RMSNorm, rope_operands, rope_tables
-
-_MASK32 = 0xFFFFFFFF
-_TRUNC = 3.0                                   # initial states are truncated at +-3 std, as in Huginn's like-init
-_PHI_LO = 0.5 * math.erfc(_TRUNC / math.sqrt(2))  # Phi(-3)
-
-
-def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer mix (int64 arithmetic, masked so no product overflows) - identical on every device."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
-    """Standard normal truncated to [-3, 3], a pure function of (seed, absolute position, channel): AR and every
-    speculative decoder draw the same initial state for the same position."""
-    s = _hash32(torch.tensor(seed & _MASK32, dtype=torch.int64, device=positions.device))
-    ctr = (positions.to(torch.int64)[:, None] * dim + torch.arange(dim, device=positions.device)) & _MASK32
-    bits = _hash32(_hash32(ctr ^ s) + 0x9E3779B9 & _MASK32)
-    u = ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)          # uniform in (0, 1)
-    p = _PHI_LO + u * (1.0 - 2.0 * _PHI_LO)
-    return (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).to(torch.float32)
-
+from .noise import position_noise
 
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of

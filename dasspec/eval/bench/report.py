@@ -215,6 +215,10 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
         + ", ".join(f"{task_label(t)} N = {s.cells[(t, 'ar')]['n']}" for t in s.tasks if (t, "ar") in s.cells)
         + ".",
         "",
+        f"Decoding: {decoding_label(info.get('sampling'))}"
+        + (f", seed {info.get('gen_seed')}; \"Matches AR\" compares with AR sampling at the same seed (every "
+           "method must emit exactly its tokens)." if info.get("sampling") else "."),
+        "",
         "## Speedup over paired full-depth AR",
         "",
         speedup_table(s),
@@ -279,10 +283,18 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
 
 CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G", "pass_speedup", "matches",
               "mismatches", "tokens_per_second", "mean_new_tokens", "ar_prefill_share", "prefill_bound",
-              "cross_session"]
+              "cross_session", "decoding", "temperature", "top_k", "top_p", "min_p"]
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
-def write_csv(s: Summary, path: Path) -> None:
+def decoding_label(sampling: dict | None) -> str:
+    """"greedy", or the sampling settings ("sampled: temperature 0.7, top_p 0.95")."""
+    if not sampling:
+        return "greedy"
+    return "sampled: " + ", ".join(f"{k} {sampling[k]}" for k in SAMPLING_FIELDS if sampling.get(k) is not None)
+
+
+def write_csv(s: Summary, path: Path, sampling: dict | None = None) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
@@ -297,7 +309,9 @@ def write_csv(s: Summary, path: Path) -> None:
                             f"{c['tokens_per_second']:.3f}", f"{c['mean_new_tokens']:.1f}",
                             "" if c["ar_prefill_share"] is None else f"{c['ar_prefill_share']:.3f}",
                             "" if c["prefill_bound"] is None else f"{c['prefill_bound']:.3f}",
-                            c["cross_session"]])
+                            c["cross_session"], "sampled" if sampling else "greedy",
+                            *("" if not sampling or sampling.get(k) is None else sampling[k]
+                              for k in SAMPLING_FIELDS)])
 
 
 def plot(s: Summary, out: Path) -> list[Path]:
@@ -357,7 +371,7 @@ def write_report(out: str | Path, skipped: list[dict] | None = None, n_resamples
     s = summarize(records, n_resamples, seed)
     text = markdown(s, info, info.get("skipped", []) if skipped is None else skipped)
     (out / "report.md").write_text(text)
-    write_csv(s, out / "summary.csv")
+    write_csv(s, out / "summary.csv", info.get("sampling"))
     with open(out / "prompts.jsonl", "w") as f:
         for row in s.rows:
             f.write(json.dumps(row) + "\n")

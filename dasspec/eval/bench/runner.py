@@ -54,6 +54,7 @@ class BenchPlan:
     warmup: bool = True
     prefix_cache: bool = False    # reuse each task's shared prompt prefix (few-shot exemplars) across requests
     runtime: Runtime = field(default_factory=lambda: Runtime(track_memory=True))   # execution options
+    sampling: dict | None = None  # generate()'s sampling options (temperature, top_k, top_p, min_p); None: greedy
 
 
 @dataclass
@@ -187,14 +188,14 @@ def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: d
         "context": model.config.block_size,
         "device": model.device.type, "dtype": str(model.dtype).replace("torch.", ""), "num_steps": R,
         "init_scale": plan.init_scale, "gen_seed": plan.gen_seed, "split": plan.split, "select_seed": plan.seed,
-        "prefix_cache": plan.prefix_cache,
+        "prefix_cache": plan.prefix_cache, "sampling": plan.sampling,
         "tasks": {t.name: {"cap": t.cap, "shots": t.shots, "stop": list(t.stop)} for t in plan.tasks},
         "methods": {m: {"knobs": knobs[m], "stateful": get_method(m).stateful} for m in knobs},
     }
 
 
-PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split", "select_seed",
-          "prefix_cache")
+PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split",
+          "select_seed", "prefix_cache", "sampling")
 
 
 def merge_run_info(path: Path, new: dict) -> dict:
@@ -202,7 +203,8 @@ def merge_run_info(path: Path, new: dict) -> dict:
     if not path.exists():
         return new
     old = json.loads(path.read_text())
-    old.setdefault("prefix_cache", False)             # folders from before the option existed
+    old.setdefault("prefix_cache", False)             # folders from before the options existed
+    old.setdefault("sampling", None)
     diffs = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in PINNED if old.get(k) != new[k]]
     for kind in ("tasks", "methods"):
         for name, spec in new[kind].items():
@@ -257,7 +259,8 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     def run_one(p: Prompt, method: str, cap: int):
         return generate(model, p.ids, max_new_tokens=cap, num_steps=R, init_scale=plan.init_scale,
                         stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=tok,
-                        prefix_cache=prefixes.get(p.task.name), drafter=drafters[method], runtime=plan.runtime)
+                        prefix_cache=prefixes.get(p.task.name), drafter=drafters[method], runtime=plan.runtime,
+                        **({"do_sample": True, **plan.sampling} if plan.sampling else {}))
 
     from tqdm.auto import tqdm
     bar = tqdm(total=pending, desc="bench", unit="gen", disable=not progress or pending == 0, dynamic_ncols=True)
@@ -278,7 +281,7 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     try:
         with open(records_path, "a", encoding="utf-8") as sink:
             for run in runs:
-                append_record(sink, bench_record(run, session))
+                append_record(sink, bench_record(run, session, plan.sampling))
                 done.add((run.prompt.task.name, run.prompt.example.id, run.arm))
                 ran += 1
                 bar.update(1)
@@ -287,12 +290,13 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike, tokenize
     return BenchRun(out, ran, kept, skipped, methods)
 
 
-def bench_record(run: PairedRun, session: str) -> dict:
-    """One finished generation as a ``records.jsonl`` line: where it ran in the schedule, its stats and output."""
+def bench_record(run: PairedRun, session: str, sampling: dict | None = None) -> dict:
+    """One finished generation as a ``records.jsonl`` line: where it ran in the schedule, how it decoded (greedy:
+    ``sampling`` None), its stats and output."""
     p, method, res = run.prompt, run.arm, run.result
     rec = {"task": p.task.name, "prompt_id": p.example.id, "prompt_index": p.index,
            "method": method, "order": run.slot, "session": session, "cap": p.task.cap,
-           "stateful": get_method(method).stateful, **res.stats.to_dict(),
+           "stateful": get_method(method).stateful, "sampling": sampling, **res.stats.to_dict(),
            "tokens": res.tokens, "text": res.text}
     rec["method"] = method            # the canonical name, whatever stats call it
     return rec

@@ -1,0 +1,48 @@
+"""Counter-based noise: pure functions of (seed, absolute position, index), identical on every device and for
+every way a position is computed (alone in an AR step or inside a wide verifier block), so AR and every
+speculative method draw the same value for the same position.
+
+* ``position_noise``: the initial state of a position (truncated standard normal per channel);
+* ``gumbel_noise``: the Gumbel perturbation that samples the token after a position (per vocabulary entry).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+_TRUNC = 3.0                                   # initial states are truncated at +-3 std, as in Huginn's like-init
+_PHI_LO = 0.5 * math.erfc(_TRUNC / math.sqrt(2))  # Phi(-3)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mix (int64 arithmetic, masked so no product overflows) - identical on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
+    """Standard normal truncated to [-3, 3], a pure function of (seed, absolute position, channel): AR and every
+    speculative decoder draw the same initial state for the same position."""
+    s = _hash32(torch.tensor(seed & _MASK32, dtype=torch.int64, device=positions.device))
+    ctr = (positions.to(torch.int64)[:, None] * dim + torch.arange(dim, device=positions.device)) & _MASK32
+    bits = _hash32(_hash32(ctr ^ s) + 0x9E3779B9 & _MASK32)
+    u = ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)          # uniform in (0, 1)
+    p = _PHI_LO + u * (1.0 - 2.0 * _PHI_LO)
+    return (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).to(torch.float32)
+
+
+_GUMBEL_STREAM = 0x5DEECE66D                   # keeps the sampling noise independent of the initial-state noise
+
+
+def gumbel_noise(positions: Tensor, vocab: int, seed: int) -> Tensor:
+    """Standard Gumbel noise [len(positions), vocab] (float32), a pure function of (seed, position, token id)."""
+    s = _hash32(torch.tensor((seed ^ _GUMBEL_STREAM) & _MASK32, dtype=torch.int64, device=positions.device))
+    row = _hash32((positions.to(torch.int64) ^ s) & _MASK32)                 # one key per position
+    bits = _hash32(_hash32(row[:, None] ^ torch.arange(vocab, device=positions.device)) + 0x9E3779B9 & _MASK32)
+    u = (bits.to(torch.float64) + 0.5) / float(1 << 32)                       # uniform in (0, 1)
+    return (-torch.log(-torch.log(u))).to(torch.float32)
