@@ -1,12 +1,22 @@
 """Loading checkpoints in the Hugging Face layout: single file, shards + index, the local HF cache by repo id,
-Huginn's extra tensors, bfloat16; and malformed checkpoints failing before any weight is read, with a message
-naming the file / tensor / shapes at fault."""
+Huginn's extra tensors, bfloat16, the CPU weight layout per dtype, bounded memory; and malformed, hostile or
+garbage checkpoints failing before any weight is read (or, for values only reading finds, before a model exists),
+with a message naming the file / field / tensor at fault."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import re
+import textwrap
+import weakref
 
 import pytest
 import torch
@@ -144,6 +154,66 @@ def test_cpu_load_stores_linear_weights_in_major_and_still_saves(folders, tmp_pa
     torch.testing.assert_close(fresh.cpu_weight_layout()(ids, num_steps=3, init_scale=0), ref, rtol=0, atol=1e-5)
 
 
+def test_bfloat16_cpu_load_keeps_linear_weights_contiguous(folders):
+    """In bfloat16 the in-major layout sends F.linear to a far slower CPU path (docs/performance.md), so a bf16 load
+    keeps the contiguous weights, and a float32 model moved to bf16 gets them back from cpu_weight_layout."""
+    m = dasspec.load_model(folders["huginn"], device="cpu", dtype=torch.bfloat16)
+    linears = [m for m in m.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(lin.weight.is_contiguous() for lin in linears)
+    moved = dasspec.load_model(folders["huginn"], device="cpu").to(torch.bfloat16)
+    assert not moved.lm_head.weight.is_contiguous()                     # .to() keeps the fp32 strides
+    moved.cpu_weight_layout()
+    assert all(lin.weight.is_contiguous() for lin in moved.modules() if isinstance(lin, torch.nn.Linear))
+    assert moved.lm_head.weight is moved.transformer.wte.weight
+    for (ka, va), (kb, vb) in zip(m.state_dict().items(), moved.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunked_reads_convert_exactly(folders, monkeypatch, dtype):
+    """Tensors are read in chunks far smaller than a tensor (so every chunk boundary is crossed) straight into the
+    load's dtype and layout: the values are the stored ones, converted once."""
+    from safetensors.torch import load_file
+    import dasspec.model.safetensors_io as sio
+    monkeypatch.setattr(sio, "CHUNK_BYTES", 100)
+    m = dasspec.load_model(folders["sharded"], device="cpu", dtype=dtype)
+    stored = {}
+    for shard in sorted(folders["sharded"].glob("model-*.safetensors")):
+        stored.update(load_file(shard))
+    state = m.state_dict()
+    assert set(state) == set(stored)
+    for k, v in stored.items():
+        assert torch.equal(state[k], v.to(dtype)), k
+
+
+def test_peak_memory_stays_near_the_loaded_size(tmp_path):
+    """A bfloat16 load of float32 shards adds the loaded model plus one read chunk to the process's resident
+    memory: not the shards' mapped pages, nor a float32 copy of the model or of its largest tensor (the head,
+    read last).  Measured in a fresh process: VmHWM after a warm-up load."""
+    model = random_model("raven-llama", n_embd=512, n_heads=8, n_kv_heads=2, head_dim=64, intermediate_size=2048,
+                         vocab_size=16384, n_prelude=1, n_core=1, n_coda=1)
+    dasspec.save_checkpoint(model, tmp_path / "m", shard_bytes=40 << 20)
+    del model
+    script = textwrap.dedent(f"""
+        import json, torch, dasspec
+        import dasspec.model.safetensors_io as sio
+        from dasspec.engine.memory import _proc_bytes, peak_memory, reset_peak_memory
+        torch.set_num_threads(1)
+        sio.CHUNK_BYTES = 1 << 20
+        dasspec.load_model(device="cpu", dtype=torch.bfloat16)       # warm-up (the bundled model): imports, kernels
+        base = _proc_bytes("/proc/self/status", "VmRSS")
+        reset_peak_memory(torch.device("cpu"))
+        m = dasspec.load_model({str(tmp_path / "m")!r}, device="cpu", dtype=torch.bfloat16)
+        size = sum(p.numel() * p.element_size() for p in m.parameters())
+        print(json.dumps({{"added": peak_memory(torch.device("cpu")) - base, "size": size}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["size"] > 40 << 20                   # the model dominates the process's other allocations
+    assert got["added"] <= 1.25 * got["size"] + (1 << 20), got
+
+
 def test_bad_dtype_is_named(folders):
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         dasspec.load_model(folders["single"], device="cpu", dtype="int8")
@@ -151,50 +221,55 @@ def test_bad_dtype_is_named(folders):
 
 # --- bad checkpoints: clear error, nothing read, nothing half-loaded --------------------------------------------
 
-def looped_models_alive() -> int:
-    gc.collect()
-    return sum(type(o) is LoopedLM for o in gc.get_objects())
+@contextlib.contextmanager
+def models_built():
+    """Weak references to every LoopedLM constructed inside the block (a meta-device model included)."""
+    refs = []
+    real_init = LoopedLM.__init__
+
+    def init(self, *args, **kwargs):
+        refs.append(weakref.ref(self))
+        real_init(self, *args, **kwargs)
+    LoopedLM.__init__ = init
+    try:
+        yield refs
+    finally:
+        LoopedLM.__init__ = real_init
+
+
+def still_alive(refs) -> int:
+    if any(r() is not None for r in refs):
+        gc.collect()                            # only when refcounting alone left one: gc is slow with torch loaded
+    return sum(r() is not None for r in refs)
 
 
 @pytest.fixture
 def no_weight_reads(monkeypatch):
-    """Counts tensors read from safetensors during a load; a failed load must not read any."""
+    """Counts tensors read during a load (headers and the tied head's spot check are not reads); a failed load
+    must not read any."""
     reads = []
-    real = ckpt.safe_open
+    real = ckpt.read_into
 
-    class Spy:
-        def __init__(self, *a, **k):
-            self._f = real(*a, **k)
+    def spy(path, entry, out, *args, **kwargs):
+        reads.append(entry.name)
+        return real(path, entry, out, *args, **kwargs)
 
-        def __enter__(self):
-            self._inner = self._f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_slice(self, name):
-            return self._inner.get_slice(name)
-
-        def get_tensor(self, name):
-            reads.append(name)
-            return self._inner.get_tensor(name)
-
-    monkeypatch.setattr(ckpt, "safe_open", Spy)
+    monkeypatch.setattr(ckpt, "read_into", spy)
     return reads
 
 
-def expect_clean_failure(folder, error, match, reads):
-    before = looped_models_alive()
+def expect_clean_failure(folder, error, match, reads, built_none=False, dtype=None):
+    """The load fails with ``error`` matching ``match``, having read no tensor (``reads`` from no_weight_reads, or
+    None when reading is allowed), left no model reachable and changed no torch default; ``built_none``: not even
+    a meta-device model was constructed (the failure came before the module build)."""
     default_dtype, default_device = torch.get_default_dtype(), torch.get_default_device()
-    with pytest.raises(error, match=match) as info:
-        dasspec.load_model(folder, device="cpu")
+    with models_built() as built, pytest.raises(error, match=match) as info:
+        dasspec.load_model(folder, device="cpu", dtype=dtype)
     del info
-    assert reads == [], f"tensors were read before the failure: {reads[:3]}"
-    assert looped_models_alive() == before, "a partially built model is still reachable"
+    if reads is not None:
+        assert reads == [], f"tensors were read before the failure: {reads[:3]}"
+    assert still_alive(built) == 0, "a partially built model is still reachable"
+    assert not (built_none and built), "a model was built before the check"
     assert torch.get_default_dtype() == default_dtype and torch.get_default_device() == default_device
 
 
@@ -312,3 +387,225 @@ def test_an_unavailable_or_unknown_device_is_refused_up_front(folders):
     else:
         with pytest.raises(ValueError, match="GPU\\(s\\) visible"):
             dasspec.load_model(folders["single"], device=f"cuda:{torch.cuda.device_count()}")
+
+
+# --- garbage refused by name (issue 23) --------------------------------------------------------------------------
+
+def rewrite_tensors(folder, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    t = load_file(folder / "model.safetensors")
+    edit(t)
+    save_file(t, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("dtype,code", [(torch.int32, "I32"), (torch.bool, "BOOL")])
+def test_a_non_float_weight_is_refused_by_name(tmp_path, no_weight_reads, dtype, code):
+    folder = write_checkpoint(tmp_path / "m", "raven-olmo")
+    rewrite_tensors(folder, lambda t: t.update({"transformer.ln_f.weight": t["transformer.ln_f.weight"].to(dtype)}))
+    expect_clean_failure(folder, CheckpointError, f"tensor transformer.ln_f.weight in .*model.safetensors has dtype "
+                                                  f"{code}", no_weight_reads)
+
+
+@pytest.mark.parametrize("value,dtype,shown", [(math.nan, torch.float32, "nan"), (math.inf, torch.bfloat16, "inf"),
+                                               (-math.inf, torch.float32, "-inf"),
+                                               (1e6, torch.float16, "inf")])   # finite in the file, not in fp16
+def test_a_non_finite_weight_is_refused_by_name(tmp_path, value, dtype, shown):
+    folder = write_checkpoint(tmp_path / "m", "raven-olmo")
+    name = "transformer.core_block.1.mlp.proj.weight"
+
+    def poison(t):
+        t[name][3, 5] = value
+    rewrite_tensors(folder, poison)
+    expect_clean_failure(folder, CheckpointError, rf"tensor {name} in .*model.safetensors holds a non-finite value "
+                                                  rf"\({shown} at index \[3, 5\]\)", None, dtype=dtype)
+
+
+@pytest.mark.parametrize("content,message", [
+    ([1, 2], "config.json must hold a JSON object, got a JSON array"),
+    ("n_embd", "config.json must hold a JSON object, got a JSON string"),
+])
+def test_config_of_the_wrong_json_type(tmp_path, no_weight_reads, content, message):
+    folder = write_checkpoint(tmp_path / "m", "raven-olmo")
+    (folder / "config.json").write_text(json.dumps(content))
+    expect_clean_failure(folder, CheckpointError, message, no_weight_reads)
+
+
+def test_a_bad_config_value_names_file_field_and_value(tmp_path, no_weight_reads):
+    folder = write_checkpoint(tmp_path / "m", "huginn", config_edits={"n_embd": 48.7})
+    expect_clean_failure(folder, ConfigError, r"config.json: config field n_embd must be a whole number, got 48.7",
+                         no_weight_reads)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, no_weight_reads):
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=128, tokenizer=write_tokenizer("raven-llama"))
+    expect_clean_failure(folder, CheckpointError, r"tokenizer.json has token ids up to \d+, but the model's embedding "
+                                                  r"\(transformer.wte.weight\) has 128 rows", no_weight_reads)
+
+
+# --- sizes pinned to the weights and to memory before anything is built (issue 23) --------------------------------
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail (instead of hanging the suite) if the block runs longer than ``seconds``."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("layout,edits,message", [
+    # Huginn's stored RoPE table pins its context
+    ("huginn", {"block_size": 10**10}, r"block_size=10000000000, but the checkpoint's RoPE table freqs_cis "
+                                       r"\[1, 4096, 1, 6, 2\] holds 4096 positions"),
+    # Raven has no table on disk: memory decides
+    ("raven-llama", {"max_position_embeddings": 10**10}, r"loading needs .* GiB for the RoPE table of 10000000000 "
+                                                         r"positions"),
+    ("raven-olmo", {"n_layers_in_recurrent_block": 10**6, "n_layers": None},
+     r"n_layers_in_recurrent_block=1000000, but the checkpoint's transformer.core_block.\* layers number 2"),
+    ("raven-olmo", {"n_embd": 10**9, "head_dim": 25 * 10**7},
+     r"transformer.wte.weight: checkpoint \[128, 64\], config implies \[128, 1000000000\]"),
+    ("raven-olmo", {"intermediate_size": 10**9}, r"intermediate_size=1000000000, but the checkpoint's MLP weights"),
+])
+def test_config_sizes_are_pinned_to_the_weights_before_building(tmp_path, no_weight_reads, layout, edits, message):
+    folder = write_checkpoint(tmp_path / "m", layout, config_edits=edits)
+    with deadline(20):                    # unguarded, these build 10^6 layers or allocate terabytes
+        expect_clean_failure(folder, CheckpointError, message, no_weight_reads, built_none=True)
+
+
+def test_weights_larger_than_free_memory_are_refused_before_reading(folders, monkeypatch, no_weight_reads):
+    import dasspec.engine.memory as memory
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10_000_000)  # the RoPE table fits, not the rest
+    expect_clean_failure(folders["sharded"], CheckpointError, r"loading needs 1\d.\d MiB for the weights in float32 "
+                                                              r"and the RoPE table, but only 9.5 MiB is available",
+                         no_weight_reads)
+
+
+# --- only regular files inside the checkpoint are opened (issue 23) ------------------------------------------------
+
+def edit_index(folder, shard_of: dict) -> None:
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"].update(shard_of)
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("shard", ["/etc/hostname", "../outside.safetensors", "sub/../../outside.safetensors"])
+def test_an_index_cannot_name_files_outside_the_folder(folders, tmp_path, no_weight_reads, monkeypatch, shard):
+    folder = copy_of(folders["sharded"], tmp_path)
+    shutil.copyfile(folder / "model-00001-of-00003.safetensors", tmp_path / "outside.safetensors")
+    opened = []
+    real = ckpt.read_header
+    monkeypatch.setattr(ckpt, "read_header", lambda p: opened.append(p) or real(p))
+    edit_index(folder, {"transformer.ln_f.weight": shard})
+    expect_clean_failure(folder, CheckpointError, f"lists shard '{re.escape(shard)}' for transformer.ln_f.weight: "
+                                                  "only files inside", no_weight_reads)
+    assert opened == []
+
+
+def test_a_fifo_or_directory_is_never_opened_as_a_weight_file(folders, tmp_path, no_weight_reads):
+    folder = copy_of(folders["sharded"], tmp_path)
+    shard = folder / "model-00002-of-00003.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    with deadline(10):                    # opening a FIFO for reading waits for a writer that never comes
+        expect_clean_failure(folder, CheckpointError, "weight file .*model-00002-of-00003.safetensors is a FIFO",
+                             no_weight_reads)
+    shard.unlink()
+    shard.mkdir()
+    expect_clean_failure(folder, CheckpointError, "model-00002-of-00003.safetensors is a directory", no_weight_reads)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")
+    with deadline(10):
+        expect_clean_failure(folder, CheckpointError, "config.json .*config.json is a FIFO", no_weight_reads)
+
+
+def test_tokenizer_side_files_are_checked_like_the_rest(folders, tmp_path, no_weight_reads):
+    """tokenizer_config.json / special_tokens_map.json / chat_template.jinja of the wrong type or shape are named
+    (a FIFO is never waited on; a JSON array is not an AttributeError; malformed JSON is not skipped)."""
+    folder = copy_of(folders["single"], tmp_path)
+    config = folder / "tokenizer_config.json"
+    config.write_text("[1, 2]")
+    expect_clean_failure(folder, CheckpointError, "tokenizer_config.json must hold a JSON object, got a JSON array",
+                         no_weight_reads)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json must hold a JSON object"):
+        dasspec.load_tokenizer(folder)
+    config.write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not valid JSON"):
+        dasspec.load_tokenizer(folder)
+    config.unlink()
+    (folder / "special_tokens_map.json").unlink(missing_ok=True)
+    os.mkfifo(folder / "special_tokens_map.json")
+    with deadline(10):
+        expect_clean_failure(folder, CheckpointError, "special_tokens_map.json .* is a FIFO", no_weight_reads)
+        with pytest.raises(CheckpointError, match="special_tokens_map.json .* is a FIFO"):
+            dasspec.load_tokenizer(folder)
+    (folder / "special_tokens_map.json").unlink()
+    os.mkfifo(folder / "chat_template.jinja")
+    with deadline(10):
+        with pytest.raises(CheckpointError, match="chat_template.jinja .* is a FIFO"):
+            dasspec.load_tokenizer(folder)
+
+
+def test_symlink_loops_are_named(folders, tmp_path, no_weight_reads):
+    folder = copy_of(folders["single"], tmp_path)
+    (folder / "config.json").unlink()
+    os.symlink("config.json", folder / "config.json")
+    expect_clean_failure(folder, CheckpointError, "cannot open config.json .*config.json: Too many levels of "
+                                                  "symbolic links", no_weight_reads)
+    folder = copy_of(folders["single"], tmp_path, "c2")
+    (folder / "model.safetensors").unlink()
+    os.symlink("model.safetensors", folder / "model.safetensors")
+    expect_clean_failure(folder, CheckpointError, "cannot open weight file .*model.safetensors", no_weight_reads)
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(CheckpointError, match="dangling symlink or a symlink loop"):
+        dasspec.load_model(tmp_path / "loop", device="cpu")
+
+
+def test_hf_cache_ref_cannot_point_outside_the_snapshots(folders, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snap = fake_hf_cache(cache, "org/tiny-raven", folders["sharded"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    ref = cache / "models--org--tiny-raven" / "refs" / "main"
+    ref.write_text("../../../../elsewhere")
+    with pytest.raises(CheckpointError, match=r"refs/main names '../../../../elsewhere', not a snapshot"):
+        dasspec.load_model("org/tiny-raven", device="cpu")
+    outside = copy_of(folders["sharded"], tmp_path, "outside")
+    os.symlink(outside, snap.parent / "evil")           # a snapshot that is a link out of the cache
+    ref.write_text("evil")
+    with pytest.raises(CheckpointError, match="resolves outside"):
+        dasspec.load_model("org/tiny-raven", device="cpu")
+
+
+# --- damaged files: a CheckpointError naming the file, never a traceback (issue 23) -------------------------------
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[:5], "shorter than a safetensors header"),
+    (lambda b: (10**12).to_bytes(8, "little") + b[8:], "header length 1000000000000 does not fit the file"),
+    (lambda b: b[:8] + b"[" + b[9:], "the header is not valid JSON"),
+    (lambda b: b[:-100], "data_offsets .* outside the file's"),
+])
+def test_a_damaged_single_file_is_named(folders, tmp_path, no_weight_reads, damage, message):
+    folder = copy_of(folders["single"], tmp_path)
+    path = folder / "model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    expect_clean_failure(folder, CheckpointError, f"cannot read .*model.safetensors: .*{message}", no_weight_reads)
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("model.safetensors.index.json", [1], "model.safetensors.index.json must hold a JSON object, got a JSON array"),
+    ("model.safetensors.index.json", {"weight_map": ["a"]}, "has no weight_map object"),
+    ("model.safetensors.index.json", {"weight_map": {"transformer.ln_f.weight": 3}},
+     "weight_map entries must map tensor names to file names, got 'transformer.ln_f.weight': 3"),
+    ("tokenizer_config.json", ["eos"], "tokenizer_config.json must hold a JSON object, got a JSON array"),
+    ("special_tokens_map.json", "x", "special_tokens_map.json must hold a JSON object, got a JSON string"),
+    ("generation_config.json", [], "generation_config.json must hold a JSON object, got a JSON array"),
+])
+def test_json_files_of_the_wrong_type_are_named(folders, tmp_path, no_weight_reads, name, content, message):
+    folder = copy_of(folders["sharded"], tmp_path)
+    (folder / name).write_text(json.dumps(content))
+    expect_clean_failure(folder, CheckpointError, message, no_weight_reads)

@@ -179,7 +179,7 @@ def test_raven_without_rope_theta_does_not_fall_back_to_rope_base():
     ({"head_dim": 15, "n_heads": 4, "n_embd": 60}, "head_dim=15 must be even"),
     ({"head_dim": 8}, r"n_heads\*head_dim must equal n_embd"),
     ({"test_time_noise": 0.1}, "test_time_noise"),
-    ({"n_layers_in_recurrent_block": 0, "n_layers": 4}, "n_core must be >= 1"),
+    ({"n_layers_in_recurrent_block": 0, "n_layers": 4}, "n_layers_in_recurrent_block must be >= 1"),
     ({"mean_recurrence": 0}, "mean_recurrence must be >= 1"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
@@ -203,3 +203,52 @@ def test_from_hf_does_not_modify_its_input():
     parse("raven-llama")
     LoopedConfig.from_hf(cfg, weight_names("raven-llama"))
     assert cfg == before
+
+
+# --- values of the wrong type or range: named with their value (issue 23) ---------------------------------------
+
+LLAMA3_STRING_FACTOR = {"rope_type": "llama3", "factor": "32", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("layout,edits,message", [
+    ("huginn", {"rope_base": 0}, "rope_base must be > 0, got 0"),
+    ("huginn", {"rope_base": -50000}, "rope_base must be > 0, got -50000"),
+    ("raven-llama", {"rope_theta": float("inf")}, "rope_theta must be a finite number, got inf"),
+    ("huginn", {"norm_eps": -1e-6}, r"norm_eps must be >= 0.0, got -1e-06"),
+    ("huginn", {"norm_eps": float("nan")}, "norm_eps must be a finite number, got nan"),
+    ("huginn", {"n_embd": 192.7}, "n_embd must be a whole number, got 192.7"),
+    ("huginn", {"n_heads": "4"}, "n_heads must be a whole number, got '4'"),
+    ("huginn", {"mean_recurrence": True}, "mean_recurrence must be a whole number, got True"),
+    ("huginn", {"block_size": "4096"}, "block_size must be a whole number, got '4096'"),
+    ("huginn", {"head_dim": 12.5}, "head_dim must be a whole number, got 12.5"),
+    ("huginn", {"padded_vocab_size": 64.5}, "padded_vocab_size must be a whole number, got 64.5"),
+    ("huginn", {"n_layers": "8"}, "n_layers must be a whole number, got '8'"),
+    ("huginn", {"n_layers_in_prelude": -1, "n_layers": None}, "n_layers_in_prelude must be >= 0, got -1"),
+    ("huginn", {"tie_embeddings": "false"}, "tie_embeddings must be true or false, got 'false'"),
+    ("huginn", {"qk_bias": 1}, "qk_bias must be true or false, got 1"),
+    ("huginn", {"init_values": [1.0, 2.0]}, r"init_values must be an object with std and embed_scale, got \[1.0, 2.0\]"),
+    ("huginn", {"init_values": {"std": "0.01", "embed_scale": 1.0}}, "init_values.std must be a finite number, "
+                                                                     "got '0.01'"),
+    ("huginn", {"init_values": {"std": 0.01, "embed_scale": 0}}, "init_values.embed_scale must be > 0, got 0"),
+    ("huginn", {"eos_token_id": "65505"}, "eos_token_id must be a whole number, got '65505'"),
+    ("huginn", {"eos_token_id": [65505, 1.5]}, "eos_token_id must be a whole number, got 1.5"),
+    ("huginn", {"test_time_noise": "0"}, "test_time_noise must be a finite number, got '0'"),
+    ("raven-llama", {"rope_scaling": "llama3"}, "rope_scaling must be an object \\(or null\\), got 'llama3'"),
+    ("raven-llama", {"rope_scaling": ["llama3"]}, "rope_scaling must be an object"),
+    ("raven-llama", {"rope_scaling": LLAMA3_STRING_FACTOR}, "rope_scaling.factor must be a finite number, got '32'"),
+    ("raven-llama", {"max_position_embeddings": 1e3 + 0.5}, "max_position_embeddings must be a whole number"),
+])
+def test_a_bad_value_is_named_with_its_value(layout, edits, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(layout, edits)
+
+
+def test_integral_floats_are_whole_numbers():
+    assert parse("huginn", {"n_embd": 48.0, "block_size": 4096.0}).n_embd == 48
+
+
+@pytest.mark.parametrize("value,kind", [([1, 2], "array"), ("x", "string"), (None, "null")])
+def test_a_config_that_is_not_an_object_is_named(value, kind):
+    with pytest.raises(ConfigError, match=f"config.json must be a JSON object, got a JSON {kind}"):
+        LoopedConfig.from_hf(value, weight_names("huginn"))

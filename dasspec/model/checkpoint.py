@@ -4,23 +4,33 @@ A folder holds ``config.json``, the weights as one ``model.safetensors`` or shar
 ``model.safetensors.index.json``, and usually ``tokenizer.json`` (+ ``generation_config.json``).  ``source`` may
 also be a Hugging Face repo id that resolves from the local HF cache (no network), or None for the bundled model.
 
-Loading is all-or-nothing: names and shapes of every tensor are checked against the layout before any weight is
-read, so a malformed checkpoint fails with a message naming the problem and nothing is half-loaded.
+Loading is all-or-nothing: the config's fields, its sizes against the tensors present (shapes come from the
+safetensors headers), every tensor's name, shape and dtype, the tied copy, the tokenizer and the memory the weights
+will take are checked before any weight is read, so a malformed checkpoint fails with a message naming the problem
+and nothing is allocated for it.  Weights are then read tensor by tensor, in bounded chunks, straight into the
+load's dtype and layout (``safetensors_io``): peak memory stays near the loaded model's size.  Only regular files
+inside the folder are opened, and no code from the checkpoint ever runs (pickles and ``auto_map`` are ignored).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, LoopedConfig
-from .looped import LoopedLM
+from .config import ConfigError, LoopedConfig, json_type
+from .looped import LoopedLM, in_major_pays
+from .safetensors_io import (FLOAT_CODES, CheckpointError, TensorEntry, open_regular, read_header,
+                             read_into, read_rows)
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "resolve_source", "resolve_device",
+           "read_json", "weight_entries"]
 
 BUNDLED_DIR = Path(__file__).parents[1] / "assets" / "dasspec-tiny"
 
@@ -28,14 +38,12 @@ BUNDLED_DIR = Path(__file__).parents[1] / "assets" / "dasspec-tiny"
 # some exporters, HF rotary ``*.inv_freq`` buffers.  A tied head's duplicate ``lm_head.weight`` is handled apart.
 _IGNORED = {"freqs_cis"}
 _IGNORED_SUFFIXES = (".inv_freq",)
+# A weight location: the file and the tensor's entry in its header.
+Located = tuple[Path, TensorEntry]
 
 
 def _ignored(name: str) -> bool:
     return name in _IGNORED or name.endswith(_IGNORED_SUFFIXES)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder is missing files, or its tensors do not match its config."""
 
 
 def resolve_source(source: str | os.PathLike | None) -> Path:
@@ -51,6 +59,8 @@ def resolve_source(source: str | os.PathLike | None) -> Path:
     text = str(source)
     if path.exists():
         raise CheckpointError(f"{text} is a file; pass the checkpoint folder (config.json + safetensors)")
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint folder {text!r} is a dangling symlink or a symlink loop")
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         cached = _hf_cache_snapshot(text)
         if cached is not None:
@@ -68,67 +78,82 @@ def _hf_cache_root() -> Path:
     return home / "hub"
 
 
+# A commit hash or branch-like name: one path component, so a ref can only name a folder of snapshots/.
+_REF = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def _hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     repo_dir = _hf_cache_root() / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         return None
     ref = repo_dir / "refs" / revision
-    commit = ref.read_text().strip() if ref.exists() else revision
-    snap = repo_dir / "snapshots" / commit
+    if os.path.lexists(ref):
+        with open_regular(ref, "Hugging Face cache ref") as f:
+            commit = f.read(256).decode("utf-8", "replace").strip()
+    else:
+        commit = revision
+    if not _REF.fullmatch(commit) or commit in (".", ".."):
+        raise CheckpointError(f"{ref} names {commit!r}, not a snapshot of {repo_dir / 'snapshots'}")
+    snapshots = repo_dir / "snapshots"
+    snap = snapshots / commit
     if snap.is_dir():
+        if not snap.resolve().is_relative_to(snapshots.resolve()):
+            raise CheckpointError(f"snapshot {snap} (from {ref}) resolves outside {snapshots}")
         return snap
-    snaps = sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+    snaps = sorted((p for p in snapshots.glob("*") if p.is_dir() and not p.is_symlink()),
+                   key=lambda p: p.stat().st_mtime)
     return snaps[-1] if snaps else None
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, expect: type = dict) -> Any:
+    """A checkpoint's JSON file, refused by name when it is not a regular file, not JSON, or not of type
+    ``expect`` (an object unless told otherwise)."""
+    with open_regular(path, path.name) as f:
+        raw = f.read()
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"missing {path.name} in {path.parent}") from None
-    except json.JSONDecodeError as err:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(value, expect):
+        raise CheckpointError(f"{path} must hold a JSON {json_type(expect())}, got a JSON {json_type(value)}")
+    return value
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index (sharded) or the single file."""
+def _shard_path(folder: Path, shard: object, name: object, index: Path) -> Path:
+    """The file an index entry names, refused unless it is a relative path inside the folder (an index is a small
+    text file: it must not be able to point the loader at /dev, /proc or ../elsewhere)."""
+    if not isinstance(name, str) or not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: weight_map entries must map tensor names to file names, got "
+                              f"{name!r}: {shard!r}")
+    parts = PurePosixPath(shard).parts
+    if PurePosixPath(shard).is_absolute() or "\\" in shard or ".." in parts:
+        raise CheckpointError(f"{index} lists shard {shard!r} for {name}: only files inside {folder} are read")
+    return folder.joinpath(*parts)
+
+
+def weight_entries(folder: Path) -> dict[str, Located]:
+    """Tensor name -> (file, header entry), from the index (sharded) or the single file; headers only."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
+    if os.path.lexists(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no weight_map")
-        files = {}
-        for name, shard in weight_map.items():
-            p = folder / shard
-            if not p.exists():
-                raise CheckpointError(f"missing shard {shard} (listed in {index.name} for {name})")
-            files[name] = p
-        return files
+            raise CheckpointError(f"{index} has no weight_map object")
+        files = {name: _shard_path(folder, shard, name, index) for name, shard in weight_map.items()}
+        headers: dict[Path, dict[str, TensorEntry]] = {}
+        located = {}
+        for name, p in files.items():
+            if p not in headers:
+                if not os.path.lexists(p):
+                    raise CheckpointError(f"missing shard {weight_map[name]} (listed in {index.name} for {name})")
+                headers[p] = read_header(p)
+            if name not in headers[p]:
+                raise CheckpointError(f"{p.name} does not contain {name} (listed in the index)")
+            located[name] = (p, headers[p][name])
+        return located
     single = folder / "model.safetensors"
-    if not single.exists():
+    if not os.path.lexists(single):
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
-
-
-def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, p in files.items():
-        by_file.setdefault(p, []).append(name)
-    for p, names in by_file.items():
-        try:
-            with safe_open(p, "pt") as f:
-                present = set(f.keys())
-                for name in names:
-                    if name not in present:
-                        raise CheckpointError(f"{p.name} does not contain {name} (listed in the index)")
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        except CheckpointError:
-            raise
-        except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"cannot read {p}: {err}") from None
-    return shapes
+    return {name: (single, e) for name, e in read_header(single).items()}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -155,13 +180,15 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     device = resolve_device(device)
     dtype = _parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if device.type == "cuda"
                                                           else torch.float32)
-    hf_cfg = read_json(folder / "config.json")
-    files = weight_files(folder)
-    shapes = _shapes(files)
+    config_path = folder / "config.json"
+    hf_cfg = read_json(config_path)
+    located = weight_entries(folder)
+    shapes = {name: e.shape for name, (_, e) in located.items()}
     try:
         cfg = LoopedConfig.from_hf(hf_cfg, shapes.keys())
     except ConfigError as err:
-        raise ConfigError(f"{folder / 'config.json'}: {err}") from None
+        raise ConfigError(f"{config_path}: {err}") from None
+    _check_sizes(cfg, shapes, config_path, device)
 
     with torch.device("meta"):
         model = LoopedLM(cfg)
@@ -181,26 +208,36 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
         if shapes[k] != shape:
             raise CheckpointError(f"shape mismatch for {k}: checkpoint {list(shapes[k])}, config implies "
                                   f"{list(shape)}")
+        path, entry = located[k]
+        if entry.code not in FLOAT_CODES:
+            raise CheckpointError(f"tensor {k} in {path} has dtype {entry.code}; a float parameter must be stored "
+                                  f"as {', '.join(sorted(FLOAT_CODES))}")
     if cfg.tie_embeddings and "lm_head.weight" in shapes:
-        _check_tied_copy(files, shapes)
+        _check_tied_copy(located)
 
     # Everything that can fail cheaply fails before the (possibly many GB of) weights are read.
-    tokenizer = None
-    if (folder / "tokenizer.json").exists():
-        from .tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(folder)
+    tokenizer = _load_tokenizer(folder, cfg)
     gen = folder / "generation_config.json"
-    generation_defaults = read_json(gen) if gen.exists() else {}
+    generation_defaults = read_json(gen) if os.path.lexists(gen) else {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = sum(math.prod(shape) for shape in expected.values()) * itemsize
+    _check_memory(weight_bytes + _rope_bytes(cfg), device,
+                  f"the weights in {str(dtype).removeprefix('torch.')} and the RoPE table")
 
+    # Each tensor goes straight from its file into its final dtype and layout, so no second copy of the model
+    # exists at any point (the transient memory is one read chunk).
+    in_major = set(model.linear_weight_names()) if in_major_pays(device, dtype) else set()
     state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for p, names in by_file.items():
-        with safe_open(p, "pt", device="cpu") as f:
-            for name in names:
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    for name in sorted(expected, key=lambda k: (str(located[k][0]), located[k][1].begin)):
+        path, entry = located[name]
+        if name in in_major:
+            out = torch.empty(entry.shape[::-1], device=device, dtype=dtype).t()
+        else:
+            out = torch.empty(entry.shape, device=device, dtype=dtype)
+        read_into(path, entry, out)
+        state[name] = out
     model.load_state_dict(state, strict=False, assign=True)
+    del state
     if cfg.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
     # Buffers built on the meta device are rebuilt for real.
@@ -208,29 +245,99 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     cos, sin = rope_tables(cfg, cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
-    if device.type == "cpu":
-        model.cpu_weight_layout()
+    model.cpu_weight_layout()           # a no-op: the weights were read in this layout; kept as the one rule
     model.source = str(folder)
     model.generation_defaults = generation_defaults
     model.tokenizer = tokenizer
     return model
 
 
-def _check_tied_copy(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
+def _rope_bytes(cfg: LoopedConfig) -> int:
+    """The cos and sin tables LoopedLM builds: block_size x head_dim/2 float32 each."""
+    return 2 * cfg.block_size * (cfg.head_dim // 2) * 4
+
+
+_GROUPS = (("prelude", "n_layers_in_prelude", "n_prelude"), ("core_block", "n_layers_in_recurrent_block", "n_core"),
+           ("coda", "n_layers_in_coda", "n_coda"))
+
+
+def _check_sizes(cfg: LoopedConfig, shapes: dict[str, tuple[int, ...]], config_path: Path,
+                 device: torch.device) -> None:
+    """Pin every size the module build allocates or loops over to the tensors present (their shapes come from the
+    file headers, which were checked against the files' lengths), before anything is built: a config.json that
+    claims 10^6 layers, a 10^9 width or a 10^10-position context is refused here, instead of minutes of module
+    construction, an overflow inside torch or a RoPE table of terabytes."""
+    wte = shapes.get("transformer.wte.weight")
+    if wte is None:
+        raise CheckpointError("checkpoint lacks transformer.wte.weight, the token embedding")
+    if wte != (cfg.vocab_size, cfg.n_embd):
+        raise CheckpointError(f"shape mismatch for transformer.wte.weight: checkpoint {list(wte)}, config implies "
+                              f"{[cfg.vocab_size, cfg.n_embd]} (vocabulary rows x n_embd={cfg.n_embd}) in "
+                              f"{config_path}")
+    for group, field, attr in _GROUPS:
+        found = set()
+        for name in shapes:
+            m = re.match(rf"transformer\.{group}\.(\d+)\.", name)
+            if m:
+                found.add(int(m.group(1)))
+        n = getattr(cfg, attr)
+        if found != set(range(n)):
+            held = (f"{len(found)} ({group} {min(found)}..{max(found)})" if found else "none")
+            raise CheckpointError(f"{config_path}: {field}={n}, but the checkpoint's transformer.{group}.* "
+                                  f"layers number {held}")
+    fc = next((shape for name, shape in shapes.items() if name.endswith(".mlp.fc.weight")), None)
+    if fc is not None and fc[0] != 2 * cfg.intermediate_size:
+        raise CheckpointError(f"{config_path}: intermediate_size={cfg.intermediate_size}, but the checkpoint's MLP "
+                              f"weights ({list(fc)}) hold {fc[0] // 2}")
+    table = shapes.get("freqs_cis")
+    if table is not None and math.prod(table) != cfg.block_size * cfg.head_dim:
+        raise CheckpointError(f"{config_path}: block_size={cfg.block_size}, but the checkpoint's RoPE table "
+                              f"freqs_cis {list(table)} holds {math.prod(table) // max(1, cfg.head_dim)} positions")
+    _check_memory(_rope_bytes(cfg), device, f"the RoPE table of {cfg.block_size} positions (the context length: "
+                                            f"block_size / max_position_embeddings in {config_path})")
+
+
+def _check_memory(need: int, device: torch.device, what: str) -> None:
+    """Refuse, before allocating, what cannot fit in the device's available memory (DASSPEC_IGNORE_MEMORY=1 skips
+    the check, as for the depth cache)."""
+    from ..engine.memory import available_memory, format_bytes
+    free = available_memory(device)
+    if free is not None and need > free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
+        raise CheckpointError(f"loading needs {format_bytes(need)} for {what}, but only {format_bytes(free)} is "
+                              f"available on "
+                              f"{device}; free memory or load in a smaller dtype (set DASSPEC_IGNORE_MEMORY=1 to "
+                              "try anyway)")
+
+
+def _load_tokenizer(folder: Path, cfg: LoopedConfig):
+    """The folder's tokenizer (None without tokenizer.json), its files checked first, and refused when it can
+    produce ids the embedding does not have."""
+    if not os.path.lexists(folder / "tokenizer.json"):
+        return None
+    from .tokenizer import load_tokenizer     # which checks its files (regular, JSON objects) by name
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.backend.get_vocab(with_added_tokens=True).values()
+    top = max(ids, default=-1)
+    if top >= cfg.vocab_size:
+        raise CheckpointError(f"{folder / 'tokenizer.json'} has token ids up to {top}, but the model's embedding "
+                              f"(transformer.wte.weight) has {cfg.vocab_size} rows: the tokenizer belongs to "
+                              "another model")
+    return tokenizer
+
+
+def _check_tied_copy(located: dict[str, Located]) -> None:
     """A tied checkpoint may also store lm_head.weight (Huginn does); it must be the embedding's copy, or the config's
     tie_embeddings is wrong and tying would silently replace a trained head.  A few rows are compared (cheap)."""
     wte, head = "transformer.wte.weight", "lm_head.weight"
-    if shapes[head] != shapes[wte]:
-        raise CheckpointError(f"config.json ties the head to the embedding, but {head} {list(shapes[head])} has "
-                              f"another shape than {wte} {list(shapes[wte])}; is tie_embeddings wrong?")
-    V = shapes[wte][0]
+    (wte_path, wte_entry), (head_path, head_entry) = located[wte], located[head]
+    if head_entry.shape != wte_entry.shape:
+        raise CheckpointError(f"config.json ties the head to the embedding, but {head} {list(head_entry.shape)} has "
+                              f"another shape than {wte} {list(wte_entry.shape)}; is tie_embeddings wrong?")
+    V = wte_entry.shape[0]
     rows = sorted({0, 1, V // 2, V - 2, V - 1} & set(range(V)))
-    picked = []
-    for name in (wte, head):
-        with safe_open(files[name], "pt") as f:
-            sl = f.get_slice(name)
-            picked.append(torch.stack([sl[r: r + 1][0] for r in rows]))
-    if not torch.equal(picked[0], picked[1]):
+    a = read_rows(wte_path, wte_entry, rows).float()
+    b = read_rows(head_path, head_entry, rows).float()
+    if not torch.equal(a, b):
         raise CheckpointError(f"config.json ties the head to the embedding (tie_embeddings), but the checkpoint's "
                               f"{head} differs from {wte}; set tie_embeddings to false to use the stored head")
 

@@ -14,6 +14,7 @@ error, never a guess.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -26,6 +27,45 @@ HUGINN_SPECIAL_IDS = frozenset({65504, 65505, 65508, 65509})
 
 class ConfigError(ValueError):
     """config.json is missing a field, has an inconsistent one, or describes an unknown layout."""
+
+
+def json_type(value: Any) -> str:
+    """JSON's name for the type of a parsed value, for messages."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def whole(name: str, value: Any, least: int | None = None) -> int:
+    """A config.json integer field: a JSON integer (or a float with no fraction), never a string, boolean or a
+    truncated fraction."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"config field {name} must be a whole number, got {value!r}")
+    if least is not None and value < least:
+        raise ConfigError(f"config field {name} must be >= {least}, got {value!r}")
+    return int(value)
+
+
+def real(name: str, value: Any, least: float | None = None, positive: bool = False) -> float:
+    """A config.json number field: finite, never a string or boolean; ``positive``: > 0, ``least``: >= least."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"config field {name} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"config field {name} must be > 0, got {value!r}")
+    if least is not None and value < least:
+        raise ConfigError(f"config field {name} must be >= {least}, got {value!r}")
+    return float(value)
+
+
+def flag(cfg: dict[str, Any], name: str, default: bool) -> bool:
+    """A config.json boolean field (absent or null -> ``default``); a string such as "false" is refused, since
+    ``bool("false")`` is True."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"config field {name} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass
@@ -77,11 +117,17 @@ class LoopedConfig:
             raise ConfigError(f"unknown family {self.family!r}; expected one of {FAMILIES}")
         for name in ("vocab_size", "n_embd", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
                      "n_core", "mean_recurrence", "block_size"):
-            if int(getattr(self, name)) < 1:
+            if whole(name, getattr(self, name)) < 1:
                 raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
         for name in ("n_prelude", "n_coda"):
-            if int(getattr(self, name)) < 0:
+            if whole(name, getattr(self, name)) < 0:
                 raise ConfigError(f"config field {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("rope_theta", "embed_scale"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"config field {name} must be a finite number > 0, got {getattr(self, name)!r}")
+        for name in ("norm_eps", "init_std"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(f"config field {name} must be a finite number >= 0, got {getattr(self, name)!r}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -101,6 +147,8 @@ class LoopedConfig:
                 missing = [k for k in _LLAMA3_KEYS if self.rope_scaling.get(k) is None]
                 if missing:
                     raise ConfigError(f"rope_scaling (llama3) is missing {', '.join(missing)}")
+                for k in _LLAMA3_KEYS:
+                    real(f"rope_scaling.{k}", self.rope_scaling[k])
                 lo, hi = float(self.rope_scaling["low_freq_factor"]), float(self.rope_scaling["high_freq_factor"])
                 if not (float(self.rope_scaling["factor"]) > 0 and 0 < lo < hi):
                     raise ConfigError(f"rope_scaling (llama3) needs factor > 0 and 0 < low_freq_factor < "
@@ -110,61 +158,87 @@ class LoopedConfig:
     # --- Hugging Face config.json <-> LoopedConfig -------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> "LoopedConfig":
-        """Build from a config.json dict; ``weight_names`` (the checkpoint's tensor names) pin the family."""
+        """Build from a config.json dict; ``weight_names`` (the checkpoint's tensor names) pin the family.
+        Every field read is type- and range-checked; a bad one is named with its value."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must be a JSON object, got a JSON {json_type(cfg)}")
         family = detect_family(cfg, weight_names)
 
-        def need(*names: str) -> Any:
+        def need(*names: str) -> tuple[str, Any]:
             for n in names:
                 if n in cfg and cfg[n] is not None:
-                    return cfg[n]
+                    return n, cfg[n]
             raise ConfigError(f"config.json is missing required field {' / '.join(names)}")
 
-        n_embd = int(need("n_embd", "hidden_size"))
-        n_heads = int(need("n_heads", "num_attention_heads"))
-        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-        head_dim = int(cfg.get("head_dim") or (n_embd // n_heads))
-        n_prelude = int(need("n_layers_in_prelude"))
-        n_core = int(need("n_layers_in_recurrent_block"))
-        n_coda = int(need("n_layers_in_coda"))
-        n_layers = cfg.get("n_layers", cfg.get("num_hidden_layers"))
-        if n_layers is not None and int(n_layers) != n_prelude + n_core + n_coda:
+        def need_int(*names: str, least: int = 1) -> int:
+            return whole(*need(*names), least=least)
+
+        def opt_int(name: str, default: int | None, least: int = 1) -> int | None:
+            return default if cfg.get(name) is None else whole(name, cfg[name], least=least)
+
+        n_embd = need_int("n_embd", "hidden_size")
+        n_heads = need_int("n_heads", "num_attention_heads")
+        n_kv = opt_int("num_key_value_heads", n_heads)
+        head_dim = opt_int("head_dim", None) or n_embd // n_heads
+        n_prelude = need_int("n_layers_in_prelude", least=0)
+        n_core = need_int("n_layers_in_recurrent_block")
+        n_coda = need_int("n_layers_in_coda", least=0)
+        layers_key = "n_layers" if cfg.get("n_layers") is not None else "num_hidden_layers"
+        n_layers = opt_int(layers_key, None)
+        if n_layers is not None and n_layers != n_prelude + n_core + n_coda:
             raise ConfigError(f"n_layers={n_layers} != prelude {n_prelude} + core {n_core} + coda {n_coda}")
         # Read, never derive: Raven keeps Huginn's std but sets embed_scale 1.0, which sqrt(n_embd) would break.
         init_values = cfg.get("init_values")
-        if not isinstance(init_values, dict):
+        if init_values is None:
             raise ConfigError("config.json is missing required field init_values (with std and embed_scale)")
+        if not isinstance(init_values, dict):
+            raise ConfigError(f"config field init_values must be an object with std and embed_scale, got "
+                              f"{init_values!r}")
         for key in ("std", "embed_scale"):
             if init_values.get(key) is None:
                 raise ConfigError(f"config.json is missing required field init_values.{key}")
-        if float(cfg.get("test_time_noise") or 0.0) != 0.0:
+        embed_scale = real("init_values.embed_scale", init_values["embed_scale"], positive=True)
+        init_std = real("init_values.std", init_values["std"], least=0.0)
+        if real("test_time_noise", cfg.get("test_time_noise") or 0.0) != 0.0:
             raise ConfigError("test_time_noise != 0 makes the target non-deterministic; set it to 0")
         # Huginn's RoPE base is `rope_base`; Raven's is `rope_theta` (its `rope_base` is a stale Huginn leftover).
-        rope_theta = float(need("rope_base") if family == "huginn" else need("rope_theta"))
+        rope_theta = real(*need("rope_base" if family == "huginn" else "rope_theta"), positive=True)
+        norm_key = "norm_eps" if "norm_eps" in cfg else "rms_norm_eps"
+        norm_eps = real(norm_key, cfg.get(norm_key, 1e-6), least=0.0)
+        rope_scaling = cfg.get("rope_scaling") or None
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ConfigError(f"config field rope_scaling must be an object (or null), got {rope_scaling!r}")
         special = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        for k, v in special.items():
+            for i in (v if isinstance(v, list) and k == "eos_token_id" else [v]):
+                if i is not None:
+                    whole(k, i, least=0)
         if family != "huginn":   # stale copies of Huginn's ids; the tokenizer files give the real ones
-            special = {k: ([i for i in v if i not in HUGINN_SPECIAL_IDS] if isinstance(v, (list, tuple))
+            special = {k: ([i for i in v if i not in HUGINN_SPECIAL_IDS] if isinstance(v, list)
                            else (None if v in HUGINN_SPECIAL_IDS else v)) for k, v in special.items()}
         eos = special["eos_token_id"]
-        eos_list = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)])
+        eos_list = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
         if family == "huginn":  # the RoPE table Huginn ships has block_size rows: a hard context cap
-            block_size = int(need("block_size"))
+            block_size = need_int("block_size")
         else:                   # Raven computes RoPE on the fly; block_size is only the training context
-            block_size = max(int(cfg.get("block_size") or 0), int(cfg.get("max_position_embeddings") or 0)) or 4096
+            block_size = max(opt_int("block_size", 0, least=0), opt_int("max_position_embeddings", 0, least=0)) \
+                or 4096
+        vocab_size = opt_int("padded_vocab_size", None) or need_int("vocab_size")
         out = cls(
             family=family,
-            vocab_size=int(cfg.get("padded_vocab_size") or need("vocab_size")),
+            vocab_size=vocab_size,
             n_embd=n_embd, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=need_int("intermediate_size"),
             n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
-            mean_recurrence=int(need("mean_recurrence")),
-            norm_eps=float(cfg.get("norm_eps", cfg.get("rms_norm_eps", 1e-6))),
-            qk_bias=bool(cfg.get("qk_bias", False)),
+            mean_recurrence=need_int("mean_recurrence"),
+            norm_eps=norm_eps,
+            qk_bias=flag(cfg, "qk_bias", False),
             qk_norm=family == "raven-olmo",
             rope_theta=rope_theta,
-            rope_scaling=cfg.get("rope_scaling") or None,
-            tie_embeddings=bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False))),
-            embed_scale=float(init_values["embed_scale"]),
-            init_std=float(init_values["std"]),
+            rope_scaling=rope_scaling,
+            tie_embeddings=flag(cfg, "tie_embeddings", flag(cfg, "tie_word_embeddings", False)),
+            embed_scale=embed_scale,
+            init_std=init_std,
             block_size=block_size,
             bos_token_id=special["bos_token_id"],
             eos_token_id=eos_list,

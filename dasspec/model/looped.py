@@ -26,6 +26,15 @@ from .attention import Span
 from .layers import Block, RMSNorm, rope_operands, rope_tables
 from .noise import position_noise
 
+
+def in_major_pays(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Linear weights on ``device`` in ``dtype`` are stored in-major (strides (1, out)) rather than
+    contiguous.  On CPU in float32 the GEMM then multiplies a few-row activation without repacking the weight; in
+    bfloat16 / float16 the same strides send ``F.linear`` to a path many times slower than the contiguous weight
+    (benchmarks/cpu_layout.py; docs/performance.md has the figures).  Elsewhere contiguous is the native layout."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
     whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``)."""
@@ -192,13 +201,24 @@ class LoopedLM(Recurrence, nn.Module):
         h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
         return self.full_depth(input_ids, h, self.span(0, 0, T), None, R)
 
+    def linear_weight_names(self) -> list[str]:
+        """State-dict names of the Linear weights (a tied head's shared weight under its embedding name)."""
+        linear = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
+        return [n for n, p in self.named_parameters() if id(p) in linear]
+
     def cpu_weight_layout(self) -> "LoopedLM":
-        """Store every Linear weight [out, in] with in-major strides (its transpose contiguous); values and shapes
-        are unchanged.  CPU GEMM kernels then multiply a few-row activation without repacking the weight
-        (benchmarks/cpu_layout.py; docs/performance.md has the figures).  Applied by load_model on CPU."""
+        """Store each Linear weight [out, in] in the layout ``in_major_pays`` picks for its device and dtype: in-major
+        strides (its transpose contiguous) or contiguous.  Values and shapes are unchanged; ``load_model`` reads the
+        weights straight into this layout, and a model moved with ``.to(dtype)`` after loading gets it back here."""
         for m in self.modules():
-            if isinstance(m, nn.Linear) and m.weight.is_contiguous():   # a tied head is transposed once
-                m.weight.data = m.weight.data.t().contiguous().t()
+            if not isinstance(m, nn.Linear):
+                continue
+            w = m.weight.data
+            if in_major_pays(w.device, w.dtype):
+                if w.is_contiguous():                          # a tied head is transposed once
+                    m.weight.data = w.t().contiguous().t()
+            elif not w.is_contiguous():
+                m.weight.data = w.contiguous()
         return self
 
     def num_parameters(self) -> int:

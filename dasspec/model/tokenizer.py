@@ -2,13 +2,22 @@
 
 Special ids come from the tokenizer files (``tokenizer_config.json`` / ``special_tokens_map.json`` / known token
 names), never from a Raven ``config.json``, which carries Huginn's ids (65504/65505/65509) by mistake.
+
+Chat: ``apply_chat_template(messages)`` renders the checkpoint's Jinja chat template (``chat_template.jinja``, or
+``tokenizer_config.json``'s ``chat_template``) as Hugging Face does - a sandboxed environment with ``trim_blocks``
+and ``lstrip_blocks``, ``messages``, ``add_generation_prompt`` and the special-token strings (``bos_token``,
+``eos_token``, ...), the ``{% generation %}`` tag, ``raise_exception`` and ``tojson``.  A checkpoint without one
+gets ``PLAIN_CHAT_TEMPLATE``: BOS, one ``role: content`` line per message, then ``assistant:``.  The rendered
+text carries its special tokens, so it is encoded with ``add_special_tokens=False`` (no second BOS).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -16,6 +25,10 @@ from tokenizers import Tokenizer as HFTokenizer
 _EOS_NAMES = ("<|end_text|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eos|>")
 _EXTRA_STOPS = ("<|end_turn|>", "<|eot_id|>")
 _BOS_NAMES = ("<|begin_text|>", "<|begin_of_text|>", "<s>", "<|bos|>")
+
+# The documented fallback for checkpoints that ship no chat template (the bundled model among them).
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                       "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def _token_text(entry) -> str | None:
@@ -27,9 +40,15 @@ def _token_text(entry) -> str | None:
 class Tokenizer:
     """``encode(text) -> list[int]`` (with BOS when the tokenizer's template adds it), ``decode(ids) -> str``."""
 
-    def __init__(self, tok: HFTokenizer, bos_id: int | None, eos_ids: list[int], pad_id: int | None):
+    def __init__(self, tok: HFTokenizer, bos_id: int | None, eos_ids: list[int], pad_id: int | None,
+                 chat_template: str | None = None, special_tokens: Mapping[str, str] | None = None):
         self._tok = tok
         self.bos_id, self.eos_ids, self.pad_id = bos_id, eos_ids, pad_id
+        self.chat_template = chat_template        # the checkpoint's own template; None -> PLAIN_CHAT_TEMPLATE is used
+        # bos_token / eos_token / ... strings a template may print; by default those of the special ids
+        names = {"bos_token": bos_id, "eos_token": eos_ids[0] if eos_ids else None, "pad_token": pad_id}
+        self.special_tokens = dict(special_tokens) if special_tokens is not None else {
+            k: tok.id_to_token(i) for k, i in names.items() if i is not None and tok.id_to_token(i) is not None}
 
     @property
     def vocab_size(self) -> int:
@@ -48,15 +67,87 @@ class Tokenizer:
     def backend(self) -> HFTokenizer:
         return self._tok
 
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """The conversation as prompt text: ``chat_template`` (default: the checkpoint's, else
+        ``PLAIN_CHAT_TEMPLATE``) rendered with ``messages`` (dicts with ``role`` and ``content``).  Encode the
+        result with ``add_special_tokens=False``: the template already placed BOS where the model expects it."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                             f"{type(messages).__name__}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with a 'role' string and a 'content', got {m!r}")
+        template = chat_template or self.chat_template or PLAIN_CHAT_TEMPLATE
+        return _compile_chat_template(template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            **self.special_tokens)
+
+
+@functools.lru_cache(maxsize=8)          # compiled once per template, not per request
+def _compile_chat_template(template: str):
+    """A Jinja template compiled as Hugging Face's ``apply_chat_template`` does: sandboxed (a checkpoint's template
+    is untrusted code), trim_blocks + lstrip_blocks, loop controls, the ``{% generation %}`` tag (rendered as its
+    body: only training masks care about it), ``raise_exception`` and ``tojson``."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def _read_chat_template(folder: Path, meta: dict) -> str | None:
+    """``chat_template.jinja`` (newer transformers) or tokenizer_config.json's ``chat_template``: a string, or a
+    list of named templates of which the one named ``default`` is the chat template."""
+    from .safetensors_io import open_regular
+
+    path = folder / "chat_template.jinja"
+    if os.path.lexists(path):               # (a dangling link is named as missing, not skipped)
+        with open_regular(path, path.name) as f:
+            raw = f.read()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            from .checkpoint import CheckpointError
+            raise CheckpointError(f"{path} is not UTF-8 text: {err}") from None
+    template = meta.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     """Tokenizer of a checkpoint folder (or HF cache repo id); None -> the bundled model's."""
-    from .checkpoint import CheckpointError, resolve_source
+    from .checkpoint import CheckpointError, read_json, resolve_source
+    from .safetensors_io import check_regular
 
     folder = resolve_source(source)
     path = folder / "tokenizer.json"
     if not path.exists():
         raise CheckpointError(f"no tokenizer.json in {folder}")
+    check_regular(path, path.name)          # a FIFO or a directory is named, never waited on
     try:
         tok = HFTokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
@@ -64,11 +155,8 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     meta: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         p = Path(folder) / name
-        if p.exists():
-            try:
-                meta.update({k: v for k, v in json.loads(p.read_text()).items() if v is not None})
-            except json.JSONDecodeError:
-                pass
+        if os.path.lexists(p):              # not JSON, not an object, not a regular file: named, not skipped
+            meta.update({k: v for k, v in read_json(p).items() if v is not None})
 
     def tid(text):
         return tok.token_to_id(text) if text else None
@@ -87,4 +175,10 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     pad = tid(_token_text(meta.get("pad_token")))
     if pad is None:
         pad = tid("<|pad|>")
-    return Tokenizer(tok, bos, eos, pad)
+    specials = {k: _token_text(meta.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials = {k: v for k, v in specials.items() if v}
+    for key, i in (("bos_token", bos), ("eos_token", eos[0] if eos else None), ("pad_token", pad)):
+        if key not in specials and i is not None:
+            specials[key] = tok.id_to_token(i)
+    return Tokenizer(tok, bos, eos, pad, chat_template=_read_chat_template(Path(folder), meta),
+                     special_tokens=specials)

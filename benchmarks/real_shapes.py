@@ -1,0 +1,171 @@
+"""Huginn-0125 at its real size on this machine's CPU, with random weights of the real layout.
+
+From the real repository's files without the weights (config.json, model.safetensors.index.json, tokenizer) a
+checkpoint of the real shapes is built once (``dasspec.testing.build_real_checkpoint``: four float32 shards,
+15.6 GB), then loaded and decoded as a user with the real folder would (``load_model(folder, dtype=...)``):
+
+* load time and peak resident memory, in float32 and bfloat16, each in a fresh process;
+* tokens/s of AR, Mature-Spec and DAS-Wave at R = 32 (a few tokens each; the family's default knobs) in bfloat16
+  and float32, and whether each speculative method's tokens equal AR's (in float32 they must);
+* the depth cache's bytes per token at R = 32 in bfloat16, computed and allocated, against the README's 2.7 MB.
+
+Random weights decide nothing about acceptance (a speculative method accepts almost nothing on them, so its
+tokens/s here is a floor, not a forecast); what they do measure is the cost of the passes, the memory and the
+losslessness.
+
+    python benchmarks/real_shapes.py --huginn-files ../shared/checkpoints/huginn-0125 \\
+        --ckpt /tmp/dasspec-big/huginn-0125-random --out runs/real_shapes --tokens 4 --threads 2
+
+Heavy: the float32 load holds 15.6 GB; run it on a quiet machine.  ``--scale small`` runs everything on the
+scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "The recurrent-depth model reads the question twice and then answers:"
+METHODS = ("ar", "mature-spec", "das-wave")
+README_BYTES_PER_TOKEN = 2.7e6
+
+
+def _peak_rss() -> int:
+    from dasspec.engine.memory import _proc_bytes
+    return _proc_bytes("/proc/self/status", "VmHWM") or 0
+
+
+def child_load(ckpt: str, dtype: str) -> dict:
+    """Load once in this (fresh) process: seconds, peak resident memory, the model's bytes."""
+    import torch
+    import dasspec
+    import dasspec.model.checkpoint, dasspec.model.tokenizer    # noqa: F401  (imported before the baseline)
+    from dasspec.engine.memory import _proc_bytes
+
+    base = _proc_bytes("/proc/self/status", "VmRSS") or 0
+    t = time.perf_counter()
+    model = dasspec.load_model(ckpt, device="cpu", dtype=getattr(torch, dtype))
+    seconds = time.perf_counter() - t
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"dtype": dtype, "seconds": seconds, "peak_rss": _peak_rss(), "rss_before": base, "model_bytes": size,
+            "peak_over_model": (_peak_rss() - base) / size}
+
+
+def child_decode(ckpt: str, dtype: str, tokens: int, R: int) -> dict:
+    """AR, Mature-Spec and DAS-Wave on one prompt: tokens, tokens/s, A; plus the depth cache's bytes per token."""
+    import torch
+    import dasspec
+    from dasspec.model.cache import DepthCache, bytes_per_token
+
+    model = dasspec.load_model(ckpt, device="cpu", dtype=getattr(torch, dtype))
+    ids = model.tokenizer.encode(PROMPT)
+    runs = {}
+    for method in METHODS:
+        out = dasspec.generate(model, ids, method, max_new_tokens=tokens, num_steps=R)
+        s = out.stats
+        decode = s.wall_time - s.prefill_time
+        runs[method] = {"tokens": out.tokens, "seconds": s.wall_time, "tokens_per_second": s.tokens_per_second,
+                        "prefill_seconds": s.prefill_time, "decode_tokens_per_second": len(out.tokens) / decode,
+                        "A": s.A, "sequential_passes": s.sequential_passes}
+        print(f"  {dtype} {method}: {len(out.tokens)} tokens in {s.wall_time:.1f} s ({s.tokens_per_second:.3f} "
+              f"tok/s, prefill {s.prefill_time:.1f} s)", file=sys.stderr, flush=True)
+    for method in METHODS[1:]:
+        runs[method]["equals_ar"] = runs[method]["tokens"] == runs["ar"]["tokens"]
+    capacity = 64
+    cache = DepthCache(model.config, R, capacity, "cpu", getattr(torch, dtype))
+    held = sum(t.numel() * t.element_size() for t in (cache.core_k, cache.core_v, cache.pre_k, cache.pre_v,
+                                                      cache.coda_k, cache.coda_v))
+    return {"dtype": dtype, "R": R, "prompt_tokens": len(ids), "runs": runs, "peak_rss": _peak_rss(),
+            "cache_bytes_per_token": bytes_per_token(model.config, R, getattr(torch, dtype)),
+            "cache_allocated_per_token": held / capacity}
+
+
+def run_child(args: argparse.Namespace, *child_args: str) -> dict:
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", *child_args]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(results: dict) -> str:
+    gib = 2 ** 30
+    lines = [f"# Huginn-0125 layout at scale {results['scale']}, random weights, CPU, {results['threads']} threads",
+             ""]
+    if "build" in results:
+        lines += [f"Built in {results['build']['seconds']:.0f} s.", ""]
+    if "load" in results:
+        lines += ["| dtype | load s | model | peak RSS | peak added / model |", "|---|---|---|---|---|"]
+        for r in results["load"]:
+            lines.append(f"| {r['dtype']} | {r['seconds']:.1f} | {r['model_bytes'] / gib:.2f} GiB | "
+                         f"{r['peak_rss'] / gib:.2f} GiB | {r['peak_over_model']:.2f} |")
+        lines.append("")
+    for key in ("bfloat16", "float32"):
+        d = results.get("decode", {}).get(key)
+        if not d:
+            continue
+        lines += [f"{key}, R = {d['R']}, prompt {d['prompt_tokens']} tokens, peak RSS {d['peak_rss'] / gib:.2f} GiB:",
+                  "", "| method | tokens | seconds | tok/s | prefill s | tok/s after prefill | A | equals AR |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for m, r in d["runs"].items():
+            lines.append(f"| {m} | {len(r['tokens'])} | {r['seconds']:.1f} | {r['tokens_per_second']:.3f} | "
+                         f"{r['prefill_seconds']:.1f} | {r['decode_tokens_per_second']:.3f} | {r['A']:.2f} | "
+                         f"{r.get('equals_ar', '-')} |")
+        lines += ["", f"Depth cache at R = {d['R']} in {key}: {d['cache_bytes_per_token'] / 1e6:.2f} MB per token "
+                      f"computed, {d['cache_allocated_per_token'] / 1e6:.2f} MB allocated (README: "
+                      f"{README_BYTES_PER_TOKEN / 1e6:.1f} MB in bfloat16).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--huginn-files", default="../shared/checkpoints/huginn-0125",
+                   help="the real repository's files without weights")
+    p.add_argument("--ckpt", default="/tmp/dasspec-big/huginn-0125-random", help="where the random checkpoint "
+                   "is (built there when it lacks config.json)")
+    p.add_argument("--scale", choices=("full", "small"), default="full")
+    p.add_argument("--out", default="runs/real_shapes")
+    p.add_argument("--tokens", type=int, default=4, help="new tokens per method")
+    p.add_argument("--R", type=int, default=32, help="recurrence depth")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--phases", default="build,load,bf16,fp32")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    import torch
+    torch.set_num_threads(args.threads)
+    if args.child:
+        kind, ckpt, dtype, *rest = args.child
+        out = child_load(ckpt, dtype) if kind == "load" else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]))
+        print(json.dumps(out))
+        return
+
+    phases = set(args.phases.split(","))
+    ckpt = Path(args.ckpt)
+    results: dict = {"scale": args.scale, "threads": args.threads, "ckpt": str(ckpt), "torch": torch.__version__}
+    if "build" in phases and not (ckpt / "config.json").exists():
+        from dasspec.testing import build_real_checkpoint
+        t = time.perf_counter()
+        build_real_checkpoint(args.huginn_files, ckpt, scale=args.scale)
+        results["build"] = {"seconds": time.perf_counter() - t}
+        print(f"built {ckpt} in {results['build']['seconds']:.0f} s", file=sys.stderr, flush=True)
+    if "load" in phases:
+        results["load"] = [run_child(args, "load", str(ckpt), d) for d in ("float32", "bfloat16")]
+    results["decode"] = {}
+    for phase, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        if phase in phases:
+            results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(args.R))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = report(results)
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
