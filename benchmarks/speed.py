@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--report-only", action="store_true")
     add_exec_flags(p)
-    add_sampling_flags(p)
+    add_sampling_flags(p, seed_flag="seed (0)")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--prefix-cache", action="store_true",
                    help="every method reuses each task's shared few-shot prefix, prefilled once before timing")
@@ -192,15 +192,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import dasspec
-    from dasspec.eval.bench.runner import BenchPlan, clear_results, parse_knobs, resolve_tasks, run_bench
+    from dasspec.eval.bench.runner import BenchPlan, RunFolder, parse_knobs, resolve_tasks, run_bench
 
     out = Path(args.out)
     if not args.report_only:
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.fresh:
-            clear_results(out)
         model = load_for_args(args)
         shots = {k: int(v) for k, v in (s.split("=") for s in args.shots)}
         tasks = resolve_tasks(args.tasks.split(","), {"*": args.max_new_tokens}, shots)
@@ -208,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = BenchPlan(tasks=tasks, methods=args.methods.split(","), knobs=parse_knobs(args.knobs),
                          prompts=args.prompts, data=args.data, prefix_cache=args.prefix_cache, sampling=sampling,
                          runtime=runtime_from_args(args, track_memory=True))
-        run_bench(model, plan, out, model_name=args.model or "bundled")
+        with RunFolder(out, fresh=args.fresh) as folder:     # --fresh clears it once the run starts
+            run_bench(model, plan, folder, model_name=args.model or "bundled")
     from dasspec.eval.bench.report import decoding_label
 
     text, table = speed_table(out)

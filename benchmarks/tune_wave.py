@@ -24,6 +24,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dasspec.cli import add_sampling_flags, sampling_from_args
     from dasspec.methods.knobs import add_knob_flags, knobs_from_args
     from dasspec.methods.wave import WaveKnobs
 
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=None)
     add_knob_flags(p.add_argument_group("DAS-Wave knob grid"), [WaveKnobs], grid=True)
+    add_sampling_flags(p, seed_flag="seed (0)")
     args = p.parse_args(argv)
+    sampling = sampling_from_args(args)              # every arm, AR included, samples alike
 
     import torch
     from tqdm.auto import tqdm
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from dasspec.eval.bench import metrics
     from dasspec.eval.bench.runner import dev_prompts
     from dasspec.eval.pairing import paired_runs
+    from dasspec.methods import resolve_knobs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args.w_init = None                               # "g" is not an integer: expanded per gamma below
     grid = knobs_from_args(args, [WaveKnobs], grid=True)
     names = list(grid)
-    default_gamma = dasspec.methods.resolve_knobs(model, "das-wave").gamma
+    sampled = bool(sampling.get("do_sample"))        # the defaults an arm does not set: the sampled ones then
+    default_gamma = resolve_knobs(model, "das-wave", sampled=sampled).gamma
     configs = []
     for values in itertools.product(*grid.values()):
         config = dict(zip(names, values))
@@ -66,20 +71,22 @@ def main(argv: list[str] | None = None) -> int:
             if w is not None:
                 c["w_init"] = c.get("gamma", default_gamma) if w.strip() == "g" else int(w)
             configs.append(c)
-    knobs = [dasspec.methods.resolve_knobs(model, "das-wave", c).as_dict() for c in configs]   # validated early
+    knobs = [resolve_knobs(model, "das-wave", c, sampled=sampled).as_dict() for c in configs]   # validated early
     arms = [("ar", {})] + [("das-wave", c) for c in configs]
     reps = max(1, args.repeats)
     best: dict[tuple[int, int], object] = {}
     bar = tqdm(total=len(prompts) * len(arms) * reps, desc="tune", unit="gen")
 
     def run_one(job, a: int):
-        (pi, pr, _), (method, kn) = job, arms[a]
-        res = dasspec.generate(model, pr.ids, method, max_new_tokens=pr.task.cap, stop=list(pr.task.stop), **kn)
+        (_, pr, _), (method, kn) = job, arms[a]
+        res = dasspec.generate(model, pr.ids, method, max_new_tokens=pr.task.cap, stop=list(pr.task.stop), **kn,
+                               **sampling)
         bar.update(1)
         return res
 
     jobs = [(pi, pr, rep) for pi, pr in enumerate(prompts) for rep in range(reps)]
-    warm = lambda job, a: dasspec.generate(model, job[1].ids, arms[a][0], max_new_tokens=16, **arms[a][1])  # noqa: E731
+    warm = lambda job, a: dasspec.generate(model, job[1].ids, arms[a][0], max_new_tokens=16,  # noqa: E731
+                                           **arms[a][1], **sampling)
     for run in paired_runs(jobs, list(range(len(arms))), run_one, warmup=warm, shift=lambda job: job[0] + job[2],
                            cuda=model.device.type == "cuda"):
         key, res = (run.prompt[0], run.arm), run.result
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                           [y.new_tokens for y in sa], [y.wall_time for y in sa])
         passes = metrics.throughput_ratios([x.new_tokens for x in s], [x.sequential_passes for x in s],
                                            [y.new_tokens for y in sa], [y.sequential_passes for y in sa])
-        table.append({**dasspec.eval.bench.runner.jsonable(knobs[a - 1]), "S": float(np.mean(ratio)),
+        table.append({**{k: getattr(v, 'name', v) for k, v in knobs[a - 1].items()}, "S": float(np.mean(ratio)),
                       "pass_speedup": float(np.mean(passes)), "A": float(np.mean([x.A for x in s])),
                       "G": float(np.mean([x.G for x in s]))})
     table.sort(key=lambda t: -t["S"])
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.md").write_text(f"dev prompts: {len(prompts)} ({args.tasks}), cap {args.max_new_tokens}, "
-                                 f"torch threads {torch.get_num_threads()}, fastest of {reps} run(s) per "
+                                 f"torch threads {torch.get_num_threads()}, {sampling or 'greedy'}, fastest of {reps} "
+                                 "run(s) per "
                                  "generation; knobs not in the grid: the model's defaults\n\n" + "\n".join(lines)
                                  + "\n")
     (out / "tune.json").write_text(json.dumps(table, indent=2))

@@ -3,12 +3,15 @@ interrupt, skipped prompts, stop strings, stateful bootstrap, knob parsing and t
 
 import json
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
-from dasspec.eval.bench import runner
-from dasspec.eval.bench.cli import cmd_bench
+from dasspec.eval.bench import work
 from dasspec.eval.bench.report import write_report
+from dasspec.eval.bench.folder import RunFolder, clear_results
+from dasspec.eval.bench.lock import FolderBusy
+from dasspec.eval.bench.records import REJECTED, RecordsError, read_records
 from dasspec.eval.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
 from dasspec.engine.draft import Drafter
 from dasspec.methods import METHODS, Method
@@ -95,7 +98,7 @@ def test_records_are_paired_rotated_and_match_ar(model, tmp_path):
 
 
 def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monkeypatch):
-    real = runner.generate
+    real = work.generate
     calls = []
 
     def interrupted(*a, **k):
@@ -104,7 +107,7 @@ def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monke
         calls.append(k["drafter"].name)
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "generate", interrupted)
+    monkeypatch.setattr(work, "generate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         bench(model, tmp_path, plan(["mature-spec"]))
     assert len(load_records(tmp_path / "records.jsonl")) == 4       # everything finished is kept
@@ -113,7 +116,7 @@ def test_resume_after_interrupt_runs_only_what_is_missing(model, tmp_path, monke
         calls.append(k["drafter"].name)
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "generate", counting)
+    monkeypatch.setattr(work, "generate", counting)
     calls.clear()
     run = bench(model, tmp_path, plan(["mature-spec"]))
     assert run.ran == 2 and run.kept == 4 and len(calls) == 2
@@ -160,15 +163,15 @@ def test_schedule_warms_up_rotates_and_keeps_slots_of_skipped_runs(monkeypatch):
 
 
 def test_warm_up_runs_every_method_once_on_the_first_prompt_with_a_short_cap(model, tmp_path, monkeypatch):
-    real = runner.generate
+    real = work.generate
     calls = []
 
     def counting(*a, **k):
         calls.append((k["drafter"].name, k["max_new_tokens"]))
         return real(*a, **k)
 
-    monkeypatch.setattr(runner, "generate", counting)
-    monkeypatch.setattr(runner, "WARMUP_TOKENS", 2)
+    monkeypatch.setattr(work, "generate", counting)
+    monkeypatch.setattr(work, "WARMUP_TOKENS", 2)
     bench(model, tmp_path, plan(["mature-spec"], prompts=2, warmup=True))
     assert calls == [("ar", 2), ("mature-spec", 2), ("ar", CAP), ("mature-spec", CAP), ("mature-spec", CAP),
                      ("ar", CAP)]
@@ -183,11 +186,239 @@ def test_target_depth_is_validated(model, tmp_path):
         bench(model, tmp_path, plan(["ar"], num_steps=0))
 
 
-def test_a_torn_last_line_is_dropped(tmp_path):
+def rec(pid, method="ar", **kw):
+    """A minimal finished record (the fields the report reads)."""
+    return {"task": "toy", "prompt_id": pid, "prompt_index": int(pid[1:]), "method": method, "new_tokens": 4,
+            "wall_time": 0.5, "sequential_passes": 8, "tokens": [5, 6, 7, 8], "accepted": [], "target_tokens": [],
+            "stop_reason": "max_new_tokens", "session": "s", **kw}
+
+
+def line(r):
+    return json.dumps(r) + "\n"
+
+
+def test_lines_that_are_not_records_stop_with_their_number_and_the_file_is_kept(tmp_path):
     path = tmp_path / "records.jsonl"
-    path.write_text('{"task": "t", "prompt_id": "a", "method": "ar"}\n{"task": "t", "prom')
-    assert [r["prompt_id"] for r in load_records(path)] == ["a"]
-    assert path.read_text().endswith("}\n")
+    body = (line(rec("p0")) + "{}\n" + "garbage\n" + line(rec("p0")) + '[1, 2]\n' + line(rec("p1"))
+            + '{"task": "toy", "prom')                               # a writer stopped (or still writing) mid-line
+    path.write_text(body)
+    with pytest.raises(RecordsError) as err:
+        read_records(path)
+    msg = str(err.value)
+    assert "5 line(s)" not in msg and "4 line(s)" in msg
+    assert "line 2 (missing task" in msg and "line 3 (not JSON" in msg and "line 5 (a JSON list" in msg
+    assert "line 4 (a second record of toy/p0/ar (first on line 1))" in msg and "--repair-records" in msg
+    assert path.read_text() == body and not (tmp_path / REJECTED).exists()       # left exactly as it was
+    got = read_records(path, set_aside=True)                                      # --repair-records
+    assert [r["prompt_id"] for r in got.ok] == ["p0", "p1"] and got.set_aside == 4
+    assert got.torn_tail == '{"task": "toy", "prom'
+    assert path.read_text() == body                                               # still never rewritten
+    side = [json.loads(x) for x in (tmp_path / REJECTED).read_text().splitlines()]
+    assert [(e["line"], e["text"]) for e in side] == [(2, "{}"), (3, "garbage"), (4, line(rec("p0"))[:-1]),
+                                                      (5, "[1, 2]")]
+    again = read_records(path)                                     # the listed lines are skipped from now on
+    assert len(again.ok) == 2 and again.set_aside == 4
+
+
+def test_the_writer_sets_a_torn_last_line_aside_by_appending(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(line(rec("p0")) + '{"task": "toy", "prom')
+    inode = path.stat().st_ino
+    with RunFolder(tmp_path) as folder:
+        assert folder.torn == '{"task": "toy", "prom'
+        assert path.read_text() == line(rec("p0")) + '{"task": "toy", "prom\n'   # appended to, not rewritten
+        folder.append(rec("p1"))
+    assert path.stat().st_ino == inode
+    side = [json.loads(x) for x in (tmp_path / REJECTED).read_text().splitlines()]
+    assert [(e["line"], e["text"]) for e in side] == [(2, '{"task": "toy", "prom')]
+    got = read_records(path)
+    assert [r["prompt_id"] for r in got.ok] == ["p0", "p1"] and got.set_aside == 1 and got.torn_tail is None
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "records.jsonl").write_text(line(rec("p0")) + line(rec("p1"))[:-1])   # stopped before the newline
+    with RunFolder(whole) as folder:
+        assert folder.torn is None                                   # a finished record: kept, not set aside
+    assert len(read_records(whole / "records.jsonl").ok) == 2 and not (whole / REJECTED).exists()
+
+
+def test_a_report_never_rewrites_records_that_a_running_bench_appends_to(tmp_path):
+    """The race of issue 23: --report-only (or a resumed bench) used to rewrite records.jsonl while another process
+    was halfway through a line; that process's later lines then went to an unlinked file."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "records.jsonl"
+    path.write_text(line(rec("p0")) + line(rec("p0", "pld")))
+    later = [line(rec(f"p{i}", m)) for i in (1, 2, 3) for m in ("ar", "pld")]
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+lines, path, go = {later!r}, {str(path)!r}, {str(tmp_path / "go")!r}
+fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+os.write(fd, lines[0][:20].encode())                  # halfway through a line ...
+while not os.path.exists(go):
+    time.sleep(0.01)
+os.write(fd, lines[0][20:].encode())                  # ... then the rest, and more lines
+for x in lines[1:]:
+    os.write(fd, x.encode())
+"""])
+    try:
+        deadline = time.time() + 30
+        while path.stat().st_size == len(line(rec("p0")) + line(rec("p0", "pld"))) and time.time() < deadline:
+            time.sleep(0.01)
+        s, _ = write_report(tmp_path, n_resamples=10)                 # what --report-only does, mid-line
+        assert len(s.rows) == 2 and s.torn_tail
+        (tmp_path / "go").touch()
+        assert writer.wait(30) == 0
+    finally:
+        writer.kill()
+    assert path.read_text() == line(rec("p0")) + line(rec("p0", "pld")) + "".join(later)   # nothing lost
+    assert len(read_records(path).ok) == 8
+
+
+def test_one_writer_per_folder_and_the_lock_dies_with_its_holder(tmp_path, capsys):
+    """A second bench on a folder that a running one holds (here a real process holding the lock) is refused at
+    once, before any model work (its --model does not exist), saying who holds it; a killed holder frees it."""
+    import subprocess
+    import sys
+
+    from dasspec.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from dasspec.eval.bench.lock import RunLock
+lock = RunLock({str(out)!r}).acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderBusy, match=f"another run holds {out} \\(pid {holder.pid} on "):
+            RunFolder(out)
+        with pytest.raises(FolderBusy):
+            clear_results(out)                                     # --fresh of another run is refused too
+        assert main(["bench", "--model", str(tmp_path / "no-model"), "--tasks", "humaneval", "--methods", "ar",
+                     "--out", str(out), "--quiet"]) == 2
+        assert f"another run holds {out} (pid {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunFolder(out):                                           # the kernel dropped the lock with its holder
+        pass
+
+
+def test_fresh_clears_earlier_results_only_once_the_run_starts(tmp_path, capsys):
+    """--fresh with a mistyped --model keeps the folder's records (they are deleted only when the run starts)."""
+    from dasspec.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "records.jsonl").write_text('{"earlier": 1}\n')
+    assert main(["bench", "--fresh", "--model", str(tmp_path / "no-model"), "--tasks", "humaneval", "--methods",
+                 "ar", "--out", str(out), "--quiet"]) == 2
+    assert (out / "records.jsonl").read_text() == '{"earlier": 1}\n'
+    with RunFolder(out, fresh=True) as folder:
+        assert (out / "records.jsonl").exists()                   # opening the folder deletes nothing
+        folder.start()
+        assert not (out / "records.jsonl").exists()
+
+
+def test_settings_that_would_fail_late_are_refused_before_any_work(tmp_path, capsys):
+    from dasspec.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["bench", "--model", str(tmp_path / "no-model"), "--tasks", "humaneval", "--methods", "ar", "--quiet"]
+    cases = [(["--out", str(tmp_path / "o"), "--bootstrap", "0"], "--bootstrap must be >= 1, got 0"),
+             (["--out", str(afile)], f"--out {afile} is a file, not a folder"),
+             (["--out", str(afile / "sub")], f"--out {afile / 'sub'}: cannot create the folder"),
+             (["--out", str(afile), "--report-only"], f"--out {afile} is a file, not a folder"),
+             (["--out", str(tmp_path / "o"), "--workers", "2"], "--workers is for --ray runs")]
+    if Path("/sys").is_dir():                                      # read-only even for root
+        cases.append((["--out", "/sys/dasspec-bench-test"], "--out /sys/dasspec-bench-test: cannot create"))
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and "no-model" not in err, (extra, err)   # nothing was loaded
+    assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_waits_for_the_line_being_written():
+    import os
+    import signal
+
+    from dasspec.eval.bench.records import interrupts_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        done = []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)                     # Ctrl-C in the middle of an append ...
+                done.append("the rest of the line")                     # ... which still finishes
+        assert done == ["the rest of the line"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ray_is_optional_and_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    from dasspec.cli import main
+
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)          # as if not installed
+    assert main(["bench", "--model", str(tmp_path / "no-model"), "--tasks", "humaneval", "--methods", "ar",
+                 "--out", str(tmp_path / "o"), "--quiet", "--ray"]) == 2
+    assert "pip install 'dasspec[ray]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_knob_flags_apply_to_every_benchmarked_method_that_takes_them():
+    from dasspec.cli import build_parser
+    from dasspec.eval.bench.cli import bench_knobs
+
+    def knobs(*argv, methods="self-spec,mature-spec,das-wave,pld"):
+        args = build_parser().parse_args(["bench", "--out", "x", *argv])
+        return bench_knobs(args, methods.split(","))
+
+    assert knobs("--policy", "deep-v", "--no-trim", "-k", "1", "--knobs", "mature-spec:policy=aligned,block=4") == {
+        "self-spec": {"policy": "deep-v"}, "mature-spec": {"policy": "aligned", "block": 4},   # --knobs wins
+        "das-wave": {"policy": "deep-v", "trim": False, "k": 1}}
+    assert knobs("--set", "max_ngram=2", "--num-pred", "5") == {"das-wave": {"max_ngram": 2},   # both take it
+                                                               "pld": {"max_ngram": 2, "num_pred": 5}}
+    with pytest.raises(ValueError, match="--gamma: none of the benchmarked methods \\(ar, pld\\) takes gamma"):
+        knobs("--gamma", "8", methods="pld")
+
+
+def test_failed_runs_are_reported_not_counted_and_rerun(tmp_path):
+    path = tmp_path / "records.jsonl"
+    failed = {"task": "toy", "prompt_id": "p1", "prompt_index": 1, "method": "pld", "status": "failed",
+              "error": "worker w died: ActorDiedError", "session": "s"}
+    path.write_text(line(rec("p0")) + line(rec("p0", "pld")) + line(rec("p1")) + line(failed))
+    got = read_records(path)
+    assert ("toy", "p1", "pld") not in got.done and [r["method"] for r in got.failed] == ["pld"]
+    s, text = write_report(tmp_path, n_resamples=10)
+    assert len(s.rows) == 3 and "1 runs failed and are not counted" in text
+    assert "failed: toy `p1` PLD: worker w died: ActorDiedError" in text
+    with open(path, "a") as f:                                    # the rerun's record supersedes the failure
+        f.write(line(rec("p1", "pld")))
+    assert read_records(path).failed == []
+
+
+def test_the_report_names_device_kinds_and_request_streams(model, tmp_path, extra_methods):
+    bench(model, tmp_path, plan(["test-stateful"], prompts=4))
+    recs = load_records(tmp_path / "records.jsonl")
+    assert {r["device"] for r in recs} == {"CPU " + __import__("platform").machine() + ", 1 thread"}
+    _, text = write_report(tmp_path, n_resamples=10)
+    assert "device kinds" not in text and "streams" not in text           # one device, one stream: nothing to say
+    for i, r in enumerate(recs):                                          # as a sharded run on two kinds would
+        if r["prompt_index"] % 2:
+            r.update(device="GPU X", worker="h:2")
+    (tmp_path / "records.jsonl").write_text("".join(map(line, recs)))
+    _, text = write_report(tmp_path, n_resamples=10)
+    assert "Cells ran on 2 device kinds" in text and "| toy | AR | " in text and "## Tokens/s per device kind" in text
+    assert "test-stateful keeps state across requests" in text and "split over 2 streams" in text
 
 
 def test_resuming_with_a_different_setup_is_refused(model, tmp_path):
@@ -245,8 +476,8 @@ def test_mismatches_are_reported_and_fail_in_float32(model, tmp_path, extra_meth
     s, text = write_report(tmp_path, n_resamples=100)
     assert {(m["method"], m["prompt_index"]) for m in s.mismatches} == {("test-broken", 0), ("test-broken", 1)}
     assert "FAILURE" in text and "test-broken" in text
-    args = Namespace(out=str(tmp_path), report_only=True, bootstrap=100, quiet=True)
-    assert cmd_bench(args) == 3
+    from dasspec.cli import main
+    assert main(["bench", "--out", str(tmp_path), "--report-only", "--bootstrap", "100", "--quiet"]) == 3
     assert "differ from AR" in capsys.readouterr().err
 
 
@@ -294,9 +525,11 @@ def test_cli_bench_writes_the_table_and_resumes(tmp_path, capsys, monkeypatch):
 
     ckpt = char_checkpoint(tmp_path / "ckpt")
     argv = ["bench", "--model", str(ckpt), "--tasks", "humaneval", "--methods", "mature-spec", "--prompts", "1",
-            "--max-new-tokens", "4", "--knobs", "mature-spec:draft_depth=2,block=2", "--bootstrap", "100",
+            "--max-new-tokens", "4", "--draft-depth", "2", "--knobs", "mature-spec:block=2", "--bootstrap", "100",
             "--out", str(tmp_path / "out"), "--no-warmup"]
     assert main(argv) == 0
+    knobs = json.loads((tmp_path / "out" / "run.json").read_text())["methods"]["mature-spec"]["knobs"]
+    assert (knobs["draft_depth"], knobs["block"]) == (2, 2)       # a derived flag and --knobs, both applied
     out = capsys.readouterr().out
     assert "| Method | HumanEval speedup [95% CI] | A |" in out and "| Mature-Spec |" in out
     recs = load_records(tmp_path / "out" / "records.jsonl")
@@ -357,14 +590,14 @@ def test_prefix_cache_serves_every_method_alike_and_is_pinned(model, tmp_path):
 def test_a_stateful_drafter_follows_the_whole_request_stream(model, tmp_path, monkeypatch):
     """The paper's protocol for Token Recycling: one successor table for the whole stream of requests (warm-up
     included), so the benchmark keeps one drafter per method for the run."""
-    real = runner.build_drafter
+    real = work.build_drafter
     built = {}
 
     def keep(model, method, *a, **k):
         built[method] = real(model, method, *a, **k)
         return built[method]
 
-    monkeypatch.setattr(runner, "build_drafter", keep)
+    monkeypatch.setattr(work, "build_drafter", keep)
     bench(model, tmp_path, plan(["token-recycling"], prompts=3, warmup=True))
     assert built["token-recycling"].table.requests == 1 + 3
 
@@ -387,3 +620,19 @@ def test_sampled_benchmark_records_its_settings_and_pairs_with_ar_sampling(model
     assert rows[0].endswith("decoding,temperature,top_k,top_p,min_p") and rows[1].endswith("sampled,1.3,,0.9,")
     with pytest.raises(ValueError, match="sampling"):                 # resuming with other settings is refused
         bench(model, tmp_path, plan(["mature-spec"], sampling={"temperature": 0.5}))
+
+
+def test_a_sampled_benchmark_uses_the_models_sampled_defaults(model, tmp_path, monkeypatch):
+    """The model folder's "das-wave:sampled" section applies to a sampled run (recorded in run.json), not a greedy
+    one; the drafter that runs is built with it."""
+    monkeypatch.setattr(model, "generation_defaults", {"dasspec": {"das-wave:sampled": {"w_init": 3}}})
+    built = {}
+    keep = work.build_drafter
+    monkeypatch.setattr(work, "build_drafter", lambda *a, **k: built.setdefault(len(built), keep(*a, **k)))
+    bench(model, tmp_path / "s", plan(["das-wave"], prompts=1, sampling={"temperature": 1.0}))
+    bench(model, tmp_path / "g", plan(["das-wave"], prompts=1))
+    sampled, greedy = (json.loads((tmp_path / f / "run.json").read_text())["methods"]["das-wave"]["knobs"]
+                       for f in ("s", "g"))
+    assert sampled["w_init"] == 3 and greedy["w_init"] != 3
+    assert [d.knobs.w_init for d in built.values() if hasattr(d, "knobs") and hasattr(d.knobs, "w_init")] == \
+        [3, greedy["w_init"]]

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import metrics
-from .runner import RECORDS, RUN_INFO, load_records
+from .folder import RUN_INFO, OutDirError, usable_folder
+from .records import RECORDS, Records, read_records
 
 METHOD_LABELS = {"ar": "AR", "lookahead": "Lookahead", "pld": "PLD", "token-recycling": "Token Recycling",
                  "sam": "SAM-Decoding", "self-spec": "Self-speculative", "mature-spec": "Mature-Spec",
@@ -44,6 +46,8 @@ class Summary:
     tasks: list[str]
     methods: list[str]
     unpaired: list[dict] = field(default_factory=list)    # records whose prompt has no AR record yet
+    failed: list[dict] = field(default_factory=list)      # failure records (a Ray cell that failed twice)
+    torn_tail: bool = False                               # records.jsonl ends in an unfinished line
 
     @property
     def mismatches(self) -> list[dict]:
@@ -107,6 +111,7 @@ def pair_with_ar(records: list[dict]) -> tuple[list[dict], list[dict]]:
                 "sequential_passes": r["sequential_passes"], "ar_sequential_passes": ar["sequential_passes"],
                 "stop_reason": r["stop_reason"], "stateful": bool(r.get("stateful", False)),
                 "same_session": r.get("session") == ar.get("session"),
+                "device": r.get("device"), "stream": (r.get("session"), r.get("worker")),
             })
     rows.sort(key=lambda x: (x["task"], x["prompt_index"], x["method"]))
     return rows, unpaired
@@ -122,7 +127,12 @@ def prefill_share_and_bound(rows: list[dict]) -> tuple[float | None, float | Non
     return sum(shares) / len(shares), sum(1 / f for f in shares) / len(shares)
 
 
-def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed: int = 0) -> Summary:
+def summarize(records: list[dict] | Records, n_resamples: int = metrics.N_RESAMPLES, seed: int = 0) -> Summary:
+    """``records``: finished records (a list), or a ``Records`` read from a folder (its failures and an unfinished
+    last line are then noted too)."""
+    failed, torn = [], False
+    if isinstance(records, Records):
+        failed, torn, records = records.failed, records.torn_tail is not None, records.ok
     rows, unpaired = pair_with_ar(records)
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
@@ -146,7 +156,7 @@ def summarize(records: list[dict], n_resamples: int = metrics.N_RESAMPLES, seed:
         cells[(task, method)] = cell
     tasks = _sorted([t for t, _ in cells], TASK_ORDER)
     methods = _sorted([m for _, m in cells], METHOD_ORDER)
-    return Summary(rows, cells, tasks, methods, unpaired)
+    return Summary(rows, cells, tasks, methods, unpaired, failed, torn)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -259,12 +269,17 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
                        "tokens)")
     else:
         out.append(f"None: all {len(s.rows)} paired outputs equal AR's tokens.")
+    devices = device_kinds(s)
+    if len(devices) > 1:
+        out += ["", "## Tokens/s per device kind", "", device_table(s, devices)]
     cross = sum(c["cross_session"] for c in s.cells.values())
     thin = any(c["bootstrap"].startswith("moving-block") and c["n"] <= metrics.STATEFUL_BLOCK
                for c in s.cells.values())
     short = prefill_notes(s)
-    if cross or s.unpaired or skipped or thin or short:
+    notes = device_notes(devices) + stream_notes(s) + failure_notes(s)
+    if cross or s.unpaired or skipped or thin or short or notes:
         out += ["", "## Notes", ""]
+    out += [f"- {note}" for note in notes]
     if cross:
         out.append(f"- {cross} method runs are paired with an AR run from another session (the folder was "
                    "resumed); pairs within one session are the paper's protocol.")
@@ -279,6 +294,62 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
     for sk in skipped or []:
         out.append(f"- skipped {task_label(sk['task'])} `{sk['prompt_id']}`: {sk['reason']}")
     return "\n".join(out) + "\n"
+
+
+def device_kinds(s: Summary) -> list[str]:
+    """The device kinds paired rows ran on (records from before the field existed name none)."""
+    return sorted({r["device"] for r in s.rows if r["device"]})
+
+
+def device_notes(devices: list[str]) -> list[str]:
+    if len(devices) < 2:
+        return []
+    return [f"Cells ran on {len(devices)} device kinds ({'; '.join(devices)}). Every speedup is still paired per "
+            "prompt (AR and each method on the same prompt ran back to back on one device), but absolute tokens/s "
+            "are not comparable across kinds: see the tokens/s per device kind."]
+
+
+def device_table(s: Summary, devices: list[str]) -> str:
+    """Mean tokens/s (prompts) per (task, method) and device kind."""
+    lines = ["| Task | Method | " + " | ".join(devices) + " |", "|---|---|" + "---|" * len(devices)]
+    for t in s.tasks:
+        for m in s.methods:
+            cells = []
+            for d in devices:
+                tps = [r["tokens_per_second"] for r in s.rows if (r["task"], r["method"], r["device"]) == (t, m, d)]
+                cells.append(f"{sum(tps) / len(tps):.1f} ({len(tps)})" if tps else "–")
+            if any(c != "–" for c in cells):
+                lines.append(f"| {task_label(t)} | {method_label(m)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def stream_notes(s: Summary) -> list[str]:
+    """One line per stateful method whose requests were split over more request streams than sessions (a
+    sharded run: every worker keeps its own state), since the paper's hot start follows one stream."""
+    notes = []
+    for m in s.methods:
+        rows = [r for r in s.rows if r["method"] == m and r["stateful"]]
+        streams = {r["stream"] for r in rows}
+        sessions = {st[0] for st in streams}
+        if len(streams) > len(sessions):
+            notes.append(f"{method_label(m)} keeps state across requests, which the paper's protocol (and a "
+                         f"one-process run) builds over one request stream; here its {len(rows)} requests were "
+                         f"split over {len(streams)} streams, one per worker process and session (a sharded run "
+                         f"gives every worker its own), {len(rows) / len(streams):.1f} requests each on average, so "
+                         "its state was built from fewer requests than in a one-process run.")
+    return notes
+
+
+def failure_notes(s: Summary) -> list[str]:
+    notes = [f"{len(s.failed)} runs failed and are not counted (run the same command again to retry them):"
+             ] if s.failed else []
+    for r in s.failed:
+        notes.append(f"failed: {task_label(r['task'])} `{r['prompt_id']}` {method_label(r['method'])}: "
+                     f"{r['error']}")
+    if s.torn_tail:
+        notes.append("records.jsonl ends in an unfinished line (a run is writing it, or stopped while writing it); "
+                     "it is not counted.")
+    return notes
 
 
 CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G", "pass_speedup", "matches",
@@ -360,12 +431,17 @@ def plot(s: Summary, out: Path) -> list[Path]:
 
 
 def write_report(out: str | Path, skipped: list[dict] | None = None, n_resamples: int = metrics.N_RESAMPLES,
-                 seed: int = 0) -> tuple[Summary, str]:
+                 seed: int = 0, repair: bool = False) -> tuple[Summary, str]:
     """Summarise every record in ``out/records.jsonl`` and write report.md, summary.csv, prompts.jsonl and the
-    PNGs; returns the summary and the markdown text."""
-    out = Path(out)
-    records = load_records(out / RECORDS)
-    if not records:
+    PNGs; returns the summary and the markdown text.  Reads records.jsonl only (a run may be appending to it);
+    ``repair``: set lines that are not records aside (records.rejected.jsonl) instead of stopping."""
+    if n_resamples < 1:
+        raise ValueError(f"--bootstrap must be >= 1, got {n_resamples}")
+    out = usable_folder(out, create=False)
+    if not os.access(out, os.W_OK):
+        raise OutDirError(f"--out {out} is not writable: the report cannot be written there")
+    records = read_records(out / RECORDS, set_aside=repair)
+    if not records.ok:
         raise ValueError(f"no records in {out / RECORDS}; run `dasspec bench --out {out}` first")
     info = json.loads((out / RUN_INFO).read_text()) if (out / RUN_INFO).exists() else {}
     s = summarize(records, n_resamples, seed)
