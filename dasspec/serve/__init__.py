@@ -1,0 +1,29 @@
+"""``dasspec serve``: an OpenAI-compatible HTTP server over one loaded model.
+
+    schema.py      the request bodies (strict), OpenAI-shaped errors
+    service.py     a request -> a decode job: prompt ids, token limit, sampling, the method's drafter
+    worker.py      the one decode thread per model and its bounded FIFO queue; cancellation
+    textstream.py  streamed text released only when final (multi-byte characters, stop strings)
+    responses.py   response bodies, stream chunks, the decoding statistics
+    metrics.py     Prometheus text metrics
+    app.py         the FastAPI routes
+    cli.py         the ``dasspec serve`` command
+
+    from dasspec.serve import Service, ServeOptions, create_app
+    app = create_app(Service(dasspec.load_model(), ServeOptions()))     # any ASGI server runs it
+"""
+
+from __future__ import annotations
+
+__all__ = ["create_app", "Service", "ServeOptions"]
+
+
+def __getattr__(name: str):
+    # imported on use: ``dasspec --help`` (which loads serve.cli) should not pay for FastAPI's import
+    if name == "create_app":
+        from .app import create_app
+        return create_app
+    if name in ("Service", "ServeOptions"):
+        from . import service
+        return getattr(service, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""``dasspec serve``: an OpenAI-compatible HTTP server that decodes with DAS-Wave (or any method), losslessly.
+
+    dasspec serve                                       # the bundled model on http://127.0.0.1:8000
+    dasspec serve --model /path/to/huginn-0125 --device cuda --dtype bfloat16 --port 8000
+    dasspec serve --method das-wave --set gamma=16 --set rounds=8 --max-queue 32 --max-tokens-cap 1024
+
+One decode worker per process (batch 1); run one replica per device behind any HTTP load balancer for more
+streams at once.  docs/serving.md has the endpoints, the request options and the metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..host import THREADS_HELP
+
+
+def _server_knobs(method: str, items: list[str]) -> dict:
+    """``--set NAME=VALUE`` items as the method's knobs, parsed by their declared types."""
+    from ..methods import get_method
+    from ..methods.knobs import parse_set_items
+
+    knobs_cls = get_method(method).knobs
+    return parse_set_items(items, {name: knobs_cls for name in knobs_cls.names()}, f"method {method!r} has no")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..methods import method_names
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder or HF repo id in the local cache (default: the "
+                                                 "bundled model)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists "
+                                                             "(default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--method", default="das-wave", choices=method_names(),
+                   help="decoding method of requests that name none (a request may choose another)")
+    p.add_argument("--set", dest="knobs", action="append", default=[], metavar="NAME=VALUE",
+                   help="a knob of --method (repeatable), e.g. --set gamma=16; requests override them")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while one decodes; beyond it the server answers 429 at once")
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="the most tokens one request may ask for (default: the model's context); bounds the "
+                        "memory of a request's depth cache")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (warning: no access log)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the short generation run before listening")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import dasspec
+    from ..host import set_threads
+    from .app import create_app
+    from .service import ServeOptions, Service
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    set_threads(args.threads)
+    model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
+    name = args.served_model_name or (Path(args.model).name if args.model else "dasspec-tiny")
+    service = Service(model, ServeOptions(model_name=name, method=args.method,
+                                          knobs=_server_knobs(args.method, args.knobs), max_queue=args.max_queue,
+                                          max_tokens_cap=args.max_tokens_cap))
+    if args.warmup:       # first-call costs (allocator, kernels) before the first client, not in its latency
+        dasspec.generate(model, model.tokenizer.encode("Hello"), drafter=service.drafter(service.method, {}),
+                         max_new_tokens=4)
+    print(f"dasspec serve: {name} ({model.config.family}, R={service.depth}, context {service.context}) with "
+          f"{service.method} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,200 @@
+"""The OpenAI request bodies the server accepts, checked strictly, and OpenAI-shaped errors.
+
+Strict on purpose: a wrong type (``"max_tokens": "10"``) is an error, not a conversion, and a field the server
+does not know is refused rather than ignored (``tools`` ignored would silently answer a different question).
+OpenAI fields the server cannot honour are accepted only at their no-op values (``n`` 1, ``logprobs`` off,
+``echo`` false, penalties 0, ...); any other value is refused with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class DasspecOptions(_Strict):
+    """The ``dasspec`` extension object: the decoding method and its knobs (``dasspec generate``'s flags)."""
+    method: str | None = None
+    knobs: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None                      # optional: the server serves one model
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    user: str | None = None                       # an end-user id for the caller's records; not used
+    dasspec: DasspecOptions | None = None
+    # accepted at their no-op values only (checked in ``unsupported``)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for every OpenAI option set to a value this server cannot honour."""
+        out = []
+        if self.n not in (None, 1):
+            out.append(("n", "one choice per request (n = 1): the server decodes one sequence at a time"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                out.append((name, "logit penalties would change the target distribution; only 0 is supported"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit biases would change the target distribution; not supported"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "only allowed with stream: true"))
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            out.append(("stop", "at most 16 stop strings"))
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(s == "" for s in stops):
+            out.append(("stop", "stop strings must not be empty"))
+        return out
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echoing the prompt is not supported"))
+        if self.suffix is not None:
+            out.append(("suffix", "insertion (a suffix) is not supported"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "one candidate per request (best_of = 1)"))
+        if self.logprobs is not None:
+            out.append(("logprobs", "log-probabilities are not returned"))
+        return out
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)    # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs:
+            out.append(("logprobs", "log-probabilities are not returned"))
+        if self.top_logprobs is not None:
+            out.append(("top_logprobs", "log-probabilities are not returned"))
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            out.append(("max_completion_tokens", "give max_tokens or max_completion_tokens, not both"))
+        return out
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# What a field takes, for messages about unions (pydantic names each member's failure instead).
+_EXPECTED = {
+    "prompt": "a string, a list of token ids, or a one-element list of either",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+_FIELDS = {name for m in (DasspecOptions, StreamOptions, CompletionRequest, TextPart, ChatMessage, ChatRequest)
+           for name in m.model_fields}
+
+
+def _param(loc: tuple) -> str:
+    """``("messages", 0, "content", "list[TextPart]", 1)`` -> ``messages[0].content``: field names and list
+    indices up to the first union-member tag (pydantic's loc names the member it tried)."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif item in _FIELDS or not out:
+            out += ("." if out else "") + item
+        else:
+            break
+    return out
+
+
+def _message(err: dict) -> tuple[str, str]:
+    loc = tuple(err.get("loc", ()))
+    param = _param(loc)
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        param = ".".join(filter(None, (_param(loc[:-1]), str(loc[-1]))))
+        return param, f"unknown field '{param}' (the server refuses fields it does not support rather than ignore them)"
+    if kind == "missing":
+        return param, f"'{param}' is required"
+    got = json.dumps(err.get("input"), default=str)[:80]
+    union = any(not isinstance(i, int) and i not in _FIELDS for i in loc)
+    expected = _EXPECTED.get(param.rsplit(".", 1)[-1]) if union else None
+    if expected:
+        return param, f"'{param}' must be {expected}, got {got}"
+    return param, f"'{param}': {err.get('msg', 'invalid value')}, got {got}"
+
+
+def parse_request(kind: type[_Common], body: Any) -> _Common:
+    """A validated request of ``kind`` from a decoded JSON body, or an ``APIError`` (400) naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = kind.model_validate(body)
+    except ValidationError as err:
+        param, message = _message(err.errors()[0])
+        raise APIError(400, message, param=param) from None
+    bad = req.unsupported()
+    if bad:
+        field, why = bad[0]
+        raise APIError(400, f"'{field}': {why}", param=field)
+    return req
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None

@@ -1,0 +1,193 @@
+"""The server's state and its one job: turn a validated OpenAI request into a decode ``Job`` - the prompt's token
+ids, the token limit checked against the context and the server's cap, greedy or sampled decoding, and the
+method's drafter - refusing anything it cannot serve exactly with an ``APIError`` naming the field.
+
+OpenAI semantics, mapped to ``dasspec.generate``:
+
+* ``temperature`` absent or 0: greedy decoding.  ``temperature`` > 0, or ``top_p`` given: sampling
+  (``do_sample=True``) at that temperature (1.0 when only ``top_p`` is given) and top-p - lossless, as AR sampling
+  at the same seed.  ``seed`` (default 0) seeds the per-position initial states and the sampling noise, so equal
+  requests get equal answers.
+* ``max_tokens``: default 16 for completions (OpenAI's), the rest of the context for chat; never above
+  ``--max-tokens-cap``, and prompt + max_tokens must fit the model's context.
+* ``dasspec``: ``{"method": ..., "knobs": {...}}``; knobs given to the server (``--set``) apply to its default
+  method, under the request's.  One drafter is kept per (method, knobs) - the benchmark's hot start: Token
+  Recycling's table and SAM's corpus automaton persist across requests; outputs never depend on it (lossless).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.draft import Drafter
+from ..engine.sampling import Sampling
+from ..methods import build_drafter, get_method
+from ..model.looped import LoopedLM
+from .metrics import ServerMetrics
+from .schema import APIError, ChatRequest, CompletionRequest
+from .worker import DecodeWorker, Job, QueueFull
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# chat without max_tokens: OpenAI's is "the rest of the context", but a request here preallocates its depth cache
+# for prompt + max_tokens, so the rest of a 4096 context would be ~11 GB per Huginn request in bf16
+CHAT_DEFAULT_MAX_TOKENS = 1024
+# Knobs that name files on the server: a client must not make the server read its files.
+SERVER_ONLY_KNOBS = frozenset({"static_corpus"})
+_DRAFTERS_KEPT = 16
+
+
+@dataclass
+class ServeOptions:
+    model_name: str = "dasspec-tiny"
+    method: str = "das-wave"
+    knobs: dict[str, Any] = field(default_factory=dict)     # the default method's knobs (--set)
+    max_queue: int = 64
+    max_tokens_cap: int | None = None                        # None: the model's context
+
+
+class Service:
+    def __init__(self, model: LoopedLM, options: ServeOptions):
+        if model.tokenizer is None:
+            raise ValueError("the server needs the checkpoint's tokenizer.json (it takes and returns text)")
+        cap = options.max_tokens_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_tokens_cap must be an integer >= 1, got {cap!r}")
+        self.model, self.tok, self.options = model, model.tokenizer, options
+        self.method = get_method(options.method).name            # canonical name (aliases resolved)
+        self.context = model.config.block_size
+        self.depth = model.depth(None)
+        self._drafters: OrderedDict[tuple[str, str, bool], Drafter] = OrderedDict()
+        for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
+            try:
+                self.drafter(self.method, {}, sampled=sampled)
+            except APIError as err:
+                raise ValueError(f"--method {self.method} --set: {err.message}"
+                                 + (" (with the model's sampled defaults)" if sampled else "")) from None
+        self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running)
+        self.worker = DecodeWorker(model, options.max_queue, self.metrics)
+
+    @property
+    def model_name(self) -> str:
+        return self.options.model_name
+
+    # --- prompts --------------------------------------------------------------------------------------------
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"'prompt': one prompt per request, got {len(p)} (this server decodes one "
+                               "sequence at a time; send several requests)", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            ids = self.tok.encode(p)
+        else:
+            V = self.model.config.vocab_size
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise APIError(400, f"'prompt': token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
+            ids = list(p)
+        if not ids:
+            raise APIError(400, "'prompt' is empty (and this tokenizer adds no BOS)", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as err:                 # the template's raise_exception / a template error
+            raise APIError(400, f"'messages': the chat template refused them: {err}", param="messages") from None
+        return self.tok.encode(text, add_special_tokens=False)  # the template placed BOS itself
+
+    # --- the job --------------------------------------------------------------------------------------------
+    def job(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str,
+            loop: asyncio.AbstractEventLoop) -> Job:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        params = {"max_new_tokens": self._max_tokens(req, len(prompt), endpoint), "seed": req.seed or 0}
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if stops:
+            params["stop"] = stops
+        params.update(self._sampling(req))
+        opts = req.dasspec
+        method = opts.method if opts is not None and opts.method is not None else self.method
+        drafter = self.drafter(method, dict(opts.knobs) if opts is not None else {},
+                               sampled=params.get("do_sample", False))
+        return Job(loop, prompt, drafter, params, endpoint, stream=bool(req.stream))
+
+    def _max_tokens(self, req, P: int, endpoint: str) -> int:
+        field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else \
+            "max_tokens"
+        given = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
+        room = self.context - P
+        if room < 1:
+            what = "messages" if endpoint == "chat" else "prompt"
+            raise APIError(400, f"the prompt has {P} tokens; the model's context is {self.context} positions, so no "
+                           "token can be generated", param=what, code="context_length_exceeded")
+        cap = self.options.max_tokens_cap or self.context
+        if given is None:
+            default = COMPLETION_DEFAULT_MAX_TOKENS if endpoint == "completions" else CHAT_DEFAULT_MAX_TOKENS
+            return min(default, room, cap)
+        if given > room:
+            raise APIError(400, f"prompt ({P} tokens) + {field_name} ({given}) = {P + given} exceeds the model's "
+                           f"context of {self.context} positions", param=field_name, code="context_length_exceeded")
+        if given > cap:
+            raise APIError(400, f"'{field_name}' {given} is above this server's limit of {cap} "
+                           "(dasspec serve --max-tokens-cap)", param=field_name)
+        return given
+
+    @staticmethod
+    def _sampling(req) -> dict[str, Any]:
+        t, p = req.temperature, req.top_p
+        if t == 0 or (t is None and p is None):
+            return {}
+        options = {"do_sample": True, "temperature": 1.0 if t is None else t, "top_p": p}
+        try:
+            Sampling(options["temperature"], None, p, None, req.seed or 0)
+        except ValueError as err:
+            param = "temperature" if "temperature" in str(err) else "top_p"
+            raise APIError(400, f"'{param}': {err}", param=param) from None
+        return options
+
+    def drafter(self, method: str, knobs: dict[str, Any], sampled: bool = False) -> Drafter:
+        """The kept drafter for (method, knobs, greedy or sampled: the model's defaults may differ), built (and its
+        knobs validated) on first use."""
+        try:
+            name = get_method(method).name
+        except ValueError as err:
+            raise APIError(400, f"'dasspec.method': {err}", param="dasspec.method") from None
+        denied = sorted(SERVER_ONLY_KNOBS & set(knobs))
+        if denied:
+            raise APIError(400, f"'dasspec.knobs': knob {denied[0]!r} names a file on the server; set it with "
+                           "dasspec serve --set",
+                           param=f"dasspec.knobs.{denied[0]}")
+        if name == self.method:
+            knobs = {**self.options.knobs, **knobs}
+        key = (name, json.dumps(knobs, sort_keys=True, default=repr), sampled)
+        if key in self._drafters:
+            self._drafters.move_to_end(key)
+            return self._drafters[key]
+        try:
+            drafter = build_drafter(self.model, name, knobs, sampled=sampled)
+        except (ValueError, TypeError) as err:
+            raise APIError(400, f"'dasspec.knobs': {err}", param="dasspec.knobs") from None
+        self._drafters[key] = drafter
+        while len(self._drafters) > _DRAFTERS_KEPT:
+            self._drafters.popitem(last=False)
+        return drafter
+
+    # --- the queue --------------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        try:
+            self.worker.submit(job)
+        except QueueFull as err:
+            raise APIError(429, f"the server is busy: {err}; retry shortly", type="rate_limit_error",
+                           code="queue_full") from None
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,491 @@
+"""``dasspec serve`` end to end: the real server (uvicorn in a subprocess on a free port, a tiny random Huginn-layout
+checkpoint with a BPE tokenizer and a chat template) talked to with the real ``openai`` client and, for malformed
+requests and disconnects, raw HTTP.
+
+Every answer is compared with ``dasspec.generate(..., method="ar")`` run here on the same checkpoint: completion,
+chat (the checkpoint's template), streaming (the concatenated stream equals the non-streamed text), stop strings,
+sampling, the ``dasspec`` extension; bad input answered with OpenAI-shaped 4xx errors naming the field; 16
+concurrent clients x 4 requests all answered losslessly; the queue bound answering 429; clients that disconnect -
+waiting or mid-stream - freeing their slot and stopping their generation, the server answering the next request
+correctly.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+import dasspec
+from dasspec.serve.textstream import IncrementalText
+from reference_impl import write_checkpoint, write_tokenizer
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|begin_header|>{{ m['role'] }}<|end_header|>\n\n"
+                 "{{ m['content'] }}<|end_turn|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|begin_header|>assistant<|end_header|>\n\n{% endif %}")
+CONTEXT = 512
+LONG = 400                  # tokens of the request kept running while the queue is probed (stopped by a disconnect)
+QUEUE = 8                   # the server's --max-queue
+PROMPT = "The quick brown fox"
+
+
+# --- the server -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    tok = write_tokenizer("huginn")
+    config = json.loads(tok["tokenizer_config.json"])
+    tok["tokenizer_config.json"] = json.dumps({**config, "chat_template": CHAT_TEMPLATE})
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny-huginn", "huginn", vocab_size=320, tokenizer=tok,
+                            mean_recurrence=8, config_edits={"block_size": CONTEXT}, drop=("freqs_cis",))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return dasspec.load_model(checkpoint, device="cpu")
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+
+    def send(self, path: str, body) -> http.client.HTTPConnection:
+        """POST without reading the answer (the caller reads or abandons it)."""
+        conn = self.connection()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        return conn
+
+    def post(self, path: str, body) -> tuple[int, dict, http.client.HTTPMessage]:
+        conn = self.send(path, body)
+        try:
+            r = conn.getresponse()
+            return r.status, json.loads(r.read()), r.headers
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> tuple[int, str]:
+        conn = self.connection()
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            conn.close()
+
+    def health(self) -> dict:
+        status, text = self.get("/health")
+        assert status == 200, text
+        return json.loads(text)
+
+    def metric(self, name: str) -> float:
+        """One series of /metrics (name with its labels, as printed), 0 when absent."""
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder: Path, log: Path, *args: str) -> Server:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for _ in range(3):                      # a port taken between free_port() and the bind: try another
+        port = free_port()
+        out = open(log, "w")
+        proc = subprocess.Popen([sys.executable, "-m", "dasspec.cli", "serve", "--model", str(folder), "--port",
+                                 str(port), "--threads", "1", "--log-level", "warning", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        out.close()
+        server = Server(proc, port, log)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if server.get("/health")[0] == 200:
+                    return server
+            except OSError:
+                time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the server did not come up in 120 s:\n{server.log_tail()}")
+        if "address already in use" not in server.log_tail().lower():
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{server.log_tail()}")
+    raise AssertionError("no free port after 3 tries")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    # A short DAS-Wave schedule (the paper's gamma 32 x 24 rounds costs seconds per request on a random model)
+    srv = start_server(checkpoint, tmp_path_factory.mktemp("serve-log") / "server.log", "--method", "das-wave",
+                       "--set", "gamma=8", "--set", "rounds=4", "--max-queue", str(QUEUE), "--served-model-name",
+                       "tiny")
+    yield srv
+    srv.proc.terminate()
+    try:
+        srv.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# --- references -------------------------------------------------------------------------------------------------
+
+def chat_ids(model, messages: list[dict]) -> list[int]:
+    tok = model.tokenizer
+    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def ar(model, ids, max_tokens: int, **options) -> dasspec.GenerationResult:
+    return dasspec.generate(model, ids, method="ar", max_new_tokens=max_tokens, **options)
+
+
+def stream_text(chunks, chat: bool = False) -> str:
+    if chat:
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+# --- answers ------------------------------------------------------------------------------------------------------
+
+def test_models_health_and_completion(server, client, model):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert server.health()["method"] == "das-wave"
+    ids = model.tokenizer.encode(PROMPT)
+    ref = ar(model, ids, 12)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12)
+    assert out.choices[0].text == ref.text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref.tokens)
+    assert out.choices[0].finish_reason == ("length" if ref.stop_reason == "max_new_tokens" else "stop")
+    stats = out.dasspec
+    assert stats["method"] == "das-wave" and stats["verifications"] >= 1 and stats["G"] >= 1
+    assert stats["sequential_passes"] == stats["prefill_passes"] + stats["draft_passes"] + stats["verify_passes"]
+    assert stats["ar_sequential_passes"] == 8 + 8 * (len(ref.tokens) - 1)          # R = 8, prefill + R per token
+    # token ids as the prompt, and the OpenAI default of 16 tokens
+    assert client.completions.create(model="tiny", prompt=ids).choices[0].text == ar(model, ids, 16).text
+
+
+def test_chat_uses_the_checkpoint_template(client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two"}]
+    ids = chat_ids(model, messages)
+    assert model.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|begin_text|><|begin_header|>system")
+    ref = ar(model, ids, 10)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ids)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Two plus "}, {"type": "text", "text": "two"}]}]
+    out = client.chat.completions.create(model="tiny", messages=parts, max_completion_tokens=10)
+    assert out.choices[0].message.content == ar(model, chat_ids(model, [messages[1]]), 10).text
+
+
+def test_streams_equal_the_non_streamed_text(server, client, model):
+    ids = model.tokenizer.encode(PROMPT)
+    ref = ar(model, ids, 24)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert stream_text(chunks) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == len(ref.tokens) and not chunks[-1].choices
+    messages = [{"role": "user", "content": "A looped transformer"}]
+    ref = ar(model, chat_ids(model, messages), 24)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert stream_text(chunks, chat=True) == ref.text
+    # the wire format: server-sent events, OpenAI's chunk objects, a final [DONE]
+    conn = server.send("/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "stream": True})
+    r = conn.getresponse()
+    body = r.read().decode()
+    conn.close()
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in body.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_stop_strings(client, model):
+    ids = model.tokenizer.encode(PROMPT)
+    free = ar(model, ids, 30).text
+    # a piece of the text that first occurs after a few characters (not U+FFFD: that is an undecodable byte)
+    k, n = next((k, n) for n in (2, 1) for k in range(3, len(free) - n)
+                if "\ufffd" not in free[k: k + n] and free.find(free[k: k + n]) == k)
+    stop = free[k: k + n]
+    ref = ar(model, ids, 30, stop=[stop])
+    assert ref.text == free[:k] and ref.stop_reason == "stop_string"
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, stop=stop)
+    assert out.choices[0].text == free[:k] and out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, stop=["\x00never", stop],
+                                       stream=True)
+    assert stream_text(chunks) == free[:k]
+    # a text that ends with the start of a stop string never completed: held back while streaming, sent at the end
+    tokens = ar(model, ids, 30).tokens
+    m = next(m for m in range(30, 0, -1) if model.tokenizer.decode(tokens[:m])[-1:] not in ("", "\ufffd"))
+    text = model.tokenizer.decode(tokens[:m])
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=m, stop=text[-1] + "\x00", stream=True)
+    assert stream_text(chunks) == text
+
+
+def test_sampling_and_method_options(client, model):
+    ids = model.tokenizer.encode(PROMPT)
+    ref = ar(model, ids, 12, do_sample=True, temperature=0.8, top_p=0.9, seed=5)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9, seed=5)
+    assert out.choices[0].text == ref.text
+    assert ref.text != ar(model, ids, 12, do_sample=True, temperature=0.8, top_p=0.9, seed=6).text
+    only_top_p = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, top_p=0.95, seed=2)
+    assert only_top_p.choices[0].text == ar(model, ids, 12, do_sample=True, temperature=1.0, top_p=0.95, seed=2).text
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, top_p=0.5)
+    assert greedy.choices[0].text == ar(model, ids, 12).text
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
+                                    extra_body={"dasspec": {"method": "pld", "knobs": {"num_pred": 3}}})
+    assert out.choices[0].text == ar(model, ids, 12).text
+    assert out.dasspec["method"] == "pld" and out.dasspec["knobs"]["num_pred"] == 3
+
+
+def test_metrics(server, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8)
+    text = server.get("/metrics")[1]
+    for name in ("dasspec_requests_total", "dasspec_prompt_tokens_total", "dasspec_generated_tokens_total",
+                 "dasspec_queue_length", "dasspec_accepted_tokens_per_verification",
+                 "dasspec_committed_tokens_per_verification", "dasspec_time_to_first_token_seconds",
+                 "dasspec_time_per_token_seconds"):
+        assert f"# TYPE {name} " in text
+    assert server.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}') >= 1
+    assert server.metric('dasspec_committed_tokens_per_verification_count{method="das-wave"}') >= 1
+    assert server.metric("dasspec_queue_length") == 0
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [   # (path, body, status, param, words the message must contain)
+    (C, b'{"prompt": "x",', 400, None, "not valid JSON"),
+    (C, b'["x"]', 400, None, "JSON object"),
+    (C, {"max_tokens": 4}, 400, "prompt", "required"),
+    (C, {"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    (C, {"prompt": "x", "n": 2}, 400, "n", "n = 1"),
+    (C, {"prompt": "x", "logprobs": 1}, 400, "logprobs", "log-probabilities"),
+    (CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs", "log-probabilities"),
+    (C, {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens", "context"),
+    (C, {"prompt": "x", "dasspec": {"method": "nope"}}, 400, "dasspec.method", "unknown method 'nope'"),
+    (C, {"prompt": "x", "dasspec": {"knobs": {"gamam": 3}}}, 400, "dasspec.knobs", "gamam"),
+    (C, {"prompt": "x", "dasspec": {"method": "das-wave", "knobs": {"gamma": -1}}}, 400, "dasspec.knobs", "gamma"),
+    (C, {"prompt": "x", "dasspec": {"method": "sam", "knobs": {"static_corpus": "/etc/passwd"}}}, 400,
+     "dasspec.knobs.static_corpus", "--set"),
+    (C, {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens", "integer"),
+    (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    (C, {"prompt": "x", "temperature": -1}, 400, "temperature", "greater than"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p", "greater than"),
+    (C, {"prompt": "x", "stop": 5}, 400, "stop", "string"),
+    (C, {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    (C, {"prompt": "x", "seed": 1.5}, 400, "seed", "integer"),
+    (C, {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    (C, {"prompt": [99999]}, 400, "prompt", "vocabulary"),
+    (C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    (CHAT, {"messages": "hi"}, 400, "messages", "list"),
+    (CHAT, {"messages": []}, 400, "messages", "at least 1"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 400,
+     "messages[0].content", "text"),
+    (CHAT, {"messages": MSG, "tools": []}, 400, "tools", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_is_refused_with_the_field(server, path, body, status, param, words):
+    got, answer, _ = server.post(path, body)
+    assert got == status, answer
+    err = answer["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert words in err["message"], err["message"]
+    if param:
+        assert param.split(".")[-1].split("[")[0] in err["message"]
+
+
+def test_bad_input_through_the_client_then_still_serving(server, client, model):
+    with pytest.raises(openai.BadRequestError, match="n = 1"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert out.choices[0].text == ar(model, model.tokenizer.encode(PROMPT), 6).text
+    assert server.health()["status"] == "ok"
+
+
+# --- load, the queue bound, disconnects ----------------------------------------------------------------------------
+
+def test_lossless_under_load(server, client, model):
+    """16 concurrent clients x 4 requests (completions and chat, streamed or not, greedy or sampled): every answer
+    equals AR's for its own prompt; a 429 (queue full: 8 slots) is retried; none is lost."""
+    specs = []
+    for i in range(64):
+        chat, streamed, sampled = i % 2 == 1, i % 4 >= 2, i % 8 >= 6
+        options = {"temperature": 0.7, "seed": i} if sampled else {}
+        specs.append((f"Request {i}: the quick brown fox", chat, streamed, options))
+    expected = []
+    for text, chat, _, options in specs:
+        ids = chat_ids(model, [{"role": "user", "content": text}]) if chat else model.tokenizer.encode(text)
+        sampling = {"do_sample": True, "temperature": 0.7, "seed": options["seed"]} if options else {}
+        expected.append(ar(model, ids, 4, **sampling).text)
+    assert len(set(expected)) >= 32                       # mostly distinct answers, so a mix-up shows
+
+    got: dict[int, str] = {}
+    rejected = [0]
+    lock = threading.Lock()
+    start = threading.Barrier(16)
+
+    def one(i: int) -> str:
+        text, chat, streamed, options = specs[i]
+        for attempt in itertools.count():
+            try:
+                if chat:
+                    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                                         max_tokens=4, stream=streamed, **options)
+                    return stream_text(out, chat=True) if streamed else out.choices[0].message.content
+                out = client.completions.create(model="tiny", prompt=text, max_tokens=4, stream=streamed, **options)
+                return stream_text(out) if streamed else out.choices[0].text
+            except openai.RateLimitError:
+                with lock:
+                    rejected[0] += 1
+                time.sleep(min(0.4, 0.05 * 2 ** attempt) * random.uniform(0.5, 1))   # back off, not hammer
+
+    def worker(w: int) -> None:
+        start.wait()
+        for i in range(w, 64, 16):
+            text = one(i)
+            with lock:
+                got[i] = text
+
+    before = server.metric('dasspec_requests_total{endpoint="completions",outcome="rejected"}') + \
+        server.metric('dasspec_requests_total{endpoint="chat",outcome="rejected"}')
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads)
+    assert [got.get(i) for i in range(64)] == expected
+    after = server.metric('dasspec_requests_total{endpoint="completions",outcome="rejected"}') + \
+        server.metric('dasspec_requests_total{endpoint="chat",outcome="rejected"}')
+    assert after - before == rejected[0]                   # every 429 the clients saw is one the server counted
+    assert server.health()["status"] == "ok"
+
+
+def read_first_event(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+    r = conn.getresponse()
+    assert r.status == 200
+    while not r.fp.readline().startswith(b"data: "):
+        pass
+    return r
+
+
+def hang_up(sock: socket.socket) -> None:
+    sock.shutdown(socket.SHUT_RDWR)      # the FIN goes out now, whatever else still holds the socket
+    sock.close()
+
+
+def wait_for(check, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_queue_bound_and_disconnects(server, client, model):
+    """A long stream decodes; waiting requests fill the queue's slots; the next is refused with 429 at once.  The
+    waiting clients hang up: their slots free while the stream still decodes.  The streaming client hangs up: its
+    generation stops early.  The request queued behind it is answered correctly."""
+    cancelled = 'dasspec_requests_total{endpoint="completions",outcome="cancelled"}'
+    ar_tokens = 'dasspec_generated_tokens_total{method="ar"}'
+    before_cancelled, before_ar = server.metric(cancelled), server.metric(ar_tokens)
+    long = {"prompt": PROMPT, "max_tokens": LONG, "dasspec": {"method": "ar"}}
+    streaming = server.send(C, {**long, "stream": True})
+    streaming_sock = streaming.sock
+    read_first_event(streaming)                          # decoding has started
+    waiting = [server.send(C, long).sock for _ in range(QUEUE)]
+    wait_for(lambda: server.health()["queue_length"] == QUEUE, "a full queue")
+    status, answer, headers = server.post(C, {"prompt": PROMPT, "max_tokens": 4})
+    assert status == 429 and answer["error"]["type"] == "rate_limit_error" and headers["Retry-After"]
+    for sock in waiting:
+        hang_up(sock)
+    wait_for(lambda: server.health()["queue_length"] == 0, "the hung-up requests to leave the queue")
+    assert server.health()["running"] == 1, f"the {LONG}-token stream ended before the test could hang up"
+
+    ids = model.tokenizer.encode("Two plus two")
+    result = {}
+    behind = threading.Thread(target=lambda: result.update(
+        out=client.completions.create(model="tiny", prompt="Two plus two", max_tokens=8)))
+    behind.start()
+    wait_for(lambda: server.health()["queue_length"] == 1, "the next request to queue")
+    hang_up(streaming_sock)
+    behind.join(60)
+    assert result["out"].choices[0].text == ar(model, ids, 8).text
+    wait_for(lambda: server.metric(cancelled) == before_cancelled + QUEUE + 1, "the cancelled requests in /metrics")
+    generated = server.metric(ar_tokens) - before_ar
+    assert 1 <= generated < LONG, generated              # the hung-up stream stopped early
+    wait_for(lambda: server.health()["running"] == 0, "the worker to go idle")
+    assert server.health()["status"] == "ok" and server.health()["queue_length"] == 0
+
+
+# --- streamed text, unit -------------------------------------------------------------------------------------------
+
+def test_incremental_text_holds_back_split_characters_and_stop_prefixes(model):
+    tok = model.tokenizer
+    c3, a9 = tok.token_to_id("Ã"), tok.token_to_id("©")      # byte-level tokens of the two bytes of "é"
+    inc = IncrementalText(tok.decode)
+    assert tok.decode([c3, a9]) == "é" and inc.feed([c3]) == "" and inc.feed([a9]) == "é"
+    chars = IncrementalText(lambda ids: "".join(map(chr, ids)), ["abc"])
+    feed = lambda s: chars.feed([ord(ch) for ch in s])        # noqa: E731
+    assert feed("xa") == "x"            # "a" may begin "abc"
+    assert feed("bd") == "abd"          # it did not
+    assert feed("ab") == ""
+    assert feed("cz") == ""             # "abc" arrived: nothing from it on is text
+    assert chars.finish("xabd") == ""
+    assert IncrementalText(lambda ids: "x\ufffd\ufffd").feed([1]) == "x"
+
+
+def test_a_request_without_max_tokens_reserves_a_bounded_cache():
+    """Without max_tokens a chat gets CHAT_DEFAULT_MAX_TOKENS (not the rest of a long context: a request
+    preallocates its cache for all of it), a completion OpenAI's 16; both within the room left and the cap."""
+    from types import SimpleNamespace
+
+    from dasspec.serve.schema import ChatRequest, CompletionRequest
+    from dasspec.serve.service import CHAT_DEFAULT_MAX_TOKENS, Service
+
+    chat = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    completion = CompletionRequest.model_validate({"prompt": "hi"})
+
+    def limit(req, P, endpoint, context=4096, cap=None):
+        service = SimpleNamespace(context=context, options=SimpleNamespace(max_tokens_cap=cap))
+        return Service._max_tokens(service, req, P, endpoint)
+
+    assert CHAT_DEFAULT_MAX_TOKENS < 4096 - 10
+    assert limit(chat, 10, "chat") == CHAT_DEFAULT_MAX_TOKENS
+    assert limit(completion, 10, "completions") == 16
+    assert limit(chat, 4090, "chat") == 6                       # the room left
+    assert limit(chat, 10, "chat", cap=100) == 100              # the server's cap
