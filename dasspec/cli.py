@@ -1,14 +1,30 @@
-"""Command line: ``dasspec generate | bench | probe NAME | train``.
+"""Command line: ``dasspec generate | bench | probe NAME | train | serve``.
 
 Every command that writes results takes ``--out DIR`` and writes its files (markdown, JSONL, CSV, PNG) directly
-into DIR.
+into DIR.  A bad input ends any command with one line ``dasspec: error: ...`` and exit code 2 (argparse's code for
+a bad command line); Ctrl-C ends it with one line and exit code 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
+from collections.abc import Iterable
+
+from .host import THREADS_HELP, check_out_file, set_threads
+
+EXIT_USAGE = 2                  # argparse's code for a bad command line: every command's input errors use it too
+EXIT_FAILED = 1                 # the environment failed (disk full, ...), not the input
+EXIT_INTERRUPTED = 130          # the shell's code for a process stopped by SIGINT
+
+# Errors that mean "the input is wrong" (a value, a path, a file's contents): a message, never a traceback.
+# ValueError covers the domain errors (CheckpointError, ConfigError, ResumeError, DataFormatError), bad UTF-8 and
+# bad JSON; FileNotFoundError covers DataError.
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
 
 def add_knob_flags(p: argparse.ArgumentParser) -> None:
     """Every registered method's knobs as flags (derived from their dataclasses), plus --set NAME=VALUE."""
@@ -28,10 +44,10 @@ def knobs_from_args(args: argparse.Namespace) -> dict:
     return parse(args, all_knobs(), getattr(args, "extra", []))
 
 
-def add_sampling_flags(p) -> None:
+def add_sampling_flags(p, seed_flag: str = "--seed") -> None:
     p.add_argument("--temperature", type=float, default=None,
                    help="sample at this temperature (> 0; 0 = greedy, the default); lossless: every method emits "
-                        "what AR sampling emits at the same --seed")
+                        f"what AR sampling emits at the same {seed_flag}")
     p.add_argument("--top-k", dest="top_k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", dest="top_p", type=float, default=None, help="sample from the top tokens holding p")
     p.add_argument("--min-p", dest="min_p", type=float, default=None,
@@ -111,19 +127,56 @@ class TextStreamer:
         self.out.flush()
 
 
+def utf8_text(text: str, source: str) -> str:
+    """Command-line text, refused when it is not UTF-8: Python passes such bytes through as lone surrogates
+    (PEP 383), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(text[err.start]) - 0xDC00 if "\udc80" <= text[err.start] <= "\udcff" else None
+        what = f"byte {byte:#04x}" if byte is not None else f"{text[err.start]!r}"
+        raise ValueError(f"{source} is not UTF-8 text ({what} at character {err.start + 1}); convert it, e.g. "
+                         "with iconv -t UTF-8") from None
+    return text
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """``--prompt``, else all of stdin, as UTF-8 text (an error names which one is not)."""
+    if args.prompt is not None:
+        return utf8_text(args.prompt, "--prompt")
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:                             # a text stream put in place of stdin (tests, embedding)
+        return utf8_text(sys.stdin.read(), "stdin")
+    data = raw.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"stdin is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); convert "
+                         "it, e.g. with iconv -t UTF-8") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import dasspec
 
+    prompt = read_prompt(args)                  # every input check before the model loads
+    stops = [utf8_text(s, "--stop") for s in args.stop]
+    if args.stats_json:
+        check_out_file(args.stats_json, "--stats-json")
+    set_threads(args.threads)
     model = load_for_args(args)
     if model.tokenizer is None:
-        raise SystemExit(f"{args.model}: no tokenizer.json next to the weights; cannot encode --prompt")
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        raise ValueError(f"{model.source}: no tokenizer.json next to the weights; cannot encode the prompt")
     ids = model.tokenizer.encode(prompt)
     streamer = None if args.quiet else TextStreamer(model.tokenizer, prompt=prompt)
-    res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
-                           num_steps=args.num_steps, init_scale=args.init_scale, stop=args.stop or None,
-                           seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
-                           **sampling_from_args(args), **knobs_from_args(args))
+    try:
+        res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
+                               num_steps=args.num_steps, init_scale=args.init_scale, stop=stops or None,
+                               seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
+                               **sampling_from_args(args), **knobs_from_args(args))
+    except KeyboardInterrupt:
+        if streamer is not None and streamer.prompt_seen:
+            print(flush=True)                   # end the streamed line: the message goes on a line of its own
+        raise
     s = res.stats
     if args.quiet:
         print(res.text)
@@ -136,56 +189,103 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``dasspec generate``: its flags, with every registered method's knobs (importing the methods loads torch,
+    so this runs only when the command is used)."""
     from .methods import method_names
 
-    p = argparse.ArgumentParser(prog="dasspec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text with any method (streams to stdout)")
+    g = sub.add_parser("generate", help=COMMANDS["generate"][0])
     g.add_argument("--model", default=None, help="checkpoint folder or HF repo id in the local cache "
                                                   "(default: the bundled model)")
-    g.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
-    g.add_argument("--method", default="ar", choices=method_names())
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--prompt", default=None, help="prompt text (default: read stdin); UTF-8")
+    g.add_argument("--method", default="ar", choices=method_names(), metavar="METHOD",
+                   help=f"decoding method: {', '.join(method_names())} (default: %(default)s, full-depth "
+                        "autoregressive; every method emits its tokens)")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens to generate, prompt excluded (default: %(default)s)")
     g.add_argument("--num-steps", type=int, default=None, help="target recurrence depth R (default: config)")
-    g.add_argument("--init-scale", type=float, default=1.0, help="initial-state scale (0: zero state)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states and of sampling")
+    g.add_argument("--init-scale", type=float, default=1.0,
+                   help="initial-state scale (0: zero state; default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the per-position initial states and of sampling (default: %(default)s)")
     add_sampling_flags(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available, else CPU)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight and compute type (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     g.add_argument("--quiet", action="store_true", help="print only the final text, no streaming")
     g.add_argument("--stats-json", default=None, help="write tokens, text and statistics to this JSON file")
     add_knob_flags(g)
     add_exec_flags(g)
     g.set_defaults(func=cmd_generate)
+    return g
 
-    for module in ("dasspec.eval.bench.cli", "dasspec.eval.probes.cli", "dasspec.train.cli"):
-        try:
-            mod = __import__(module, fromlist=["add_parser"])
-        except ModuleNotFoundError as err:
-            if err.name and err.name.startswith("dasspec"):
-                continue
-            raise
-        mod.add_parser(sub)
+
+# The commands: name -> (its one-line help, the module whose add_parser(sub) declares it).  A module is imported
+# only when its command is used, so ``dasspec --help`` starts without torch; each module passes the same help line
+# to sub.add_parser (tests/test_reliability.py checks that the two listings agree).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("generate text with any method (streams to stdout)", __name__),
+    "bench": ("paired speedup benchmark (paper Table 1) into --out DIR", "dasspec.eval.bench.cli"),
+    "probe": ("mechanism probes (maturity, channels, grid, factorial, sweep, cost)", "dasspec.eval.probes.cli"),
+    "train": ("train the bundled looped model (or a bigger preset on a GPU); rerun to resume", "dasspec.train.cli"),
+    "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, metrics)", "dasspec.serve.cli"),
+}
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``dasspec`` parser with ``commands`` declared in full (default: all of them); the others are listed
+    by name and help line only, which needs none of their imports."""
+    p = argparse.ArgumentParser(prog="dasspec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    full = set(COMMANDS if commands is None else commands)
+    for name, (help_line, module) in COMMANDS.items():
+        if name in full:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """``dasspec``: every command's input errors end with one line on stderr and exit code 2, Ctrl-C with one
+    line and 130 - never a traceback (a traceback means a bug in dasspec)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        parser = build_parser([argv[0]] if argv and argv[0] in COMMANDS else [])
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except (ValueError, RuntimeError, FileNotFoundError) as err:
-        from .model.cache import CacheCapacityError
-        from .model.checkpoint import CheckpointError
-        from .model.config import ConfigError
-        if isinstance(err, (CheckpointError, ConfigError, CacheCapacityError, ValueError, FileNotFoundError)):
-            print(f"dasspec: error: {err}", file=sys.stderr)
-            return 2
+    except KeyboardInterrupt as stop:
+        return _fail(f"interrupted{f': {stop}' if str(stop) else ''}", EXIT_INTERRUPTED)
+    except SystemExit as stop:
+        if isinstance(stop.code, str):          # raise SystemExit("message") in a command
+            return _fail(f"error: {stop.code}", EXIT_USAGE)
         raise
+    except BrokenPipeError:                     # `dasspec generate ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except Exception as err:
+        if is_user_error(err) and not os.environ.get("DASSPEC_TRACEBACK"):
+            # (a ValueError can also come from a bug, deep inside: DASSPEC_TRACEBACK=1 shows where)
+            return _fail(f"error: {err}", EXIT_USAGE)
+        if isinstance(err, OSError):
+            return _fail(f"error: {err}", EXIT_FAILED)
+        raise
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err`` reports a bad input (answered with a message), not a bug (answered with a traceback)."""
+    if isinstance(err, USER_ERRORS):
+        return True
+    cache = sys.modules.get("dasspec.model.cache")      # loaded if a model was: no torch import just to check
+    return cache is not None and isinstance(err, cache.CacheCapacityError)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"dasspec: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

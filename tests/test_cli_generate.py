@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +96,93 @@ def test_bad_model_path(tmp_path, capsys):
     assert rc == 2 and "does not exist" in err and "nope" in err
 
 
-def test_model_without_tokenizer(tmp_path):
+def test_model_without_tokenizer(tmp_path, capsys):
     bare = write_checkpoint(tmp_path / "bare", "raven-olmo")
-    with pytest.raises(SystemExit, match="no tokenizer.json"):
-        main(["generate", "--model", str(bare), "--prompt", TEXT])
+    assert main(["generate", "--model", str(bare), "--prompt", TEXT]) == 2
+    assert capsys.readouterr().err == (f"dasspec: error: {bare}: no tokenizer.json next to the weights; cannot "
+                                       "encode the prompt\n")
+
+
+# --- hostile input: a message that names it, exit code 2, nothing printed or written -------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt", "def f(x):\udcff"], r"--prompt is not UTF-8 text \(byte 0xff at character 10\)"),
+    (["--prompt", TEXT, "--stop", "\udce9"], r"--stop is not UTF-8 text \(byte 0xe9 at character 1\)"),
+])
+def test_command_line_text_that_is_not_utf8(folder, capsys, argv, message):
+    """Python hands bytes that are not UTF-8 in argv over as lone surrogates (PEP 383): refused, not a traceback
+    from inside the tokenizer."""
+    assert main(["generate", "--model", str(folder)] + argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(f"dasspec: error: {message}.*\n", err)
+
+
+def test_stdin_that_is_not_utf8(folder, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def f(x):\n\xff\xfe"), encoding="utf-8"))
+    assert main(["generate", "--model", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("dasspec: error: stdin is not UTF-8 text (byte 0xff at offset 10)")
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_stats_json_that_cannot_be_written_fails_before_generating(folder, capsys, tmp_path, monkeypatch, where):
+    monkeypatch.setattr(dasspec, "load_model", lambda *a, **k: pytest.fail("the model was loaded first"))
+    target = tmp_path if where == "a folder" else tmp_path / "file.txt" / "stats.json"
+    (tmp_path / "file.txt").write_text("x")
+    assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--stats-json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dasspec: error: --stats-json {target}: ") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_ctrl_c_exits_130_with_one_line(folder, capsys, monkeypatch):
+    """SIGINT while tokens stream: the streamed line is ended, then one line on stderr, exit code 130."""
+    import signal
+
+    from dasspec.cli import TextStreamer
+
+    put = TextStreamer.put
+
+    def interrupted(self, chunk):
+        put(self, chunk)
+        if self.ids:                                    # after the first generated token
+            signal.raise_signal(signal.SIGINT)
+    monkeypatch.setattr(TextStreamer, "put", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)     # what a command-line process has
+    try:
+        assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--max-new-tokens", "8",
+                     "--num-steps", "2"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out, err = capsys.readouterr()
+    assert out.startswith(TEXT) and out.endswith("\n") and err == "dasspec: interrupted\n"
+
+
+def test_threads_default_to_one_on_a_loaded_cpu(folder, capsys, monkeypatch):
+    """Without --threads, generate runs torch's thread count lowered to the cores the load average leaves idle."""
+    import torch
+
+    from dasspec import host
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    monkeypatch.setattr(host.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    torch.set_num_threads(2)
+    assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--max-new-tokens", "1"]) == 0
+    assert torch.get_num_threads() == 1
+    assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--max-new-tokens", "1", "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2
+    capsys.readouterr()
+    assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "dasspec: error: --threads must be >= 1, got 0\n"
+
+
+def test_every_generate_flag_has_help_and_shows_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, shown in [("--method METHOD", "(default: ar"), ("--max-new-tokens MAX_NEW_TOKENS", "(default: 128)"),
+                        ("--device DEVICE", "(default: CUDA when available, else CPU)"),
+                        ("--dtype {float32,bfloat16,float16}", "(default: bfloat16 on CUDA, float32 on CPU)"),
+                        ("--threads THREADS", "(default: torch's, lowered to the cores")]:
+        help_text = text.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+        assert shown in help_text, flag

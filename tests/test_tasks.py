@@ -7,7 +7,7 @@ import pytest
 
 from dasspec.engine.stopping import StopRule
 from dasspec.eval.tasks import DataError, get_task, select, task_names
-from dasspec.eval.tasks import gsm8k, humaneval, math500, mbpp
+from dasspec.eval.tasks import gsm8k, math500, mbpp
 
 
 class CharTokenizer:

@@ -129,6 +129,8 @@ def test_presets_build_valid_huginn_configs():
     (dict(min_depth=9, max_depth=8), r"min_depth \(9\) > max_depth \(8\)"),
     (dict(n_embd=30, n_heads=4), "multiple of n_heads"),
     (dict(checkpoint_every=-1), "checkpoint_every must be >= 0"),
+    (dict(time_budget_s=-60.0), "time_budget_s must be a positive number of seconds, got -60.0"),
+    (dict(time_budget_s=0), "time_budget_s must be a positive number of seconds, got 0"),
 ])
 def test_bad_training_settings_fail_before_the_corpus_is_built(override, message, tmp_path, monkeypatch):
     from dasspec.train import corpus
@@ -154,7 +156,8 @@ def test_training_without_a_data_folder_says_how_to_set_one(tmp_path, monkeypatc
 
     monkeypatch.delenv("DASSPEC_DATA", raising=False)
     with pytest.raises(DataError, match="pass --data DIR or set DASSPEC_DATA"):
-        train(PRESETS["micro"], tmp_path, progress=False)
+        train(PRESETS["micro"], tmp_path / "model", progress=False)
+    assert list(tmp_path.iterdir()) == []                   # nothing to resume from: no model.partial either
 
 
 def _log_rows(path) -> list[dict]:
@@ -174,8 +177,8 @@ def test_stopped_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path, m
     cfg = replace(PRESETS["micro"], max_steps=12, checkpoint_every=4, lr=1e-2, warmup_steps=3, val_fraction=0.1)
     finished = {}
 
-    def finish(cfg, out, model, data, p, *args):          # evaluation and card are the smoke test's business
-        finished[out.name] = ({k: v.clone() for k, v in model.state_dict().items()}, p)
+    def finish(cfg, work, model, data, p, *args):         # evaluation and card are the smoke test's business
+        finished[work.name] = ({k: v.clone() for k, v in model.state_dict().items()}, p)
         return {}
 
     monkeypatch.setattr(run, "finish", finish)
@@ -195,29 +198,33 @@ def test_stopped_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path, m
         raise RuntimeError("killed")
 
     train(cfg, tmp_path / "whole", docs=docs, progress=False)
-    out = tmp_path / "stopped"
+    out, partial = tmp_path / "stopped", tmp_path / "stopped.partial"
     stop_during(6, lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(Interrupted, match="stopped at step 6"):
         train(cfg, out, docs=docs, progress=False)
-    assert len(_log_rows(out / "train_log.csv")) == 6 and (out / "resume.pt").exists()
+    assert len(_log_rows(partial / "train_log.csv")) == 6 and (partial / "resume.pt").exists()
+    assert not out.exists()                                 # no folder that looks like a model until it is one
     with pytest.raises(ResumeError, match=r"lr \(saved 0.01, now 0.02\).*--fresh"):
         train(replace(cfg, lr=2e-2), out, docs=docs, progress=False)
     stop_during(5, killed)                                  # steps 7-10 run, step 11 dies half-way
     with pytest.raises(RuntimeError, match="killed"):
         train(cfg, out, docs=docs, progress=False)
-    assert len(_log_rows(out / "train_log.csv")) == 10     # rows 9-10 are past the saved state
+    assert len(_log_rows(partial / "train_log.csv")) == 10     # rows 9-10 are past the saved state
     monkeypatch.setattr("dasspec.train.loop.sample_depth", sample_depth)
     train(cfg, out, docs=docs, progress=False)
     said = capsys.readouterr().out
     assert "resuming" in said and "from step 6 of 12" in said and "from step 8 of 12" in said
-    whole, stopped = finished["whole"], finished["stopped"]
+    whole, stopped = finished["whole.partial"], finished["stopped.partial"]
     assert whole[0].keys() == stopped[0].keys() and all(torch.equal(whole[0][k], stopped[0][k]) for k in whole[0])
     assert _log_rows(tmp_path / "whole" / "train_log.csv") == _log_rows(out / "train_log.csv")
     assert (stopped[1].step, stopped[1].tokens, stopped[1].resumed_at) == (12, whole[1].tokens, [6, 8])
     with open(out / "train_log.csv") as f:
         elapsed = [float(row["elapsed_s"]) for row in csv.DictReader(f)]
     assert elapsed == sorted(elapsed)                       # training time continues across resumes
-    assert open_state(out, cfg, fresh=True) is None and not (out / "resume.pt").exists()     # --fresh
+    assert not partial.exists() and not (out / "resume.pt").exists()       # moved into place, state dropped
+    partial.mkdir()
+    (partial / "resume.pt").write_bytes(b"a stopped run")
+    assert open_state(partial, cfg, fresh=True) is None and not partial.exists()          # --fresh
 
 
 def test_cli_passes_fresh_and_reports_a_stop(monkeypatch, capsys):
@@ -225,11 +232,14 @@ def test_cli_passes_fresh_and_reports_a_stop(monkeypatch, capsys):
 
     seen = {}
 
-    def stopped(cfg, out, data_dir=None, pilots=None, fresh=False):
-        seen.update(cfg=cfg, fresh=fresh)
+    def stopped(cfg, out, data_dir=None, pilots=None, fresh=False, force=False):
+        seen.update(cfg=cfg, fresh=fresh, force=force)
         raise Interrupted("stopped at step 3; run the same command again to resume")
 
     monkeypatch.setattr("dasspec.train.run.train", stopped)
-    assert main(["train", "--out", "x", "--preset", "micro", "--fresh", "--set", "checkpoint_every=7"]) == 130
-    assert seen["fresh"] and seen["cfg"].checkpoint_every == 7 and seen["cfg"].preset == "micro"
-    assert "stopped at step 3" in capsys.readouterr().out
+    assert main(["train", "--out", "x", "--preset", "micro", "--fresh", "--force", "--set", "checkpoint_every=7",
+                 "--set", "betas=[0.8,0.9]"]) == 130
+    assert seen["fresh"] and seen["force"] and seen["cfg"].preset == "micro"
+    assert seen["cfg"].checkpoint_every == 7 and seen["cfg"].betas == (0.8, 0.9)
+    assert capsys.readouterr().err == ("dasspec: interrupted: stopped at step 3; run the same command again to "
+                                       "resume\n")

@@ -13,10 +13,14 @@ CARD_DEPTHS = (1, 2, 4, 8, 16)
 PAPER_HUGINN_AGREEMENT = {1: 0.4722, 2: 0.6362, 4: 0.7937, 8: 0.9127}   # paper Table 6, Huginn, Aligned
 
 
-def write_generation_config(folder: Path, eos: int) -> None:
+def write_generation_config(folder: Path, eos: int, previous: Path | None = None) -> None:
+    """``generation_config.json`` in ``folder``.  Tuned decoder defaults (benchmarks/tune_wave.py) and their
+    provenance survive a retrain: they are read from ``previous`` (the model folder this run replaces), else from
+    ``folder`` itself."""
     path = Path(folder) / "generation_config.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    # Tuned decoder defaults (benchmarks/tune_wave.py) and their provenance survive a retrain into the same folder.
+    source = next((f / "generation_config.json" for f in (previous, Path(folder))
+                   if f is not None and (f / "generation_config.json").exists()), None)
+    old = json.loads(source.read_text()) if source is not None else {}
     keep = {k: old[k] for k in ("dasspec", "dasspec_tuning") if k in old}
     path.write_text(json.dumps({"eos_token_id": eos, "do_sample": False, "dasspec": {}, **keep}, indent=2) + "\n")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from ..model.config import LoopedConfig
+if TYPE_CHECKING:                       # imported where used: the dasspec.model package loads torch
+    from ..model.config import LoopedConfig
 
 
 @dataclass
@@ -69,6 +71,9 @@ class TrainConfig:
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.time_budget_s, (int, float)) and 0 < self.time_budget_s < math.inf):
+            # a budget of zero or less would "finish" at once and save an untrained model as if it were trained
+            raise ValueError(f"time_budget_s must be a positive number of seconds, got {self.time_budget_s}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 (or null: the cosine runs over the time budget), got "
                              f"{self.max_steps}")
@@ -88,7 +93,9 @@ class TrainConfig:
                              "it on the CPU") from None
         return self
 
-    def model_config(self, bos: int, eos: int, pad: int) -> LoopedConfig:
+    def model_config(self, bos: int, eos: int, pad: int) -> "LoopedConfig":
+        from ..model.config import LoopedConfig
+
         d = self.n_embd
         return LoopedConfig(
             family="huginn", vocab_size=self.vocab_size, n_embd=d, n_heads=self.n_heads, n_kv_heads=self.n_heads,

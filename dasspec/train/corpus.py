@@ -37,8 +37,9 @@ class Document:
     text: str
 
 
-def _jsonl(root: Path, relative: str) -> list[dict]:
-    return read_jsonl(data_file(root, relative))
+def _jsonl(root: Path, relative: str, *fields: str) -> list[dict]:
+    """The rows of a data file, each checked to hold ``fields`` (an error names the file and line otherwise)."""
+    return read_jsonl(data_file(root, relative), required=fields)
 
 
 # --- training sources ------------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def format_gsm8k(question: str, answer: str) -> str:
 
 
 def gsm8k_documents(data_dir: Path) -> list[Document]:
-    rows = _jsonl(data_dir, "gsm8k/train.jsonl")
+    rows = _jsonl(data_dir, "gsm8k/train.jsonl", "question", "answer")
     return [Document("gsm8k", f"train/{i}", format_gsm8k(r["question"], r["answer"])) for i, r in enumerate(rows)]
 
 
@@ -77,7 +78,7 @@ def format_mbpp(text: str, code: str, tests: list[str]) -> str:
 
 
 def mbpp_documents(data_dir: Path) -> list[Document]:
-    rows = _jsonl(data_dir, "mbpp/mbpp.jsonl")
+    rows = _jsonl(data_dir, "mbpp/mbpp.jsonl", "task_id", "text", "code", "test_list")
     return [Document("mbpp", f"task/{r['task_id']}", format_mbpp(r["text"], r["code"], r["test_list"]))
             for r in rows if r["task_id"] in MBPP_TRAIN]
 
@@ -89,10 +90,11 @@ def eval_prompts(data_dir: str | os.PathLike | None = None) -> dict[str, list[st
     MBPP 11-510 task texts.  ``data_dir``: the data folder (default ``$DASSPEC_DATA``; an error when neither)."""
     d = resolve_data_dir(data_dir, required=True)
     return {
-        "gsm8k-test": [r["question"] for r in _jsonl(d, "gsm8k/test.jsonl")],
-        "math500": [r["problem"] for r in _jsonl(d, "math500/test.jsonl")],
-        "humaneval": [r["prompt"] for r in _jsonl(d, "humaneval/HumanEval.jsonl.gz")],
-        "mbpp-test": [r["text"] for r in _jsonl(d, "mbpp/mbpp.jsonl") if r["task_id"] in MBPP_TEST],
+        "gsm8k-test": [r["question"] for r in _jsonl(d, "gsm8k/test.jsonl", "question")],
+        "math500": [r["problem"] for r in _jsonl(d, "math500/test.jsonl", "problem")],
+        "humaneval": [r["prompt"] for r in _jsonl(d, "humaneval/HumanEval.jsonl.gz", "prompt")],
+        "mbpp-test": [r["text"] for r in _jsonl(d, "mbpp/mbpp.jsonl", "task_id", "text")
+                      if r["task_id"] in MBPP_TEST],
     }
 
 

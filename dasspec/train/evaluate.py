@@ -45,7 +45,7 @@ def depth_agreement(model: LoopedLM, ids: Tensor, depths=(1, 2, 4, 8, 16), R: in
     """How often the depth-d readout's argmax equals the depth-R readout's (teacher-forced on ``ids``, a 1-D
     token tensor cut into ``window``-token rows), and the loss at every depth.  Same initial states as decoding
     (``init_scale``, ``seed``).  Returns {"agreement": {d: frac}, "loss": {d: nats}, "tokens": n, "R": R}."""
-    R = model.R if R is None else R
+    R = model.depth(R)
     ids = ids.reshape(-1)
     rows = ids[: len(ids) // window * window].view(-1, window) if len(ids) >= window else ids[None]
     want = sorted(set(depths) | {R})

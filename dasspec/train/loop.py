@@ -2,11 +2,12 @@
 logs a row of ``train_log.csv``.
 
 It is resumable: every ``checkpoint_every`` steps, when the run ends, and after Ctrl-C (SIGINT) or SIGTERM it saves
-the resume state (``resume.py``) at a step boundary.  Ctrl-C does not interrupt a step half-way (the update and the
-counters would disagree): it finishes the step, saves and raises ``Interrupted``.  A second Ctrl-C, or a
-KeyboardInterrupt that does not come through the signal handler (training off the main thread), stops at once,
-and the last periodic state stands.  A resumed run replays exactly what the uninterrupted run would have done
-(bit for bit on the same machine and thread count: ``tests/test_train.py`` checks it).
+the resume state (``resume.py``) at a step boundary, in the run's training folder (``DIR.partial``).  Ctrl-C does
+not interrupt a step half-way (the update and the counters would disagree): it finishes the step, saves and raises
+``Interrupted``.  A second Ctrl-C, or a KeyboardInterrupt that does not come through the signal handler (training
+off the main thread), stops at once, and the last periodic state stands.  A resumed run replays exactly what the
+uninterrupted run would have done (bit for bit on the same machine and thread count: ``tests/test_train.py``
+checks it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..host import fair_threads
 from ..model.looped import LoopedLM
 from .config import TrainConfig
 from .objective import looped_loss
@@ -82,13 +84,6 @@ def batch_shape(cfg: TrainConfig, step: int) -> tuple[int, int]:
     return cfg.seq_len, cfg.batch_size
 
 
-def share_threads(threads: int) -> None:
-    """Use ``threads`` only when the 1-minute load average, less our own threads, says the other cores are idle:
-    an OpenMP thread that waits for a core another job holds stalls every op of the step."""
-    others = os.getloadavg()[0] - torch.get_num_threads()
-    torch.set_num_threads(threads if others < 0.5 else 1)
-
-
 def train_step(cfg: TrainConfig, model: LoopedLM, opt: torch.optim.Optimizer, stream: np.ndarray,
                rng: np.random.Generator, p: Progress, elapsed: float) -> dict:
     """One update at step ``p.step`` (``elapsed`` training seconds in); advances ``p``.  Returns the log row
@@ -96,7 +91,7 @@ def train_step(cfg: TrainConfig, model: LoopedLM, opt: torch.optim.Optimizer, st
     device = model.device
     lr = lr_at(cfg, p.step, elapsed)
     if cfg.threads > 1 and cfg.share_cpu and device.type == "cpu" and p.step % 10 == 0:
-        share_threads(cfg.threads)
+        torch.set_num_threads(fair_threads(cfg.threads, own_threads=torch.get_num_threads()))
     for g in opt.param_groups:
         g["lr"] = lr
     T, B = batch_shape(cfg, p.step)

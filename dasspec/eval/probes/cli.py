@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+
+from ...host import THREADS_HELP, check_out_dir, set_threads
 
 PROBES = ("maturity", "channels", "grid", "factorial", "sweep", "cost")
 
@@ -32,16 +33,17 @@ def _common() -> argparse.ArgumentParser:
     g.add_argument("--prompts", type=int, default=8, help="number of GSM8K test prompts (default 8)")
     g.add_argument("--prompt-offset", type=int, default=0, help="skip this many GSM8K test questions first")
     g.add_argument("--max-new-tokens", type=int, default=64, help="generation cap per prompt (default 64)")
-    g.add_argument("--out", default="probe-results", help="folder for NAME.md / NAME.csv / NAME.png")
+    g.add_argument("--out", default="probe-results",
+                   help="folder for NAME.md / NAME.csv / NAME.png (default: %(default)s)")
     g.add_argument("--data", default=None,
                    help="evaluation data folder holding gsm8k/test.jsonl (default: $DASSPEC_DATA)")
     g.add_argument("--num-steps", type=int, default=None, help="target recurrence depth R (default: config)")
     g.add_argument("--init-scale", type=float, default=1.0, help="initial-state scale (0: zero state)")
     g.add_argument("--seed", type=int, default=0, help="seed of the per-position initial states")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's; "
-                   "1 is much faster on an oversubscribed machine)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available, else CPU)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight and compute type (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
 
@@ -73,7 +75,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-depth", type=int, default=2, help="draft depth r (default 2)")
     p.add_argument("--k-depths", default=None, help="key depths, e.g. r,1,2,4,8,R (default: r, powers of 2, R)")
     p.add_argument("--v-depths", default=None, help="value depths (default: as --k-depths)")
-    p.add_argument("--coda", choices=["target", "aligned"], default="target")
+    p.add_argument("--coda", choices=["target", "aligned"], default="target",
+                   help="prefix coda K/V: the full-depth target's or the depth-d pass's (default: %(default)s)")
     p = names.add_parser("factorial", parents=[common], help="carry x Deep K x Deep V, G and E_cKV (Table 9)")
     _wave_flags(p, "fixed DAS-Wave")
     p = names.add_parser("sweep", parents=[common], help="DAS-Wave speedup and A vs k, gamma, W_init (Fig. 3)")
@@ -101,18 +104,14 @@ def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    import torch
-
     import dasspec
 
     from . import channels, common, cost, factorial, grid, maturity, sweep
 
     name = args.probe
     progress = not args.no_progress
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    out = check_out_dir(args.out)               # before minutes of work, not when the results are written
+    set_threads(args.threads)
     t0 = time.perf_counter()
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
     R = model.depth(args.num_steps)
@@ -120,7 +119,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
     kw = dict(num_steps=args.num_steps, init_scale=args.init_scale, seed=args.seed, progress=progress)
     setup = common.model_setup(model, args.num_steps, max_new_tokens=args.max_new_tokens,
                                prompts=f"{args.prompts} GSM8K test (offset {args.prompt_offset})")
-    out = Path(args.out)
     if name in ("maturity", "channels", "grid"):
         trajs = common.greedy_trajectories(model, prompts, args.max_new_tokens, args.num_steps, args.init_scale,
                                            args.seed, progress)

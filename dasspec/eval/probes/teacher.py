@@ -53,7 +53,7 @@ class TeacherForced:
             # The synchronous state after each depth (for the depth-d coda of coda="aligned").
             self.states = torch.empty(self.R, T, cfg.n_embd, device=model.device, dtype=model.dtype)
             for r in range(1, self.R + 1):
-                h = model.core_step(h, inj, self.span0, self.cache, read=(r, r))
+                h = model.recur(h, inj, self.span0, self.cache, range(r, r + 1))
                 self.states[r - 1] = h[0]
             self.logits = model.readout(h, self.span0, self.cache)[0]
         self.cache.commit(T)
