@@ -12,24 +12,62 @@ mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small loo
 
 from __future__ import annotations
 
-from .engine.draft import Draft, Drafter, Verdict
-from .engine.generate import GenerationResult, generate
-from .engine.prefix_cache import PrefixCache
-from .engine.runtime import Runtime
-from .methods import build_drafter, method_names
-from .model.cache import CacheCapacityError, DepthCache
-from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .model.config import ConfigError, LoopedConfig
-from .model.looped import LoopedLM
-from .model.policy import ReadPolicy, parse_policy
-from .model.tokenizer import Tokenizer, load_tokenizer
+import importlib
+import os
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# The public names and the module each comes from.  They are imported on first use (PEP 562), so that importing
+# dasspec - which every ``dasspec`` command does - does not load torch: ``dasspec --help`` answers at once.
+_EXPORTS = {
+    "Draft": ".engine.draft", "Drafter": ".engine.draft", "Verdict": ".engine.draft",
+    "GenerationResult": ".engine.generate", "generate": ".engine.generate",
+    "PrefixCache": ".engine.prefix_cache", "Runtime": ".engine.runtime",
+    "build_drafter": ".methods", "method_names": ".methods",
+    "CacheCapacityError": ".model.cache", "DepthCache": ".model.cache",
+    "CheckpointError": ".model.checkpoint", "load_checkpoint": ".model.checkpoint",
+    "save_checkpoint": ".model.checkpoint",
+    "ConfigError": ".model.config", "LoopedConfig": ".model.config", "LoopedLM": ".model.looped",
+    "ReadPolicy": ".model.policy", "parse_policy": ".model.policy",
+    "Tokenizer": ".model.tokenizer", "load_tokenizer": ".model.tokenizer",
+}
 
-def load_model(source=None, device=None, dtype=None) -> LoopedLM:
+if TYPE_CHECKING:
+    import torch
+
+    from .engine.draft import Draft, Drafter, Verdict
+    from .engine.generate import GenerationResult, generate
+    from .engine.prefix_cache import PrefixCache
+    from .engine.runtime import Runtime
+    from .methods import build_drafter, method_names
+    from .model.cache import CacheCapacityError, DepthCache
+    from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from .model.config import ConfigError, LoopedConfig
+    from .model.looped import LoopedLM
+    from .model.policy import ReadPolicy, parse_policy
+    from .model.tokenizer import Tokenizer, load_tokenizer
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dasspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value                 # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def load_model(source: str | os.PathLike | None = None, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoopedLM:
     """Load a looped checkpoint folder (HF layout), an HF repo id from the local cache, or (None) the bundled
     model.  device: default CUDA when available; dtype: default bfloat16 on CUDA, float32 on CPU."""
+    from .model.checkpoint import load_checkpoint
+
     return load_checkpoint(source, device=device, dtype=dtype)
 
 

@@ -1,8 +1,15 @@
-"""Small random checkpoints of every family, for tests and examples (no downloads needed)."""
+"""Random checkpoints for tests, examples and benchmarks (no downloads needed): small ones of every family, and
+checkpoints of a real configuration (``build_real_checkpoint``, ``python -m dasspec.testing build-real``) built
+from a repository's config.json, shard index and tokenizer, at full size or scaled down."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import zlib
+from pathlib import Path
 
 import torch
 
@@ -45,3 +52,146 @@ def random_model(family: str = "huginn", seed: int = 0, **overrides) -> LoopedLM
             else:
                 p.normal_(0, 1.0 / math.sqrt(p.shape[-1]))
     return model.eval().requires_grad_(False)
+
+
+# --- checkpoints of a real configuration, random weights ----------------------------------------------------------
+
+# The scaled-down widths: every key, shard and tokenizer id of the real layout stays, only the widths shrink (the
+# 65,536-row vocabulary stays, so the tokenizer's special ids keep their meaning).
+SMALL_WIDTHS = dict(n_embd=64, n_heads=4, num_key_value_heads=4, head_dim=16, intermediate_size=160)
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+           "chat_template.jinja")
+
+
+def real_config(src: str | os.PathLike, scale: str = "small") -> dict:
+    """The source folder's config.json, at full size or with ``SMALL_WIDTHS`` (and the init values the takase init
+    derives from the width: embed scale sqrt(d), std sqrt(2/(5d)), out_proj std / sqrt(2 * effective depth))."""
+    from .model.checkpoint import read_json
+
+    if scale not in ("small", "full"):
+        raise ValueError(f"scale must be 'small' or 'full', got {scale!r}")
+    cfg = read_json(Path(src) / "config.json")
+    if scale == "small":
+        cfg.update(SMALL_WIDTHS)
+        d = cfg["n_embd"]
+        std = math.sqrt(2 / (5 * d))
+        depth = cfg.get("effective_expected_depth") or (
+            cfg["n_layers_in_prelude"] + cfg["n_layers_in_coda"]
+            + cfg["n_layers_in_recurrent_block"] * cfg["mean_recurrence"])
+        cfg["init_values"] = dict(cfg.get("init_values") or {}, embed_scale=math.sqrt(d), std=std, embedding=std,
+                                  out_proj=std / math.sqrt(2 * depth))
+    return cfg
+
+
+def real_tensor_specs(cfg: dict, weight_map: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor the index lists, for ``cfg``: the model's parameters, the tied duplicate
+    ``lm_head.weight`` and Huginn's ``freqs_cis`` RoPE table [1, block_size, 1, head_dim/2, 2]."""
+    from .model.config import LoopedConfig
+
+    lcfg = LoopedConfig.from_hf(cfg, weight_map.keys())
+    with torch.device("meta"):
+        model = LoopedLM(lcfg)
+    params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    specs = {}
+    for name in weight_map:
+        if name in params:
+            specs[name] = params[name]
+        elif name == "freqs_cis":
+            specs[name] = (1, lcfg.block_size, 1, lcfg.head_dim // 2, 2)
+        else:
+            raise ValueError(f"the index lists {name}, which the {lcfg.family} layout does not have")
+    return specs
+
+
+def _takase_tensor(model: LoopedLM, name: str, seed: int, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """One parameter drawn by ``dasspec.train.objective.init_weights`` (the takase init) without materialising the
+    others: ``model`` lives on the meta device, where init_weights' draws on every other parameter cost nothing.
+    The parameter is drawn in row chunks of about ``chunk_bytes`` (the init's temporaries are several times the
+    tensor drawn; its values are i.i.d., so a chunk is drawn like the whole).  Each tensor has its own seed, so a
+    tensor drawn twice (a tied head's duplicate) is the same tensor."""
+    from .train.objective import init_weights
+
+    module_name, leaf = name.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    meta = getattr(module, leaf)
+    out = torch.empty(meta.shape)
+    rows = out.shape[0] if out.dim() else 1
+    step = max(1, chunk_bytes // max(1, out[0].numel() * 4 if out.dim() else 4))
+    flat = out.reshape(rows, -1) if out.dim() else out.reshape(1, 1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            for a in range(0, rows, step):
+                part = torch.nn.Parameter(torch.empty((min(rows, a + step) - a, *meta.shape[1:])),
+                                          requires_grad=False)
+                setattr(module, leaf, part)
+                init_weights(model)
+                flat[a: a + part.shape[0]] = part.data.reshape(part.shape[0], -1)
+    finally:
+        setattr(module, leaf, meta)
+    return out
+
+
+def build_real_checkpoint(src: str | os.PathLike, out: str | os.PathLike, scale: str = "small",
+                          seed: int = 0) -> Path:
+    """A checkpoint of the real configuration in ``src`` (config.json, model.safetensors.index.json, tokenizer
+    files - the real repository without its weights) with random takase-initialised weights: the same keys, shard
+    files and index format, float32 like the real shards, the tokenizer copied.  ``scale`` "full" keeps every width
+    (Huginn-0125: 15.6 GB, written one tensor at a time, so building needs about one tensor's memory); "small" shrinks the
+    widths (``SMALL_WIDTHS``) for tests."""
+    from .model.checkpoint import read_json
+    from .model.config import LoopedConfig
+    from .model.layers import rope_tables
+    from .model.safetensors_io import write_streamed
+
+    src, out = Path(src), Path(out)
+    index = read_json(src / "model.safetensors.index.json")
+    weight_map = index["weight_map"]
+    cfg = real_config(src, scale)
+    specs = real_tensor_specs(cfg, weight_map)
+    lcfg = LoopedConfig.from_hf(cfg, weight_map.keys())
+    with torch.device("meta"):
+        model = LoopedLM(lcfg)
+    tied_source = "transformer.wte.weight" if lcfg.tie_embeddings else "lm_head.weight"
+
+    def produce(name: str) -> torch.Tensor:
+        if name == "freqs_cis":
+            cos, sin = rope_tables(lcfg, lcfg.block_size)
+            return torch.stack((cos, sin), dim=-1)[None, :, None]
+        return _takase_tensor(model, tied_source if name == "lm_head.weight" else name, seed)
+
+    out.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for shard in sorted(set(weight_map.values())):
+        names = [n for n in weight_map if weight_map[n] == shard]
+        total += write_streamed(out / shard, [(n, specs[n], torch.float32) for n in names], produce)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in _COPIED:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dasspec.testing build-real --from DIR --out DIR [--scale small|full] [--seed N]``"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dasspec.testing", description="random checkpoints for tests and "
+                                "benchmarks")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build-real", help="a checkpoint of a real configuration (the repository's config.json, "
+                       "index and tokenizer, without weights) with random takase-initialised weights")
+    b.add_argument("--from", dest="src", required=True, help="folder with config.json, model.safetensors.index.json "
+                   "and the tokenizer files")
+    b.add_argument("--out", required=True, help="folder to write the checkpoint to")
+    b.add_argument("--scale", choices=("small", "full"), default="small")
+    b.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    folder = build_real_checkpoint(args.src, args.out, args.scale, args.seed)
+    print(f"wrote {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,4 +8,4 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,ray]"

@@ -309,6 +309,7 @@ def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatc
     """early_stop: a block's rounds end right after the first round whose readout changed no guess (that round's
     whole window is proposed); without it every block runs J rounds.  A window narrower than seed_branch still
     draws a seed of seed_branch tokens.  Tokens stay AR's."""
+    from dasspec.methods import resolve_knobs
     from dasspec.methods.wave import WaveDrafter
 
     model = _bundled()
@@ -342,7 +343,7 @@ def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatc
             rounds.clear()
             knobs = dict(gamma=gamma, w_init=gamma, rounds=J, guesses="copy", trim=True, seed_branch=L,
                          copy_run=False, early_stop=early)
-            drafter = Spy(dasspec.methods.resolve_knobs(model, "das-wave", knobs))
+            drafter = Spy(resolve_knobs(model, "das-wave", knobs))
             out = dasspec.generate(model, ids, drafter=drafter, max_new_tokens=32, trace=True)
             assert out.tokens == ref.tokens, (early, text)
             assert {d.notes["asked"] for d, _ in out.trace} == {L}   # the seed is seed_branch long, not gamma

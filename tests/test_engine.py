@@ -11,7 +11,7 @@ import pytest
 import dasspec
 from dasspec.engine.draft import Draft, Drafter, TreeLayout
 from dasspec.engine.request import DraftCapacityError
-from dasspec.methods import METHODS, Method, register
+from dasspec.methods import METHODS, Method
 from dasspec.methods.knobs import Knobs, knob, positive_int
 from dasspec.testing import random_model
 
@@ -155,3 +155,30 @@ def test_a_kept_drafter_is_checked_against_the_calls_depth():
         dasspec.generate(model, [3, 4], max_new_tokens=4, num_steps=4, drafter=drafter)
     with pytest.raises(ValueError, match="either a drafter or a method"):
         dasspec.generate(model, [3, 4], "das-wave", max_new_tokens=4, drafter=drafter)
+
+
+def test_knobs_whose_drafts_cannot_fit_the_context_are_named():
+    model = random_model("huginn", mean_recurrence=4, block_size=64)
+    with pytest.raises(ValueError, match=r"self-spec: drafts of up to 100 verifier positions \(block=100\) exceed "
+                                         r"the model context of 64; lower block"):
+        dasspec.generate(model, [3, 4], "self-spec", max_new_tokens=4, block=100, draft_depth=2)
+    with pytest.raises(ValueError, match=r"gamma=80, rounds=90.*lower gamma or rounds"):
+        dasspec.generate(model, [3, 4], "das-wave", max_new_tokens=4, gamma=80, rounds=90)
+    with pytest.raises(ValueError, match=r"tree of \d+ nodes"):
+        dasspec.build_drafter(model, "token-recycling", {"tree": [[0], [1]] + [[0] * d for d in range(2, 70)]})
+
+
+def test_sampled_decoding_takes_the_models_sampled_defaults(monkeypatch):
+    """A model folder may tune a method separately for sampled decoding ("<method>:sampled" in
+    generation_config.json); greedy calls keep the plain section, and explicit knobs beat both."""
+    model = random_model("huginn", mean_recurrence=3)
+    monkeypatch.setattr(model, "generation_defaults", {"dasspec": {
+        "das-wave": {"gamma": 4, "rounds": 3, "w_init": 4},
+        "das-wave:sampled": {"gamma": 6, "rounds": 5, "w_init": 6}}})
+    widths = {}
+    for sample in (False, True):
+        out = dasspec.generate(model, [3, 4, 5], "das-wave", max_new_tokens=20, eos=False, do_sample=sample,
+                               trace=True)
+        widths[sample] = len(out.trace[0][0].tokens)
+    assert widths == {False: 4, True: 6}
+    assert dasspec.build_drafter(model, "das-wave", {"gamma": 5}, sampled=True).knobs.gamma == 5

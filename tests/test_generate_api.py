@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -24,9 +25,15 @@ def raven(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def huginn(tmp_path_factory):
+    """A Huginn checkpoint with a 64-position context (its stored RoPE table cut to match, as the loader checks)."""
+    from safetensors.torch import load_file, save_file
+
     folder = write_checkpoint(tmp_path_factory.mktemp("gen") / "huginn", "huginn", vocab_size=320,
                               tokenizer=write_tokenizer("huginn"), mean_recurrence=3,
                               config_edits={"block_size": 64})
+    tensors = load_file(folder / "model.safetensors")
+    tensors["freqs_cis"] = tensors["freqs_cis"][:, :64].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return dasspec.load_model(folder, device="cpu")
 
 
@@ -127,20 +134,81 @@ def test_deterministic_and_seeded(huginn):
     (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch 1"),
     (dict(method="beam"), ValueError, "unknown method 'beam'"),
     (dict(gamma=4), ValueError, "method 'ar' does not take gamma"),
-    (dict(do_sample=True), ValueError, "do_sample=True: dasspec decodes greedily"),
-    (dict(method="das-wave", temperature=0.7), ValueError, "temperature=0.7: dasspec decodes greedily"),
+    (dict(do_sample=True, temperature=0), ValueError, "temperature=0 with do_sample=True"),
     (dict(max_length=64), ValueError, "max_length is not supported: give max_new_tokens"),
     (dict(input_ids={"input_ids": [[3, 4, 5]], "attention_mask": [[0, 1, 1]]}), ValueError, "padding"),
     (dict(input_ids={"ids": [3, 4]}), ValueError, "needs an 'input_ids' entry"),
     (dict(input_ids=[[3, 4], [5, 6]]), ValueError, "batch 1"),
     (dict(input_ids=torch.tensor([3.0, 4.0])), ValueError, "integer token ids"),
     (dict(stop=[400]), ValueError, r"stop token id 400 is outside the vocabulary \[0, 320\)"),
+    # garbage that used to be read as something else: bytes as ids, floats and bools truncated to ids
+    (dict(input_ids=b"def f(x):"), ValueError, "input_ids is bytes: give text"),
+    (dict(input_ids=[3, 4.7]), ValueError, r"integer token ids, got 4.7 \(float\) at position 1"),
+    (dict(input_ids=[3, True]), ValueError, r"integer token ids, got True \(bool\) at position 1"),
+    (dict(input_ids=["3"]), ValueError, r"integer token ids, got '3' \(str\) at position 0"),
+    (dict(input_ids=torch.tensor([True, False])), ValueError, "integer token ids, got dtype torch.bool"),
+    (dict(stop=[3.7]), ValueError, r"stop items must be token ids \(integers\) or strings, got 3.7 \(float\)"),
+    (dict(stop=3.0), ValueError, r"got 3.0 \(float\)"),
+    (dict(stop=[b"\n"]), ValueError, r"got b'\\n' \(bytes\)"),
 ])
 def test_bad_input_is_named(raven, kwargs, error, message):
     args = dict(input_ids=TEXT, max_new_tokens=4)
     args.update(kwargs)
     with pytest.raises(error, match=message):
         dasspec.generate(raven, **args)
+
+
+def test_numpy_ids_are_taken_and_checked(raven):
+    import numpy as np
+
+    ids = raven.tokenizer.encode(TEXT)
+    ref = dasspec.generate(raven, ids, max_new_tokens=3, eos=False).tokens
+    assert dasspec.generate(raven, np.array(ids), max_new_tokens=3, eos=False).tokens == ref
+    assert dasspec.generate(raven, [np.int64(t) for t in ids], max_new_tokens=3, eos=False).tokens == ref
+    with pytest.raises(ValueError, match="integer token ids, got dtype torch.float64"):
+        dasspec.generate(raven, np.array(ids, dtype=float), max_new_tokens=3)
+
+
+def _with_generation_config(tmp_path, knobs: dict, sampled: dict | None = None):
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
+                              tokenizer=write_tokenizer("raven-llama"))
+    section = {"das-wave": knobs, **({"das-wave:sampled": sampled} if sampled is not None else {})}
+    (folder / "generation_config.json").write_text(json.dumps({"dasspec": section}))
+    return folder, dasspec.load_model(folder, device="cpu")
+
+
+def test_a_bad_value_in_generation_config_names_the_file(tmp_path):
+    """An out-of-range knob in a model folder's generation_config.json is reported as coming from that file; a
+    conflict between it and the caller's knob names both; the caller's own mistake is reported as theirs."""
+    folder, model = _with_generation_config(tmp_path, {"gamma": 0})
+    path = re.escape(str(folder / "generation_config.json"))
+    with pytest.raises(ValueError, match=f'^{path}: "dasspec" -> "das-wave": gamma must be an integer >= 1, got 0'):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2)
+    with pytest.raises(ValueError, match="^rounds must be an integer >= 1, got 0$"):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2, rounds=0)
+    assert dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2, gamma=4).stats.method == "das-wave"
+    folder, model = _with_generation_config(tmp_path / "b", {"gamma": 4})
+    with pytest.raises(ValueError, match=r'w_init \(9\) must be <= gamma \(4\) \(gamma=4 \("das-wave"\) from '
+                                         r'.*generation_config'):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2, w_init=9)
+    # the sampled section is named when its value is the bad one (and greedy decoding does not read it)
+    folder, model = _with_generation_config(tmp_path / "c", {"gamma": 4}, sampled={"rounds": 0})
+    assert dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2).stats.method == "das-wave"
+    with pytest.raises(ValueError, match='"dasspec" -> "das-wave" and "das-wave:sampled": rounds must be'):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2, do_sample=True)
+
+
+def test_a_malformed_generation_config_section_is_named(tmp_path):
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
+                              tokenizer=write_tokenizer("raven-llama"))
+    (folder / "generation_config.json").write_text(json.dumps({"dasspec": {"das-wave": 8}}))
+    model = dasspec.load_model(folder, device="cpu")
+    with pytest.raises(ValueError, match='generation_config.json: "dasspec" must map method names to objects'):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2)
+    (folder / "generation_config.json").write_text(json.dumps({"dasspec": {"das-wave": {"gama": 8}}}))
+    model = dasspec.load_model(folder, device="cpu")
+    with pytest.warns(UserWarning, match=r'"das-wave" sets gama, which das-wave does not take.*ignored'):
+        dasspec.generate(model, TEXT, "das-wave", max_new_tokens=2)
 
 
 def test_prompt_too_long_is_named(huginn):

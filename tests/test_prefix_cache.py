@@ -121,8 +121,9 @@ def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     """A request (or a prefix cache) whose depth cache would exceed 90% of the free memory is refused up front,
     with the bytes it needs in the message."""
     from dasspec.engine import memory
+    from dasspec.model.cache import bytes_per_token
 
-    per = dasspec.model.cache.bytes_per_token(model.config, model.R, model.dtype)
+    per = bytes_per_token(model.config, model.R, model.dtype)
     cfg, size = model.config, torch.finfo(model.dtype).bits // 8
     layers = cfg.n_core * model.R + cfg.n_prelude + cfg.n_coda      # core layers at every depth, prelude, coda
     assert per == layers * 2 * cfg.n_kv_heads * cfg.head_dim * size    # K and V, every KV head

@@ -13,7 +13,7 @@ Recycling's table, SAM's corpus automaton) lives on the object, which the caller
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -126,6 +126,7 @@ class Drafter:
 
     name = "ar"
     width = 1                 # most verifier inputs a draft of this drafter needs
+    width_knobs: tuple[str, ...] = ()     # the knobs that set ``width`` (named when it cannot fit a context)
     stateful = False          # keeps state across requests (benchmarks then bootstrap over blocks of requests)
 
     def start(self, req: "Request") -> None:

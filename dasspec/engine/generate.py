@@ -10,10 +10,11 @@ once (``dasspec.build_drafter``) can be passed as ``drafter=`` to keep its state
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -43,6 +44,11 @@ class GenerationResult:
 
 
 def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
+    """The prompt as token ids, from any of the forms ``generate`` accepts; anything else - bytes, float ids, a
+    batch - is refused with a message that names it (never truncated or reinterpreted)."""
+    if isinstance(input_ids, (bytes, bytearray, memoryview)):
+        raise ValueError("input_ids is bytes: give text (decode it first, e.g. prompt.decode('utf-8')) or a list "
+                         "of token ids")
     if isinstance(input_ids, str):
         tok = tokenizer or model.tokenizer
         if tok is None:
@@ -56,10 +62,16 @@ def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
         if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
             raise ValueError("the attention_mask hides some prompt tokens (padding); give the unpadded prompt")
         input_ids = input_ids["input_ids"]
+    if hasattr(input_ids, "__array__") and not isinstance(input_ids, torch.Tensor):
+        try:                                    # a numpy array: checked by dtype below, like a tensor
+            input_ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"input_ids: cannot read {type(input_ids).__name__} of {getattr(input_ids, 'dtype', '?')} "
+                             "as token ids") from None
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
         input_ids = torch.as_tensor(input_ids)  # [[...]]: a batch as nested lists
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.is_floating_point() or input_ids.is_complex():
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -69,12 +81,47 @@ def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
             raise ValueError(f"input_ids must be 1-D or [1, T], got shape {tuple(input_ids.shape)}")
         ids = input_ids.tolist()
     else:
-        ids = [int(t) for t in input_ids]
+        ids = list(input_ids)
+        for i, t in enumerate(ids):
+            if not is_token_id(t):
+                raise ValueError(f"input_ids must hold integer token ids, got {t!r} ({type(t).__name__}) at "
+                                 f"position {i}")
+        ids = [int(t) for t in ids]
     V = model.config.vocab_size
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
     return ids
+
+
+def is_token_id(t) -> bool:
+    """An integer (Python or numpy), not a bool, a float or text: what may stand for a token."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def split_stop(stop, vocab_size: int) -> tuple[list[int], list[str]]:
+    """``stop`` (one item or an iterable of them) as extra stop token ids and stop strings; anything else is
+    refused with a message, never truncated (a float id would otherwise never match and silently never stop)."""
+    ids: list[int] = []
+    strings: list[str] = []
+    if stop is None:
+        items = []
+    elif isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable) or is_token_id(stop):
+        items = [stop]                          # one stop string or id
+    else:
+        items = list(stop)
+    for s in items:
+        if isinstance(s, str):
+            strings.append(s)
+        elif is_token_id(s):
+            if not 0 <= int(s) < vocab_size:
+                raise ValueError(f"stop token id {int(s)} is outside the vocabulary [0, {vocab_size})")
+            ids.append(int(s))
+        else:
+            raise ValueError(f"stop items must be token ids (integers) or strings, got {s!r} ({type(s).__name__})")
+    return ids, strings
 
 
 def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
@@ -152,7 +199,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
     if drafter is None:
-        drafter = build_drafter(model, method, knobs, R)
+        drafter = build_drafter(model, method, knobs, R, sampled=sampling is not None)
     elif knobs or method not in ("ar", drafter.name):
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
@@ -161,12 +208,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         if check is not None:
             check(R)                        # a kept drafter's knobs must also fit this call's depth
     tok = tokenizer or model.tokenizer
-    stop_ids = default_stop_ids(model, tok) if eos else []
-    stop_strings: list[str] = []
-    for s in ([stop] if isinstance(stop, (str, int)) else stop or []):
-        if not isinstance(s, str) and not 0 <= int(s) < model.config.vocab_size:
-            raise ValueError(f"stop token id {s} is outside the vocabulary [0, {model.config.vocab_size})")
-        (stop_strings if isinstance(s, str) else stop_ids).append(s)
+    extra_ids, stop_strings = split_stop(stop, model.config.vocab_size)
+    stop_ids = (default_stop_ids(model, tok) if eos else []) + extra_ids
     rule = StopRule(max_new_tokens, stop_ids, stop_strings, tok.decode if tok is not None else None,
                     criteria=stopping_criteria or (), prompt=prompt)
     blocks: list | None = [] if trace else None

@@ -58,11 +58,10 @@ def decode(req: Request, drafter: Drafter, trace: list | None = None) -> None:
         with req.timer("draft"):
             draft = drafter.propose(req)
             layout, inputs = place(req, draft)
-        if trace is not None:
-            n = req.n
-            trace.append((replace(draft, tokens=req.tokens[n + 1: n + layout.size].tolist(), layout=layout), None))
+        if trace is not None:                       # the slots are rewritten by the verifier and the next block
+            placed = replace(draft, tokens=req.tokens[req.n + 1: req.n + layout.size].tolist(), layout=layout)
         verdict: Verdict = verify(req, layout, inputs)
         with req.timer("draft"):
             drafter.observe(req, verdict)
         if trace is not None:
-            trace[-1] = (trace[-1][0], verdict)
+            trace.append((placed, verdict))

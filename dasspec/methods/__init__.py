@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from ..engine.draft import Drafter
@@ -80,14 +81,32 @@ def all_knobs() -> list[type[Knobs]]:
     return list(dict.fromkeys(METHODS[m].knobs for m in names))
 
 
-def resolve_knobs(model, method: str, user: dict | None = None, num_steps: int | None = None) -> Knobs:
-    """``method``'s knobs on ``model``: family defaults <- the model folder's <- the caller's, validated at the
-    call's depth R."""
+def resolve_knobs(model, method: str, user: dict | None = None, num_steps: int | None = None,
+                  sampled: bool = False) -> Knobs:
+    """``method``'s knobs on ``model``: family defaults <- the model folder's (with its ``"<method>:sampled"``
+    section when ``sampled``) <- the caller's, validated at the call's depth R."""
     m = get_method(method)
-    return m.knobs.resolve(model.config.family, model.generation_defaults, dict(user or {}), model.depth(num_steps))
+    source = getattr(model, "source", None)
+    origin = str(Path(source) / "generation_config.json") if source else None    # named when its values are bad
+    return m.knobs.resolve(model.config.family, model.generation_defaults, dict(user or {}), model.depth(num_steps),
+                           origin=origin, sampled=sampled)
 
 
-def build_drafter(model, method: str, user: dict | None = None, num_steps: int | None = None) -> Drafter:
+def build_drafter(model, method: str, user: dict | None = None, num_steps: int | None = None,
+                  sampled: bool = False) -> Drafter:
     """A drafter for ``method`` on ``model`` (knobs as ``resolve_knobs``).  Keep it to reuse its cross-request
-    state (Token Recycling's table, SAM's corpus automaton) across requests."""
-    return get_method(method).drafter(resolve_knobs(model, method, user, num_steps))
+    state (Token Recycling's table, SAM's corpus automaton) across requests.  Refused when its drafts could not
+    fit the model's context, naming the knobs that size them."""
+    knobs = resolve_knobs(model, method, user, num_steps, sampled)
+    drafter = get_method(method).drafter(knobs)
+    context = model.config.block_size
+    if drafter.width > context:
+        named = ", ".join(_show(n, getattr(knobs, n)) for n in drafter.width_knobs)
+        raise ValueError(f"{method}: drafts of up to {drafter.width} verifier positions ({named}) exceed the model "
+                         f"context of {context}; lower {' or '.join(drafter.width_knobs) or 'its knobs'}")
+    return drafter
+
+
+def _show(name: str, value) -> str:
+    size = getattr(value, "size", None)
+    return f"{name} of {size} nodes" if isinstance(size, int) else f"{name}={value}"

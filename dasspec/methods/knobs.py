@@ -17,12 +17,14 @@ explicit ones or with the call's depth R, and ``validate`` checks every value an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-FAMILY_DEFAULT = "family default"
+SAMPLED = ":sampled"          # generation_config.json section suffix: a method's defaults for sampled decoding
 
 
 def knob(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
@@ -86,19 +88,72 @@ class Knobs:
         return out
 
     @classmethod
-    def resolve(cls, family: str, model_defaults: dict | None, user: dict[str, Any], R: int) -> "Knobs":
-        """Family defaults <- the model folder's per-method overrides <- the caller's knobs; fitted, validated."""
-        per_method = ((model_defaults or {}).get("dasspec") or {}).get(cls.method) or {}
-        per_method = {k: v for k, v in per_method.items() if k in cls.names()}
-        values = cls.defaults(family, set(per_method) | set(user))
-        values.update(per_method)
+    def resolve(cls, family: str, model_defaults: dict | None, user: dict[str, Any], R: int,
+                origin: str | None = None, sampled: bool = False) -> "Knobs":
+        """Family defaults <- the model folder's per-method overrides (for sampled decoding, then those under
+        ``"<method>:sampled"``) <- the caller's knobs; fitted, validated.  ``origin``: the file the overrides came
+        from (``<folder>/generation_config.json``), named in the error when one of its values is the invalid one."""
+        where = origin or "the model's generation_config.json"
+        base = cls.file_overrides(model_defaults, where)
+        extra = cls.file_overrides(model_defaults, where, cls.method + SAMPLED) if sampled else {}
+        per_method = {**base, **extra}
+        section = {**{k: cls.method for k in base}, **{k: cls.method + SAMPLED for k in extra}}  # where each came from
+        sections = " and ".join(f'"{name}"' for name in dict.fromkeys(section.values()))
         unknown = sorted(set(user) - set(cls.names()))
         if unknown:
             raise ValueError(f"method {cls.method!r} does not take {', '.join(unknown)}; its knobs: "
                              f"{', '.join(cls.names()) or 'none'}")
+        try:
+            return cls._build(family, per_method, user, R)
+        except ValueError as err:
+            if not per_method:
+                raise
+            mine = cls._error(family, {}, user, R)
+            if mine is not None:
+                raise mine from None                # the caller's knobs are invalid by themselves
+            if cls._error(family, per_method, {}, R) is not None:
+                raise ValueError(f'{where}: "dasspec" -> {sections}: {err}') from None
+            # each is valid alone: the caller's knobs conflict with the file's
+            from_file = ", ".join(f'{k}={v!r} ("{section[k]}")' for k, v in per_method.items() if k not in user)
+            raise ValueError(f"{err} ({from_file} from {where})") from None
+
+    @classmethod
+    def file_overrides(cls, model_defaults: dict | None, where: str, key: str | None = None) -> dict[str, Any]:
+        """This method's knobs from a generation_config.json (``"dasspec": {"<method>": {...}}``, or ``key``); a
+        section of the wrong shape is an error, names this method does not take are ignored with a warning."""
+        if not model_defaults:
+            return {}
+        key = key or cls.method
+        section = model_defaults.get("dasspec") if isinstance(model_defaults, dict) else model_defaults
+        per_method = section.get(key) if isinstance(section, dict) else section
+        if section is None or per_method is None:
+            return {}
+        if not isinstance(per_method, dict):
+            raise ValueError(f'{where}: "dasspec" must map method names to objects of knobs, e.g. '
+                             f'{{"dasspec": {{"{cls.method}": {{...}}}}}}')
+        ignored = sorted(set(per_method) - set(cls.names()))
+        if ignored:
+            warnings.warn(f'{where}: "dasspec" -> "{key}" sets {", ".join(ignored)}, which {cls.method} does '
+                          f"not take (its knobs: {', '.join(cls.names()) or 'none'}); ignored", UserWarning,
+                          stacklevel=4)
+        return {k: v for k, v in per_method.items() if k in cls.names()}
+
+    @classmethod
+    def _build(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int) -> "Knobs":
+        values = cls.defaults(family, set(per_method) | set(user))
+        values.update(per_method)
         values.update(user)
         values = cls.fit(values, set(user), R)
         return cls(**values).validate(R)
+
+    @classmethod
+    def _error(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int) -> ValueError | None:
+        """What ``_build`` raises for these values, or None when they are valid."""
+        try:
+            cls._build(family, per_method, user, R)
+        except ValueError as err:
+            return err
+        return None
 
     @classmethod
     def fit(cls, values: dict[str, Any], explicit: set[str], R: int) -> dict[str, Any]:
@@ -111,6 +166,24 @@ class Knobs:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_json(self) -> dict[str, Any]:
+        """``as_dict`` with every value JSON-ready (for run.json and the server's replies)."""
+        return jsonable(self.as_dict())
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: a knob that is a structure (a draft tree) becomes its name or a digest."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    text = getattr(value, "name", None) or str(value)
+    if len(text) > 80:      # a structure (e.g. a draft tree): a short stable digest keeps run.json readable
+        text = f"{type(value).__name__}<sha1:{hashlib.sha1(text.encode()).hexdigest()[:12]}>"
+    return text
 
 
 # --- value checks used by the methods' validate ----------------------------------------------------------------
@@ -217,14 +290,22 @@ def knobs_from_args(args, classes: list[type[Knobs]], extra: list[str] = (), gri
             out[name] = cls.parse(name, value)
         else:
             out[name] = value
-    for item in extra or []:
+    out.update(parse_set_items(extra or [], {name: cls for name, (cls, _) in specs.items()}, "no method has a"))
+    return out
+
+
+def parse_set_items(items: list[str], takers: dict[str, type[Knobs]], lacking: str) -> dict[str, Any]:
+    """``--set NAME=VALUE`` items, each parsed by its knob's declared type; ``takers``: knob name -> the class
+    that declares it; ``lacking``: who has no such knob, for the message ("no method has a", "method 'x' has no")."""
+    out: dict[str, Any] = {}
+    for item in items:
         name, eq, text = item.partition("=")
         name = name.strip()
         if not eq or not name:
             raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
-        if name not in specs:
-            raise ValueError(f"--set {name}: no method has a knob {name!r}; knobs: {', '.join(sorted(specs))}")
-        out[name] = specs[name][0].parse(name, text)
+        if name not in takers:
+            raise ValueError(f"--set {name}: {lacking} knob {name!r}; knobs: {', '.join(sorted(takers)) or 'none'}")
+        out[name] = takers[name].parse(name, text.strip())
     return out
 
 

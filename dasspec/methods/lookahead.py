@@ -103,7 +103,7 @@ class LookaheadState:
 
     def update(self, root: int, top: list[int]) -> None:
         """Pool the column N-grams (after warm-up) and slide the window by one level."""
-        W, N = self.W, self.N
+        N = self.N
         win = self.window
         if self.passes >= N - 2:
             keys = win[0].tolist()
@@ -134,6 +134,7 @@ class LookaheadKnobs(Knobs):
 
 class LookaheadDrafter(Drafter):
     name = "lookahead"
+    width_knobs = ("window", "ngram", "guess_set")
 
     def __init__(self, knobs: LookaheadKnobs):
         self.knobs = knobs

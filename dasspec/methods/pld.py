@@ -97,6 +97,7 @@ class PLDKnobs(Knobs):
 
 class PLDDrafter(Drafter):
     name = "pld"
+    width_knobs = ("num_pred",)
 
     def __init__(self, knobs: PLDKnobs):
         self.knobs = knobs

@@ -107,6 +107,7 @@ class RecyclingDrafter(Drafter):
 
     name = "token-recycling"
     stateful = True
+    width_knobs = ("tree",)
 
     def __init__(self, knobs: RecyclingKnobs):
         self.knobs = knobs

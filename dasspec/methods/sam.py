@@ -242,6 +242,7 @@ class SAMDrafter(Drafter):
     """Owns the static corpus automaton (built on its first request, rebuilt when the file or tokenizer changes)."""
 
     name = "sam"
+    width_knobs = ("n_predicts",)
 
     def __init__(self, knobs: SAMKnobs):
         self.knobs = knobs

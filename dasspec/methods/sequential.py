@@ -76,6 +76,7 @@ def propose_sequential(req: Request, d: int, b: int, policy: ReadPolicy) -> Tens
 
 
 class SequentialDrafter(Drafter):
+    width_knobs = ("block",)
     def __init__(self, knobs: SequentialKnobs):
         self.knobs = knobs
         self.name = knobs.method

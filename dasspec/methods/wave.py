@@ -116,12 +116,18 @@ class WaveKnobs(Knobs):
         return replace(self, policy=policy)
 
 
+def read_depths(kn: WaveKnobs, R: int) -> list:
+    """The prefix-read depths of a core update by its depth r (the wave clock), r = 1..R (index 0 unused)."""
+    return [None] + [kn.policy.depths(r, R) for r in range(1, R + 1)]
+
+
 def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, inj: Tensor | None,
-           notes: dict) -> Tensor:
+           notes: dict, reads: list | None = None) -> Tensor:
     """The paper's block: J rounds of k parallel core updates over a growing window; returns the proposals (a view
     of the token scratch; fewer with ``trim``).  ``guesses`` (host tokens) replace the first anchor copies.  ``H``
     [1, w, d] holds the carried states; ``inj`` [1, w, d] the prelude rows when recomputed incrementally (CPU).
-    One host sync per round finds the first changed guess, for early stop, trim and the incremental prelude."""
+    One host sync per round finds the first changed guess, for early stop, trim and the incremental prelude.
+    ``reads``: ``read_depths(kn, R)``, built once per request by the drafter."""
     n, R, k, J = req.n, req.R, kn.k, kn.rounds
     w = kn.w
     req.scratch(w)                                # checks the window fits the cache
@@ -131,7 +137,7 @@ def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, i
         m = min(len(guesses), w)
         Z[1: m + 1] = torch.from_numpy(guesses[:m]).to(Z.device)
     H.copy_(req.h0[:, n: n + w])                  # inactive positions hold their init until they join
-    reads = [kn.policy.depths(min(R, (j * k if kn.carry else 0) + u + 1), R) for j in range(J) for u in range(k)]
+    reads = reads if reads is not None else read_depths(kn, R)
     incremental = inj is not None
     fresh = updates = 0                           # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
     changed_at: list[int] = []
@@ -147,8 +153,9 @@ def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, i
         else:
             e = req.prelude(Z[:W].unsqueeze(0), span)
         h = H[:, :W]
+        clock = j * k if kn.carry else 0
         for u in range(k):
-            h = req.core_step(h, e, span, reads[j * k + u])
+            h = req.core_step(h, e, span, reads[min(R, clock + u + 1)])
         H[:, :W] = h
         new = req.choose(req.readout(h, span)[0], n)
         updates += k * W
@@ -192,6 +199,7 @@ def seed_branch_layout(req: Request, proposals: Tensor, seed: np.ndarray, max_le
 
 class WaveDrafter(Drafter):
     name = "das-wave"
+    width_knobs = ("gamma", "rounds", "w_init", "seed_branch")
 
     def __init__(self, knobs: WaveKnobs):
         self.knobs = knobs
@@ -208,6 +216,7 @@ class WaveDrafter(Drafter):
         self.H = req.h0.new_empty(1, kn.w, d)              # carried states, reused by every block
         incremental = req.model.device.type == "cpu" and not req.runtime.static_shapes
         self.inj = req.h0.new_empty(1, kn.w, d) if incremental else None
+        self.reads = read_depths(kn, req.R)
 
     def propose(self, req: Request) -> Draft:
         kn = self.knobs
@@ -218,7 +227,7 @@ class WaveDrafter(Drafter):
             self.tested = seed
             notes["kind"] = "copy-run"
             return Draft(seed, bonus=True, notes=notes)
-        proposals = refine(req, kn, seed, self.H, self.inj, notes)
+        proposals = refine(req, kn, seed, self.H, self.inj, notes, self.reads)
         seeded = seed is not None and len(seed) > 0
         self.tested = (seed[: kn.seed_branch] if kn.seed_branch else seed) if seeded else None
         layout = seed_branch_layout(req, proposals, seed, kn.seed_branch) if seeded and kn.seed_branch else None
