@@ -36,7 +36,7 @@ job = json.loads(sys.stdin.read())
 if job["threads"]:
     torch.set_num_threads(job["threads"])
 import dasspec
-model = dasspec.load_model(job["model"])
+model = dasspec.load_model(job["model"], dtype=job["dtype"])
 methods = job["methods"]
 kept = {}
 if hasattr(dasspec, "build_drafter"):                 # new code: stream state lives on a kept drafter
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default=None, help="the model's dtype in both versions (default: load_model's)")
     p.add_argument("--data", default=os.environ.get("DASSPEC_DATA") or str(REPO.parent / "shared" / "data"))
     args = p.parse_args(argv)
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [{"ids": pr.ids, "stop": list(pr.task.stop), "cap": pr.task.cap, "id": pr.example.id}
                for pr in dev_prompts(model, args.tasks, args.prompts, args.max_new_tokens, args.shots, args.data)]
     methods = args.methods.split(",")
-    job = {"model": args.model, "methods": methods, "prompts": prompts, "threads": args.threads}
+    job = {"model": args.model, "methods": methods, "prompts": prompts, "threads": args.threads, "dtype": args.dtype}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                    capture_output=True)
     lines = [f"Old `{args.old}` vs new `{args.new or 'working tree'}`, {len(prompts)} development prompts ({args.tasks}, cap "
              f"{args.max_new_tokens}), fastest of {args.rounds} alternating rounds per version, {args.threads} "
-             "threads.", "", "| method | new time / old time (geo. mean) [95% CI] | same tokens |", "|---|---|---|"]
+             f"threads{f', {args.dtype}' if args.dtype else ''}.", "", "| method | new time / old time (geo. mean) [95% CI] | same tokens |", "|---|---|---|"]
     rows = []
     for m in methods:
         keys = [(i, m) for i in range(len(prompts))]
