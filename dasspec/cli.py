@@ -234,11 +234,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A flag error is one line and exit 2, like every other bad input (argparse prints its whole usage first)."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{message} (see: {self.prog} --help)")     # main() prints it as its one line, exit 2
+
+
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``dasspec`` parser with ``commands`` declared in full (default: all of them); the others are listed
     by name and help line only, which needs none of their imports."""
-    p = argparse.ArgumentParser(prog="dasspec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="dasspec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     full = set(COMMANDS if commands is None else commands)
     for name, (help_line, module) in COMMANDS.items():

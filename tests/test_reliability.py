@@ -54,6 +54,8 @@ def test_top_level_help_lists_what_the_command_modules_declare():
     (["probe", "maturity", "--out", "{tmp}/file.txt"], "--out {tmp}/file.txt: is a file, not a folder"),
     (["train", "--out", "{tmp}/t", "--set", "betas=5"], "--set betas=5: betas takes 2 numbers as a JSON list"),
     (["serve", "--max-queue", "-1"], "--max-queue must be >= 0, got -1"),
+    (["generate", "--method", "nope"], "argument --method: invalid choice: 'nope'"),     # argparse's own errors too
+    (["bench", "--out", "{tmp}/b", "--bootstrap", "x"], "argument --bootstrap: invalid int value: 'x'"),
 ])
 def test_every_command_answers_a_bad_input_with_exit_2_and_one_line(tmp_path, capsys, argv, message):
     if argv[0] == "serve":
