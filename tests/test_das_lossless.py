@@ -162,11 +162,11 @@ def _wave_request(model, ids, **knobs):
 
 
 def _refine(req, kn, incremental=True, guesses=None):
-    from dasspec.methods.wave import refine
+    from dasspec.methods.wave import read_depths, refine
 
     H = req.h0.new_empty(1, kn.w, req.model.config.n_embd)
     inj = torch.empty_like(H) if incremental else None
-    return refine(req, kn, guesses, H, inj, {}).clone()
+    return refine(req, kn, guesses, H, inj, {}, read_depths(kn, req.R)).clone()
 
 
 def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> None:

@@ -122,12 +122,12 @@ def read_depths(kn: WaveKnobs, R: int) -> list:
 
 
 def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, inj: Tensor | None,
-           notes: dict, reads: list | None = None) -> Tensor:
+           notes: dict, reads: list) -> Tensor:
     """The paper's block: J rounds of k parallel core updates over a growing window; returns the proposals (a view
     of the token scratch; fewer with ``trim``).  ``guesses`` (host tokens) replace the first anchor copies.  ``H``
     [1, w, d] holds the carried states; ``inj`` [1, w, d] the prelude rows when recomputed incrementally (CPU).
     One host sync per round finds the first changed guess, for early stop, trim and the incremental prelude.
-    ``reads``: ``read_depths(kn, R)``, built once per request by the drafter."""
+    ``reads``: ``read_depths(kn, R)``, built once per request (by the drafter)."""
     n, R, k, J = req.n, req.R, kn.k, kn.rounds
     w = kn.w
     req.scratch(w)                                # checks the window fits the cache
@@ -137,7 +137,6 @@ def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, i
         m = min(len(guesses), w)
         Z[1: m + 1] = torch.from_numpy(guesses[:m]).to(Z.device)
     H.copy_(req.h0[:, n: n + w])                  # inactive positions hold their init until they join
-    reads = reads if reads is not None else read_depths(kn, R)
     incremental = inj is not None
     fresh = updates = 0                           # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
     changed_at: list[int] = []

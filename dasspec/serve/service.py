@@ -33,7 +33,7 @@ from .worker import DecodeWorker, Job, QueueFull
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # chat without max_tokens: OpenAI's is "the rest of the context", but a request here preallocates its depth cache
-# for prompt + max_tokens, so the rest of a 4096 context would be ~11 GB per Huginn request in bf16
+# for prompt + max_tokens, and at full size the rest of a long context is gigabytes (docs/serving.md)
 CHAT_DEFAULT_MAX_TOKENS = 1024
 # Knobs that name files on the server: a client must not make the server read its files.
 SERVER_ONLY_KNOBS = frozenset({"static_corpus"})
