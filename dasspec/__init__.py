@@ -4,7 +4,7 @@ Depth-Asynchronous Self-Speculation (DAS), Mature-Spec and DAS-Wave, with the pa
 mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small looped model.
 
     dasspec.model    the looped model, its depth cache and read policies, checkpoints, tokenizer
-    dasspec.engine   one request's state, the full-depth verifier, the decode loop, generate()
+    dasspec.engine   the batched engine (a table of requests, one step), the full-depth verifier, generate()
     dasspec.methods  one module per decoding method (a drafter each) and their typed knobs
     dasspec.eval     tasks, the paired benchmark, the mechanism probes
     dasspec.train    the bundled model's recipe
@@ -22,7 +22,9 @@ __version__ = "0.1.0"
 # dasspec - which every ``dasspec`` command does - does not load torch: ``dasspec --help`` answers at once.
 _EXPORTS = {
     "Draft": ".engine.draft", "Drafter": ".engine.draft", "Verdict": ".engine.draft",
-    "GenerationResult": ".engine.generate", "generate": ".engine.generate",
+    "GenerationResult": ".engine.generate", "generate": ".engine.generate", "generate_batch": ".engine.generate",
+    "Engine": ".engine.engine", "StepEvent": ".engine.engine", "SpeculationPolicy": ".engine.policy",
+    "Session": ".engine.draft",
     "PrefixCache": ".engine.prefix_cache", "Runtime": ".engine.runtime",
     "build_drafter": ".methods", "method_names": ".methods",
     "CacheCapacityError": ".model.cache", "DepthCache": ".model.cache",
@@ -37,7 +39,10 @@ if TYPE_CHECKING:
     import torch
 
     from .engine.draft import Draft, Drafter, Verdict
-    from .engine.generate import GenerationResult, generate
+    from .engine.draft import Session
+    from .engine.engine import Engine, StepEvent
+    from .engine.generate import GenerationResult, generate, generate_batch
+    from .engine.policy import SpeculationPolicy
     from .engine.prefix_cache import PrefixCache
     from .engine.runtime import Runtime
     from .methods import build_drafter, method_names

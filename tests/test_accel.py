@@ -90,10 +90,10 @@ def test_cuda_graphs_need_cuda() -> None:
 def test_peak_memory_is_measured_only_when_asked(monkeypatch) -> None:
     """A plain generate call leaves process-wide counters alone (no peak-memory window); a benchmark's Runtime
     with track_memory=True opens one and reports the peak."""
-    from dasspec.engine import request
+    from dasspec.engine import engine
 
     opened = []
-    monkeypatch.setattr(request, "reset_peak_memory", lambda device: opened.append(device))
+    monkeypatch.setattr(engine, "reset_peak_memory", lambda device: opened.append(device))
     model = random_model("huginn", mean_recurrence=2)
     out = dasspec.generate(model, [3, 4, 5], max_new_tokens=2)
     assert opened == [] and out.stats.peak_memory is None

@@ -13,7 +13,7 @@ from dasspec.eval.bench.folder import RunFolder, clear_results
 from dasspec.eval.bench.lock import FolderBusy
 from dasspec.eval.bench.records import REJECTED, RecordsError, read_records
 from dasspec.eval.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
-from dasspec.engine.draft import Drafter
+from dasspec.engine.draft import Drafter, Session
 from dasspec.methods import METHODS, Method
 from dasspec.methods.ar import ARKnobs
 from dasspec.eval.tasks import Example, Task, select
@@ -46,14 +46,18 @@ def model():
     return random_model("huginn")
 
 
+class BrokenSession(Session):
+    def observe(self, verdict):
+        req = self.req
+        if req.done:
+            req.generated[-1] = (req.generated[-1] + 1) % req.model.config.vocab_size
+
+
 class Broken(Drafter):
     """AR, with its last token changed after the stop: output that differs from AR's."""
 
     name = "test-broken"
-
-    def observe(self, req, verdict):
-        if req.done:
-            req.generated[-1] = (req.generated[-1] + 1) % req.model.config.vocab_size
+    session = BrokenSession
 
 
 @pytest.fixture

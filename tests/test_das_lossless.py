@@ -162,11 +162,12 @@ def _wave_request(model, ids, **knobs):
 
 
 def _refine(req, kn, incremental=True, guesses=None):
-    from dasspec.methods.wave import read_depths, refine
+    from dasspec.methods.wave import WaveDrafter, refine
 
-    H = req.h0.new_empty(1, kn.w, req.model.config.n_embd)
-    inj = torch.empty_like(H) if incremental else None
-    return refine(req, kn, guesses, H, inj, {}, read_depths(kn, req.R)).clone()
+    session = WaveDrafter(kn).start(req)
+    if not incremental:
+        session.inj = None
+    return refine([session], kn, [guesses], [{}])[0].clone()
 
 
 def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> None:
@@ -326,11 +327,11 @@ def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatc
         return out
 
     class Spy(WaveDrafter):                  # marks the draft phase, where readouts are rounds
-        def propose(self, req):
+        def propose_batch(self, sessions):
             rounds.append([])
-            live["req"] = req
+            live["req"] = sessions[0].req
             try:
-                return super().propose(req)
+                return super().propose_batch(sessions)
             finally:
                 live.clear()
 

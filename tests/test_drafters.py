@@ -304,7 +304,8 @@ def test_lookahead_window_update() -> None:
     W, N = 4, 4
     dec = type("D", (), {})()
     dec.P = 5
-    dec.tokens = torch.tensor([10, 11, 12, 13, 14])
+    dec.prompt = [10, 11, 12, 13, 14]
+    dec.device = torch.device("cpu")
     st = la.LookaheadState(dec, W, N, G=2, pool_from_prompt=True)
     assert st.pool.get(10) == [(11, 12, 13)] and st.pool.get(11) == [(12, 13, 14)]
     win0 = st.window.copy()

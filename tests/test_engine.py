@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 import dasspec
-from dasspec.engine.draft import Draft, Drafter, TreeLayout
+from dasspec.engine.draft import Draft, Drafter, Session, TreeLayout
 from dasspec.engine.request import DraftCapacityError
 from dasspec.methods import METHODS, Method
 from dasspec.methods.knobs import Knobs, knob, positive_int
@@ -27,26 +27,32 @@ class RepeatKnobs(Knobs):
         return self
 
 
+class RepeatSession(Session):
+    def propose(self) -> Draft:
+        req, knobs = self.req, self.drafter.knobs
+        anchor = req.generated[-1]
+        c = min(knobs.copies, req.room - 1)       # the budget rule: inputs at depth <= room - 1
+        if c == 0:
+            return Draft()
+        if knobs.as_tree:               # node 1..c: the chain; node c+1: a sibling of node 1
+            return Draft([anchor] * c + [(anchor + 1) % req.model.config.vocab_size],
+                         layout=TreeLayout(list(range(-1, c)) + [0]))
+        return Draft([anchor] * c, bonus=True)
+
+    def observe(self, verdict) -> None:
+        self.drafter.seen.append(verdict.accepted)
+
+
 class RepeatDrafter(Drafter):
     """Proposes the anchor repeated: right on runs of one token, wrong elsewhere - both paths get exercised."""
 
     name = "repeat"
+    session = RepeatSession
 
     def __init__(self, knobs: RepeatKnobs):
         self.knobs = knobs
         self.width = knobs.copies + 2
         self.seen = []
-
-    def propose(self, req) -> Draft:
-        anchor = req.generated[-1]
-        c = self.knobs.copies
-        if self.knobs.as_tree:          # node 1..c: the chain; node c+1: a sibling of node 1
-            return Draft([anchor] * c + [(anchor + 1) % req.model.config.vocab_size],
-                         layout=TreeLayout(list(range(-1, c)) + [0]))
-        return Draft([anchor] * c, bonus=True)
-
-    def observe(self, req, verdict) -> None:
-        self.seen.append(verdict.accepted)
 
 
 @pytest.fixture
@@ -117,16 +123,21 @@ def test_default_draft_depth_fits_a_shallow_call():
         dasspec.generate(model, [3, 4, 5], "mature-spec", max_new_tokens=6, num_steps=4, draft_depth=4)
 
 
+class WideSession(Session):
+    def propose(self) -> Draft:
+        if self.req.room < 2:                       # a depth-1 tree needs room for two more tokens
+            return Draft()
+        return Draft([self.req.generated[-1]] * 19, layout=TreeLayout([-1] + [0] * 19))
+
+
 class WideTree(Drafter):
     """Proposes a 20-node tree; with ``width`` 1 it breaks the contract (its drafts need 20 verifier rows)."""
 
     name = "wide"
+    session = WideSession
 
     def __init__(self, width: int):
         self.width = width
-
-    def propose(self, req) -> Draft:
-        return Draft([req.generated[-1]] * 19, layout=TreeLayout([-1] + [0] * 19))
 
 
 def test_a_draft_beyond_the_reserved_capacity_is_refused():

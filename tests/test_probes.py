@@ -113,8 +113,8 @@ def test_probe_draft_equals_sequential_decoder(model, policy):
         dec.prefill()
         while not dec.done:
             anchors.append(dec.n)
-            drafted.append(int(propose_sequential(dec, d, 1, parse_policy(policy))[0]))
-            verify(dec, *place(dec, Draft()))           # AR step: the trajectory is the target's own
+            drafted.append(int(propose_sequential([dec], d, [1], parse_policy(policy))[0][0]))
+            verify(place(dec, Draft()))           # AR step: the trajectory is the target's own
     tokens = torch.tensor(prompt + dec.generated)
     tf = TeacherForced(model, tokens[:-1])
     rows = scored_rows(len(prompt), len(tokens))

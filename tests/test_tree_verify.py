@@ -20,7 +20,7 @@ from dasspec.testing import random_model
 
 def step(req: Request, draft: Draft = Draft()):
     """One block of the decode loop: place the draft, verify it (an empty draft is an AR step)."""
-    return verify(req, *place(req, draft))
+    return verify(place(req, draft))
 
 
 def random_parents(rng: random.Random, T: int) -> list[int]:
@@ -168,15 +168,27 @@ def test_stop_rule_inside_tree_chunk() -> None:
     ar = dasspec.generate(model, prompt, "ar", max_new_tokens=8, init_scale=0.0, eos=False).tokens
     parents, toks, _ = _tree_with_truth(ar[1:5], V)
     j = next(j for j in (2, 3, 4) if ar[j] not in ar[:j])   # a stop token first committed inside the chunk
-    for stop_ids, max_new, expect in (([ar[j]], 8, ar[: j + 1]), ((), 3, ar[:3])):
-        dec = _decoding(model, prompt, max_new, 0.0, stop_ids=stop_ids)
-        with torch.inference_mode():
-            dec.prefill()
-            verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
-        assert dec.done and dec.generated == expect
-        assert verdict.kept == len(expect) - 1
-        assert dec.stats.accepted[-1] == min(3, verdict.kept)
-        assert dec.stats.stop_reason == ("eos" if stop_ids else "max_new_tokens")
+    dec = _decoding(model, prompt, 8, 0.0, stop_ids=[ar[j]])
+    with torch.inference_mode():
+        dec.prefill()
+        verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
+    assert dec.done and dec.generated == ar[: j + 1]
+    assert verdict.kept == j
+    assert dec.stats.accepted[-1] == min(3, verdict.kept)
+    assert dec.stats.stop_reason == "eos"
+
+
+def test_a_tree_deeper_than_the_budget_is_refused() -> None:
+    """The budget rule (engine/draft.py): every verifier input lies at depth <= room - 1, so a tree that reaches
+    past the tokens max_new_tokens still allows is the drafter's error, named - never computed and dropped."""
+    model = random_model("raven-olmo", seed=1)
+    parents, toks, _ = _tree_with_truth([3, 4, 5, 6], model.config.vocab_size)     # depth 4
+    dec = _decoding(model, [5, 9, 14], 4, 0.0)
+    with torch.inference_mode():
+        dec.prefill()                                            # room: 3 more tokens
+        with pytest.raises(ValueError, match="depth 4 below the anchor, but only 3 more tokens"):
+            step(dec, Draft(toks, layout=TreeLayout(parents)))
+        step(dec, Draft(toks[:2], layout=TreeLayout(parents[:3])))   # depth 1: fine
 
 
 @pytest.mark.parametrize("seed", range(20))

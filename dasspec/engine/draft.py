@@ -1,13 +1,29 @@
-"""What a drafter hands the verifier, and what it gets back.
+"""What a drafter hands the verifier, what it gets back, and the contract between drafters and the engine.
 
 A *draft* extends the anchor (node 0, the last committed token) with proposal nodes 1..: a chain, or a tree given
 by a ``TreeLayout``.  The engine places its tokens in the request's scratch slots after the anchor (checking they
 fit), the full-depth target verifies it (``verify.py``) and returns a ``Verdict`` that the drafter may learn from.
 
-A *drafter* is an object with ``propose(req) -> Draft`` and ``observe(req, verdict)``; ``start(req)`` begins a
-request.  It owns its state: per-request state is reset in ``start``, and state kept across requests (Token
-Recycling's table, SAM's corpus automaton) lives on the object, which the caller may keep, reset or share.
-``width`` is the most verifier inputs any of its drafts needs; the request sizes its scratch rows from it.
+A *drafter* holds a method's knobs and what it keeps across requests (Token Recycling's successor table, SAM's
+corpus automaton); ``start(req)`` gives a *session*, the state of one request (its text index, carried states,
+n-gram pool).  Each engine step asks every drafter for the drafts of all its running sessions at once
+(``propose_batch``: drafters that read the model batch those passes across requests), verifies them all in one
+pass, and tells each session its verdict (``Session.observe``).  Sessions of one drafter run concurrently, so
+what they share must stay valid whatever the others do (it only ever changes how much is accepted, never a token).
+
+The contract.  A session may read of its request: ``n`` (the anchor's position = the verified rows), ``P`` and
+``prompt``, ``generated`` (committed tokens, the anchor last), ``R``, ``room``, ``model.config``, ``device``,
+``choose`` (the request's token choice: greedy or its seeded sampler), ``stopping()``; it may write proposals into
+``scratch(w)`` and run the model only through ``dasspec.engine.batch`` (the three primitives on the scratch rows
+past ``n``, counted with ``stats.count``).  Nothing else of the request, and never rows below ``n``.
+
+The budget rule, stated once: a verifier input at depth D below the anchor yields the target's token for depth
+D + 1, and only ``req.room`` more tokens may be committed, so every node that can be committed - on a candidate
+path - lies at depth <= room - 1.  A chain of w proposals has inputs at depths 0..w-1 (w <= room), or 0..w with
+``bonus`` (w <= room - 1); a tree's candidates are its ``paths``.  Nodes off every candidate path (Lookahead's
+window) need only a position inside the context: depth <= ``req.depth_limit``.  ``place`` cuts a chain to the rule
+and refuses a tree that breaks it.  ``width``: the most verifier inputs any draft of the drafter needs (the
+request's scratch rows are sized from it).
 """
 
 from __future__ import annotations
@@ -65,6 +81,8 @@ class TreeLayout:
         self.mask = mask.to(device)
         self.paths = torch.tensor([p + [-1] * (width - len(p)) for p in chosen], dtype=torch.long, device=device)
         self.is_chain = parents == list(range(-1, T - 1)) and leaves == [T - 1]
+        self.max_depth = max(len(p) for p in path_of) - 1     # the deepest node
+        self.candidate_depth = width - 1                       # the deepest node on a candidate path
         self.proposals = len({j for p in chosen for j in p}) - 1     # candidate nodes besides the root
 
     @classmethod
@@ -121,19 +139,33 @@ class Verdict:
     logits: Tensor            # [inputs, V] float32 target logits (drafters learn from them)
 
 
+class Session:
+    """One request's drafting state.  The base proposes nothing: every block is one full-depth AR step."""
+
+    def __init__(self, drafter: "Drafter", req: "Request"):
+        self.drafter, self.req = drafter, req
+
+    def propose(self) -> Draft:
+        return Draft()
+
+    def observe(self, verdict: Verdict) -> None:
+        """The verifier's answer to the last draft (already committed)."""
+
+
 class Drafter:
-    """Proposes nothing: every block is one full-depth AR step.  Subclasses override what they need."""
+    """A method's drafter: knobs and cross-request state; ``start`` makes a request's ``Session``.  Subclasses set
+    ``session`` (the class ``start`` instantiates) and override ``propose_batch`` to batch model passes."""
 
     name = "ar"
     width = 1                 # most verifier inputs a draft of this drafter needs
     width_knobs: tuple[str, ...] = ()     # the knobs that set ``width`` (named when it cannot fit a context)
     stateful = False          # keeps state across requests (benchmarks then bootstrap over blocks of requests)
+    session: type[Session] = Session
 
-    def start(self, req: "Request") -> None:
-        """A new request has been prefilled (its first token emitted)."""
+    def start(self, req: "Request") -> Session:
+        """A new request has been prefilled (its first token emitted): its drafting session."""
+        return self.session(self, req)
 
-    def propose(self, req: "Request") -> Draft:
-        return Draft()
-
-    def observe(self, req: "Request", verdict: Verdict) -> None:
-        """The verifier's answer to the last draft (already committed)."""
+    def propose_batch(self, sessions: "list[Session]") -> list[Draft]:
+        """The drafts of every running session of this drafter, in order (one engine step)."""
+        return [s.propose() for s in sessions]

@@ -1,36 +1,38 @@
-"""The decode loop - the only one: prefill, then propose -> verify -> observe until the stop rule says done.
+"""The decode loop - the only one - as one step over every running request:
 
-    req.prefill()                                  # the prompt at every depth, the first token
-    drafter.start(req)
-    while not req.done:
-        draft = drafter.propose(req)               # AR proposes nothing
-        verdict = verify(req, *place(req, draft))  # full depth, chain or tree; commits; stop rule
-        drafter.observe(req, verdict)
+    drafts = drafter.propose_batch(sessions)        # per drafter, its running sessions at once (AR: nothing)
+    placed = [place(req, draft) for ...]            # after each anchor; cut to the budget rule (draft.py)
+    verdicts = verify_step(placed, prefill_chunks)  # one full-depth pass: every draft and prompt chunk
+    session.observe(verdict)                        # each session learns its verdict
 
-Drafting (propose, observe, start) is timed as the draft phase, verification as the verify phase.
+``Engine.step`` (engine.py) runs it and keeps the table of requests around it; ``generate`` is a table of one.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .draft import Draft, Drafter, TreeLayout, Verdict
+from .draft import Draft, Drafter, Session, TreeLayout, Verdict
 from .request import Request
-from .verify import verify
+from .verify import Placed, PrefillChunk, verify_step
 
 
-def place(req: Request, draft: Draft) -> tuple[TreeLayout, int]:
-    """Put the draft's tokens after the anchor (unless the drafter wrote them there) and return the verifier's
-    layout and input count.  A chain is cut to what the budget can keep (no pass computes a position whose token
-    would be dropped); trees are cut by their drafters.  The cache capacity is checked before anything is run."""
+def place(req: Request, draft: Draft, cap: int | None = None) -> Placed:
+    """Put the draft's tokens after the anchor (unless the drafter wrote them there) and return it placed for the
+    verifier.  A chain is cut to the budget rule (every verifier input at depth <= room - 1: no pass computes a
+    position whose token would be dropped) and to ``cap`` proposals when the engine narrows drafts; a tree that
+    breaks the rule is refused (its drafter must cut it).  The cache capacity is checked before anything runs."""
     tokens = draft.tokens
     w = len(tokens)
     if draft.layout is None:
-        w = min(w, req.budget - 1 if draft.bonus else req.budget)
-        layout = TreeLayout.chain(w + 1, req.tokens.device)
+        w = min(w, req.room - 1 if draft.bonus else req.room)
+        if cap is not None:
+            w = min(w, cap)
+        layout = TreeLayout.chain(w + 1, req.device)
         inputs = w + 1 if draft.bonus or w == 0 else w
     else:
         layout = draft.layout
@@ -38,6 +40,13 @@ def place(req: Request, draft: Draft) -> tuple[TreeLayout, int]:
         if w != layout.size - 1:
             raise ValueError(f"a draft tree of {layout.size} nodes needs {layout.size - 1} tokens after the anchor, "
                              f"got {w}")
+        if layout.candidate_depth > req.room - 1:
+            raise ValueError(f"a draft tree's candidates reach depth {layout.candidate_depth} below the anchor, but "
+                             f"only {req.room} more tokens may be committed: candidates must lie at depth <= room - 1 "
+                             "(the budget rule in dasspec/engine/draft.py)")
+        if layout.max_depth > req.depth_limit:
+            raise ValueError(f"a draft tree reaches position {req.n + layout.max_depth}, beyond the model context "
+                             f"({req.model.config.block_size})")
     req.check_fits(inputs, layout.size)
     if w:
         slots = req.tokens[req.n + 1: req.n + 1 + w]
@@ -45,23 +54,52 @@ def place(req: Request, draft: Draft) -> tuple[TreeLayout, int]:
             if isinstance(tokens, np.ndarray):
                 tokens = torch.from_numpy(tokens)
             slots.copy_(torch.as_tensor(tokens[:w], dtype=torch.long))
-    return layout, inputs
+    return Placed(req, layout, inputs)
 
 
-def decode(req: Request, drafter: Drafter, trace: list | None = None) -> None:
-    """Run ``req`` to its stop with ``drafter``.  ``trace``: a list that receives (draft, verdict) per block, the
-    draft with its tokens as placed (a host copy: the scratch slots are reused) and its layout."""
-    req.prefill()
-    with req.timer("draft"):
-        drafter.start(req)
-    while not req.done:
-        with req.timer("draft"):
-            draft = drafter.propose(req)
-            layout, inputs = place(req, draft)
-        if trace is not None:                       # the slots are rewritten by the verifier and the next block
-            placed = replace(draft, tokens=req.tokens[req.n + 1: req.n + layout.size].tolist(), layout=layout)
-        verdict: Verdict = verify(req, layout, inputs)
-        with req.timer("draft"):
-            drafter.observe(req, verdict)
-        if trace is not None:
-            trace.append((placed, verdict))
+def traced(p: Placed, draft: Draft) -> Draft:
+    """The draft as placed, for a trace: host tokens (the slots are rewritten by the verifier) and its layout."""
+    n = p.req.n
+    return replace(draft, tokens=p.req.tokens[n + 1: n + p.layout.size].tolist(), layout=p.layout)
+
+
+def propose(groups: dict[Drafter, list[Session]], cap: int | None) -> list[tuple[Session, Draft]]:
+    """Every session's draft for this step, each drafter asked once for all of its sessions (``cap`` 0: no drafts,
+    every request takes a plain AR step)."""
+    out: list[tuple[Session, Draft]] = []
+    for drafter, sessions in groups.items():
+        drafts = drafter.propose_batch(sessions) if cap != 0 else [Draft()] * len(sessions)
+        out.extend(zip(sessions, drafts))
+    return out
+
+
+def step(sessions: Sequence[Session], prefills: Sequence[PrefillChunk] = (), cap: int | None = None,
+         timer=None) -> list[tuple[Session, Verdict]]:
+    """One step of the decode loop over ``sessions`` (each of a running, prefilled request) and the prompt chunks
+    in ``prefills``.  A request that must stop (``Request.stopping``) by the end of drafting is left out of the
+    pass.  ``timer(phase, requests)``: a context manager charging a phase to requests.  Returns each verified
+    session with its verdict (sessions whose requests stopped are not verified)."""
+    groups: dict[Drafter, list[Session]] = {}
+    for s in sessions:
+        groups.setdefault(s.drafter, []).append(s)
+    reqs = [s.req for s in sessions]
+    with timer("draft", reqs):
+        proposed = propose(groups, cap)
+        placed, live, drafts = [], [], []
+        for s, d in proposed:
+            if s.req.stopping() is not None:       # cancelled or out of time while drafting: not verified
+                continue
+            p = place(s.req, d, cap)
+            placed.append(p)
+            live.append(s)
+            drafts.append(traced(p, d) if s.req.trace is not None else None)
+    phase = "verify" if placed else "prefill"
+    with timer(phase, [p.req for p in placed] + [c.req for c in prefills]):
+        verdicts = verify_step(placed, list(prefills))
+    with timer("draft", [s.req for s in live]):
+        for s, p, d, v in zip(live, placed, drafts, verdicts):
+            if d is not None:
+                s.req.trace.append((d, v))
+            s.observe(v)
+    return list(zip(live, verdicts))
+

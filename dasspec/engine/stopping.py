@@ -16,15 +16,24 @@ import torch
 Criterion = Callable[[torch.Tensor, "torch.Tensor | None"], "bool | torch.Tensor"]
 
 
+def check_max_new_tokens(value) -> int:
+    """``max_new_tokens`` as an int >= 1, or a message naming the bad value (a fraction is never truncated)."""
+    try:
+        whole = not isinstance(value, bool) and int(value) == value
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole:
+        raise ValueError(f"max_new_tokens must be a whole number, got {value!r}")
+    if value < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {value}")
+    return int(value)
+
+
 class StopRule:
     def __init__(self, max_new_tokens: int, stop_ids: Iterable[int] = (), stop_strings: Iterable[str] = (),
                  decode: Callable[[list[int]], str] | None = None, criteria: Iterable[Criterion] = (),
                  prompt: Sequence[int] = ()):
-        if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens:
-            raise ValueError(f"max_new_tokens must be a whole number, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.max_new_tokens = int(max_new_tokens)
+        self.max_new_tokens = check_max_new_tokens(max_new_tokens)
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
         if self.stop_strings and decode is None:

@@ -1,23 +1,50 @@
-"""The independent full-depth verifier (paper sec. 3.4) and acceptance, for chains and trees alike.
+"""The independent full-depth verifier (paper sec. 3.4) and acceptance, for chains and trees alike, over every
+running request in one pass.
 
-The target runs on the draft's input nodes [anchor, ...] with its own initial states and all R aligned steps
-(``Request.target_pass``); its token at every node is ``req.choose`` of its logits (the argmax when greedy).  A
-candidate path is accepted node by node while each node's token equals the target's token at its parent; the
-longest accepted path wins (the first, on ties).  Committed: the path's proposals, then the target's token after
-its last node when that node was a verifier input (for a chain without bonus whose w proposals all matched, the
-last one is not, and nothing follows it).  Only the path's rows keep their K/V: an index bump when the path is the
-first rows (every chain), otherwise a compaction at every depth.  The last committed token is the next anchor.
+The target runs on each draft's input nodes [anchor, ...] with its own initial states and all R aligned steps;
+its token at every node is the request's ``choose`` of its logits (the argmax when greedy).  A candidate path is
+accepted node by node while each node's token equals the target's token at its parent; the longest accepted path
+wins (the first, on ties).  Committed: the path's proposals, then the target's token after its last node when that
+node was a verifier input (for a chain without bonus whose w proposals all matched, the last one is not, and
+nothing follows it).  Only the path's rows keep their K/V: an index bump when the path is the first rows (every
+chain), otherwise a compaction at every depth.  The last committed token is the next anchor.
 
-AR is a chain of no proposals.  By Proposition 1 the committed tokens equal full-depth AR's.
+The same pass carries the next chunk of every request still being prefilled (``PrefillChunk``), so a long prompt
+never stalls the requests that are decoding.  AR is a chain of no proposals.  By Proposition 1 the committed tokens
+equal full-depth AR's, and since every request reads only its own cache, whatever else is in the pass.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from .batch import Batch
 from .draft import TreeLayout, Verdict
-from .request import Request
+from .request import Request, greedy
+
+
+@dataclass
+class Placed:
+    """A draft placed after its request's anchor: the verifier's layout and how many of its nodes are inputs."""
+
+    req: Request
+    layout: TreeLayout
+    inputs: int
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt rows [req.prefilled, req.prefilled + size) of a request being prefilled."""
+
+    req: Request
+    size: int
+
+    @property
+    def last(self) -> bool:
+        return self.req.prefilled + self.size == self.req.P
 
 
 def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Tensor]:
@@ -33,40 +60,92 @@ def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Te
     return acc[best], best
 
 
-def verify(req: Request, layout: TreeLayout, inputs: int) -> Verdict:
-    """Verify the draft whose nodes are in ``req.tokens[n : n + layout.size]`` (node 0 = the anchor, already
-    there); the first ``inputs`` nodes are fed to the target.  Commits and applies the stop rule."""
-    n = req.n
-    nodes = req.tokens[n: n + layout.size]
-    with req.timer("verify"):
+def verify(placed: Placed) -> Verdict:
+    """Verify one request's placed draft (nodes in ``req.tokens[n : n + layout.size]``, node 0 = the anchor)."""
+    return verify_step([placed])[0]
+
+
+def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> list[Verdict]:
+    """One full-depth pass over every draft (and prefill chunk); commits, applies each request's stop rule and
+    returns each draft's ``Verdict`` (in order)."""
+    reqs, starts, widths, positions, masks = [], [], [], [], []
+    for d in drafts:
+        req, layout, n = d.req, d.layout, d.req.n
+        reqs.append(req), starts.append(n), widths.append(d.inputs)
         if layout.is_chain:
-            logits = req.target_pass(n, inputs)
-            pred = req.choose(logits, n)
+            positions.append(None), masks.append(None)
         else:
-            mask = torch.ones(inputs, n + inputs, dtype=torch.bool, device=nodes.device)
+            mask = torch.ones(d.inputs, n + d.inputs, dtype=torch.bool, device=req.device)
             mask[:, n:] = layout.mask
-            positions = n + layout.depth
-            logits = req.target_pass(n, inputs, positions=positions, mask=mask)
-            pred = req.choose(logits, positions)
+            positions.append(n + layout.depth), masks.append(mask)
+        req.stats.count("verify", req.R, req.R * d.inputs)
+    for c in prefills:
+        reqs.append(c.req), starts.append(c.req.prefilled), widths.append(c.size)
+        positions.append(None), masks.append(None)
+        c.req.stats.count("prefill", c.req.R, c.req.R * c.size)
+    batch = Batch(reqs, starts, widths, positions, masks)
+    # logits of every draft row, and of the last row of a prompt whose prefill ends here (the head is not free)
+    if prefills:
+        keep = [torch.arange(batch.offsets[i], batch.offsets[i + 1]) for i in range(len(drafts))]
+        keep += [torch.tensor([batch.offsets[len(drafts) + j + 1] - 1]) for j, c in enumerate(prefills) if c.last]
+        rows = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)
+        logits = batch.full_depth(reqs[0].R, rows.to(reqs[0].device))     # K/V of every row, logits of ``rows``
+        parts = list(torch.split(logits, [d.inputs for d in drafts] + [1 for c in prefills if c.last]))
+    else:
+        logits = batch.full_depth(reqs[0].R)
+        parts = batch.split(logits)
+    for c in prefills:
+        last = c.last                            # (before the chunk is counted in)
+        c.req.prefilled_chunk(c.size, parts.pop(len(drafts)) if last else None)
+    return accept_all(drafts, parts)
+
+
+def accept_all(drafts: list[Placed], logits: list[Tensor]) -> list[Verdict]:
+    """Acceptance of each draft against its target logits; one device -> host transfer for the whole batch."""
+    if not drafts:
+        return []
+    greedy_all = all(d.req.choose is greedy for d in drafts)
+    if greedy_all and len(drafts) > 1:
+        preds = list(torch.split(torch.cat(logits).argmax(-1), [d.inputs for d in drafts]))
+    else:
+        preds = [d.req.choose(z, d.req.n if d.layout.is_chain else d.req.n + d.layout.depth)
+                 for d, z in zip(drafts, logits)]
+    host_parts, sizes = [], []
+    for d, pred in zip(drafts, preds):
+        n, layout = d.req.n, d.layout
+        nodes = d.req.tokens[n: n + layout.size]
         acc, best = accept(nodes, pred, layout.paths)
         row = layout.paths[best]
         safe = row.clamp(min=0)
-        D = row.numel()
-        pred_row = pred[safe.clamp(max=inputs - 1)]
-        host = torch.cat((acc.view(1), row, nodes[safe], pred_row)).tolist()   # one device->host transfer
-        a = host[0]                             # host = [a | path (D) | its tokens (D) | target tokens (D)]
-        path = host[1: 2 + a]
-        chunk = host[2 + D: 2 + D + a]          # the accepted proposals
-        target = path[-1] < inputs              # the path's last node was an input: the target's token follows
+        pred_row = pred[safe.clamp(max=d.inputs - 1)]
+        host_parts.append(torch.cat((acc.view(1), row, nodes[safe], pred_row)))
+        sizes.append(1 + 3 * row.numel())
+    flat = (host_parts[0] if len(host_parts) == 1 else torch.cat(host_parts)).tolist()   # one transfer
+    verdicts, o = [], 0
+    for d, pred, z, size in zip(drafts, preds, logits, sizes):
+        verdicts.append(commit(d, flat[o: o + size], pred, z))
+        o += size
+    return verdicts
+
+
+def commit(d: Placed, host: list[int], pred: Tensor, logits: Tensor) -> Verdict:
+    """Commit one draft's accepted path: host = [a | path (D) | its tokens (D) | target tokens (D)]."""
+    req, layout, inputs = d.req, d.layout, d.inputs
+    n = req.n
+    D = (len(host) - 1) // 3
+    a = host[0]
+    path = host[1: 2 + a]
+    chunk = host[2 + D: 2 + D + a]          # the accepted proposals
+    target = path[-1] < inputs              # the path's last node was an input: the target's token follows
+    if target:
+        chunk.append(host[1 + 2 * D + a])
+    if layout.is_chain or path == list(range(a + 1)):     # the path is the first rows: an index bump
+        req.cache.commit(a + 1 if target else a)
         if target:
-            chunk.append(host[1 + 2 * D + a])
-        if layout.is_chain or path == list(range(a + 1)):     # the path is the first rows: an index bump
-            req.cache.commit(a + 1 if target else a)
-            if target:
-                req.tokens[n + 1 + a] = chunk[-1]
-        else:                                                  # a tree path elsewhere: move its rows into place
-            req.cache.compact(n + torch.tensor(path, dtype=torch.long, device=nodes.device))
-            req.tokens[n + 1: n + 1 + len(chunk)] = torch.tensor(chunk, dtype=torch.long, device=nodes.device)
+            req.tokens[n + 1 + a] = chunk[-1]
+    else:                                                  # a tree path elsewhere: move its rows into place
+        req.cache.compact(n + torch.tensor(path, dtype=torch.long, device=req.device))
+        req.tokens[n + 1: n + 1 + len(chunk)] = torch.tensor(chunk, dtype=torch.long, device=req.device)
     kept = req.emit(chunk)
     req.stats.record(layout.proposals, min(a, kept), target and kept == len(chunk))
     return Verdict(kept, a, path, chunk, pred, logits)

@@ -22,7 +22,8 @@ Differences from the reference (``hao-ai-lab/LookaheadDecoding``), on purpose:
 * the window starts full - every level drawn from the prompt tokens with a fixed seed - rather than being grown
   one level per forward; n-grams enter the pool only after N-2 passes, when levels 1..N-2 hold model outputs,
   which is when the reference's pool receives its first entries.  Warm-up passes are therefore full-width;
-* within ``ngram - 1`` positions of the model's context end (no room for the window) a step is a plain AR step.
+* where the window would reach past the tokens that may still be committed (the budget rule, ``draft.py``) a step
+  is a plain AR step.
 
 Knobs: ``window`` W (7), ``ngram`` N (5), ``guess_set`` G (7) - the README / Spec-Bench setting - and
 ``pool_from_prompt`` (False; True seeds the pool with the prompt's N-grams).  A pass has at most
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.draft import Draft, Drafter, TreeLayout, Verdict
+from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request
 from . import Method, register
 from .knobs import Knobs, boolean, knob, positive_int
@@ -82,7 +83,7 @@ class NgramPool:
 class LookaheadState:
     def __init__(self, req: Request, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
         self.W, self.N, self.G = W, N, G
-        prompt = req.tokens[: req.P].cpu().numpy()
+        prompt = np.asarray(req.prompt, dtype=np.int64)
         rng = np.random.default_rng(seed)
         self.window = prompt[rng.integers(0, len(prompt), size=(N - 1, W))]   # [level, column]; [0, 0] unused
         self.pool = NgramPool(G)
@@ -90,7 +91,7 @@ class LookaheadState:
         if pool_from_prompt:
             for i in range(len(prompt) - N + 1):
                 self.pool.insert(int(prompt[i]), tuple(int(t) for t in prompt[i + 1: i + N]))
-        device = req.tokens.device
+        device = req.device
         self.layouts = [TreeLayout(*lookahead_parents(W, N, g), device=device) for g in range(G + 1)]
 
     def inputs(self, root: int) -> tuple[list[int], TreeLayout]:
@@ -132,31 +133,38 @@ class LookaheadKnobs(Knobs):
         return self
 
 
+class LookaheadSession(Session):
+    def __init__(self, drafter: "LookaheadDrafter", req: Request):
+        super().__init__(drafter, req)
+        k = drafter.knobs
+        self.state = LookaheadState(req, k.window, k.ngram, k.guess_set, k.pool_from_prompt)
+        self.root: int | None = None
+
+    def propose(self) -> Draft:
+        req = self.req
+        self.root = req.generated[-1]
+        flat, layout = self.state.inputs(self.root)
+        # No room for the window inside the context, or for a guess inside the budget: a plain AR step.
+        if layout.max_depth > req.depth_limit or self.drafter.knobs.ngram - 1 > req.room - 1:
+            self.root = None
+            return Draft()
+        return Draft(flat, layout=layout)
+
+    def observe(self, verdict: Verdict) -> None:
+        if self.root is not None:
+            lo, W = self.drafter.top_lo, self.drafter.knobs.window
+            self.state.update(self.root, verdict.pred[lo: lo + W].tolist())
+
+
 class LookaheadDrafter(Drafter):
     name = "lookahead"
     width_knobs = ("window", "ngram", "guess_set")
+    session = LookaheadSession
 
     def __init__(self, knobs: LookaheadKnobs):
         self.knobs = knobs
         self.width = (knobs.window + knobs.guess_set) * (knobs.ngram - 1)
         self.top_lo = knobs.window * (knobs.ngram - 2)       # index of (level N-2, column 0) in the pass
-
-    def start(self, req: Request) -> None:
-        k = self.knobs
-        self.state = LookaheadState(req, k.window, k.ngram, k.guess_set, k.pool_from_prompt)
-
-    def propose(self, req: Request) -> Draft:
-        self.root = req.generated[-1]
-        flat, layout = self.state.inputs(self.root)
-        if req.n + layout.size > req.model.config.block_size:     # no room for the window: a plain AR step
-            self.root = None
-            return Draft()
-        return Draft(flat, layout=layout)
-
-    def observe(self, req: Request, verdict: Verdict) -> None:
-        if self.root is not None:
-            W = self.knobs.window
-            self.state.update(self.root, verdict.pred[self.top_lo: self.top_lo + W].tolist())
 
 
 register(Method("lookahead", LookaheadKnobs, LookaheadDrafter))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.draft import Draft, Drafter
+from ..engine.draft import Draft, Drafter, Session
 from ..engine.request import Request
 from . import Method, register
 from .knobs import Knobs, knob, positive_int
@@ -68,8 +68,8 @@ class PromptLookup:
 
     def __init__(self, req: Request, max_ngram: int, num_pred: int, find=find_draft):
         self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
-        self.text = np.empty(req.P + req.stop.max_new_tokens + 1, dtype=np.int64)
-        self.text[: req.P] = req.tokens[: req.P].cpu().numpy()
+        self.text = np.empty(req.P + len(req.generated) + req.budget + 1, dtype=np.int64)
+        self.text[: req.P] = req.prompt
         self.P = req.P
         self.fed = 0                              # generated tokens copied so far
 
@@ -78,7 +78,7 @@ class PromptLookup:
         gen = req.generated
         self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
         self.fed = len(gen)
-        k = min(self.num_pred if num_pred is None else num_pred, req.budget - 1)   # room for the target's token
+        k = min(self.num_pred if num_pred is None else num_pred, req.room - 1)   # a bonus chain (the budget rule)
         if k < 1:
             return self.text[:0]
         return self.find(self.text[: self.P + self.fed], self.max_ngram, k)
@@ -95,19 +95,23 @@ class PLDKnobs(Knobs):
         return self
 
 
+class PLDSession(Session):
+    def __init__(self, drafter: "PLDDrafter", req: Request):
+        super().__init__(drafter, req)
+        self.lookup = PromptLookup(req, drafter.knobs.max_ngram, drafter.knobs.num_pred)
+
+    def propose(self) -> Draft:
+        return Draft(self.lookup.propose(self.req), bonus=True)     # no match: an empty draft, a plain AR step
+
+
 class PLDDrafter(Drafter):
     name = "pld"
     width_knobs = ("num_pred",)
+    session = PLDSession
 
     def __init__(self, knobs: PLDKnobs):
         self.knobs = knobs
         self.width = knobs.num_pred + 1
-
-    def start(self, req: Request) -> None:
-        self.lookup = PromptLookup(req, self.knobs.max_ngram, self.knobs.num_pred)
-
-    def propose(self, req: Request) -> Draft:
-        return Draft(self.lookup.propose(req), bonus=True)     # no match: an empty draft, a plain AR step
 
 
 register(Method("pld", PLDKnobs, PLDDrafter))

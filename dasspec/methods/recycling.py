@@ -14,8 +14,8 @@ Unlike the reference the table is also updated on the final step of a request (t
 information).
 
 Knobs: ``topk`` (k = 8) and ``tree`` - ``"2.2.2"`` (the official 80-node, depth-6 template) or a list of choices
-such as ``[[0], [1], [0, 0]]``; ``reset`` (False).  Near the end of the budget / context the tree is cut to a
-breadth-first prefix, so no pass computes nodes that could not be kept.
+such as ``[[0], [1], [0, 0]]``; ``reset`` (False).  Near the end of the budget the tree is cut to a breadth-first
+prefix, so no pass computes nodes that could not be kept.  Concurrent requests of one drafter share its table.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..engine.draft import Draft, Drafter, TreeLayout, Verdict
+from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request
 from . import Method, register
 from .knobs import Knobs, boolean, knob, positive_int
@@ -119,32 +119,40 @@ class RecyclingDrafter(Drafter):
         """Forget the successor table (the next request starts cold)."""
         self.table = None
 
-    def start(self, req: Request) -> None:
-        V, device = req.model.config.vocab_size, req.tokens.device
+    def start(self, req: Request) -> Session:
+        V, device = req.model.config.vocab_size, req.device
         if self.knobs.topk > V:
             raise ValueError(f"topk {self.knobs.topk} exceeds the vocabulary size {V}")
         t = self.table
         if self.knobs.reset or t is None or t.table.shape[0] != V or t.table.device != device:
             self.table = SuccessorTable(V, self.knobs.topk, device)
         self.table.requests += 1
+        return RecyclingSession(self, req)
 
-    def propose(self, req: Request) -> Draft:
-        n, tree = req.n, self.knobs.tree
-        # Nodes deeper than budget - 1 could never be kept; rows past the context cannot be computed.
-        T = min(tree.nodes_within_depth(req.budget - 1), req.model.config.block_size - n)
-        key = (T, req.tokens.device)
+    def shape(self, T: int, device: torch.device) -> tuple[TreeFiller, TreeLayout]:
+        """The filler and layout of the template cut to its first T nodes (built once per T, shared)."""
+        key = (T, device)
         shape = self._shapes.get(key)
         if shape is None:
-            sub = tree.truncated(T)
-            shape = self._shapes[key] = (TreeFiller(sub, req.tokens.device), TreeLayout(sub.parents, device=key[1]))
-        filler, layout = shape
-        nodes = req.tokens[n: n + T]
-        filler.fill(nodes, self.table.table)
+            sub = self.knobs.tree.truncated(T)
+            shape = self._shapes[key] = (TreeFiller(sub, device), TreeLayout(sub.parents, device=device))
+        return shape
+
+
+class RecyclingSession(Session):
+    def propose(self) -> Draft:
+        req, drafter = self.req, self.drafter
+        # Nodes deeper than room - 1 could never be kept (the budget rule).
+        T = drafter.knobs.tree.nodes_within_depth(req.room - 1)
+        filler, layout = drafter.shape(T, req.device)
+        nodes = req.draft_slots(T - 1)
+        filler.fill(nodes, drafter.table.table)
         self.nodes = nodes.clone()            # the verifier rewrites the slots with the committed tokens
         return Draft(nodes[1:], layout=layout)
 
-    def observe(self, req: Request, verdict: Verdict) -> None:
-        self.table.update(self.nodes, verdict.logits)
+    def observe(self, verdict: Verdict) -> None:
+        # The table is shared by the drafter's concurrent requests: a write only changes later drafts' acceptance.
+        self.drafter.table.update(self.nodes, verdict.logits)
 
 
 register(Method("token-recycling", RecyclingKnobs, RecyclingDrafter, stateful=True))

@@ -18,8 +18,8 @@ matched too (transitions only, never extended).  When its match minus ``len_bias
 one, the draft is a tree from the static automaton: best-first over the top-8 transitions of each state by
 occurrence count (priority = product of count ratios along the path), at most 8 nodes per depth, as many nodes as
 the formula above allows; it is verified as a tree.  The static automaton is built (in the timed region) on a
-drafter's first request and kept by that drafter (rebuilt when the file changes); the dynamic one is rebuilt for
-every request.
+drafter's first request and kept by that drafter (rebuilt when the file changes), shared read-only by the
+drafter's concurrent requests (each keeps its own match); the dynamic one is built per request.
 
 Knobs: ``n_predicts`` (40, verifier positions including the anchor), ``alpha`` (4.0), ``len_threshold`` (1: the
 shortest match that drafts; below it the step is plain AR), ``len_bias`` (5) and ``static_corpus`` (None, the
@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from ..engine.draft import Draft, Drafter, TreeLayout
+from ..engine.draft import Draft, Drafter, Session, TreeLayout
 from ..engine.request import Request
 from . import Method, register
 from .knobs import Knobs, knob, positive_int
@@ -100,12 +100,15 @@ class SuffixAutomaton:
             return nxt[state][token], n + 1
         return 0, 0
 
+    def walk(self, state: int, n: int, tokens: Iterable[int]) -> tuple[int, int]:
+        """The match (state, length) after moving ``(state, n)`` over ``tokens`` (no extension, nothing stored)."""
+        for t in tokens:
+            state, n = self.step(state, n, t)
+        return state, n
+
     def advance(self, tokens: Iterable[int]) -> None:
         """Move the match over ``tokens`` (no extension)."""
-        s, m = self.match, self.match_len
-        for t in tokens:
-            s, m = self.step(s, m, t)
-        self.match, self.match_len = s, m
+        self.match, self.match_len = self.walk(self.match, self.match_len, tokens)
 
     def add(self, tokens: Iterable[int]) -> None:
         """Feed tokens: move the match first, then extend, so the match refers to an earlier occurrence."""
@@ -239,7 +242,8 @@ class SAMKnobs(Knobs):
 
 
 class SAMDrafter(Drafter):
-    """Owns the static corpus automaton (built on its first request, rebuilt when the file or tokenizer changes)."""
+    """Owns the static corpus automaton (built on its first request, rebuilt when the file or tokenizer changes),
+    shared read-only by its requests: each session keeps its own match in it."""
 
     name = "sam"
     width_knobs = ("n_predicts",)
@@ -249,8 +253,8 @@ class SAMDrafter(Drafter):
         self.width = knobs.n_predicts
         self._static: tuple[tuple, StaticAutomaton] | None = None
 
-    def static_automaton(self, req: Request) -> StaticAutomaton:
-        path, model = self.knobs.static_corpus, req.model
+    def static_automaton(self, model) -> StaticAutomaton:
+        path = self.knobs.static_corpus
         st = os.stat(path)
         key = (os.path.abspath(path), st.st_mtime_ns, st.st_size, model.tokenizer, model.config.eos_token_id)
         if self._static is None or self._static[0] != key:
@@ -258,36 +262,42 @@ class SAMDrafter(Drafter):
             self._static = key, StaticAutomaton(load_corpus(path, model.tokenizer), eos[0] if eos else None)
         return self._static[1]
 
-    def start(self, req: Request) -> None:
-        prompt = req.tokens[: req.P].tolist()
+    def start(self, req: Request) -> "SAMSession":
+        return SAMSession(self, req)
+
+
+class SAMSession(Session):
+    def __init__(self, drafter: SAMDrafter, req: Request):
+        super().__init__(drafter, req)
+        prompt = list(req.prompt)
         self.dyn = SuffixAutomaton()
         self.dyn.add(prompt)
-        self.static = None
-        if self.knobs.static_corpus:
-            self.static = self.static_automaton(req)
-            self.static.match = self.static.match_len = 0
-            self.static.advance(prompt)
+        self.static = drafter.static_automaton(req.model) if drafter.knobs.static_corpus else None
+        self.s_match = self.s_len = 0         # this request's match in the shared static automaton
+        if self.static is not None:
+            self.s_match, self.s_len = self.static.walk(0, 0, prompt)
         self.fed = 0                          # generated tokens already in the automata (all but the anchor)
 
-    def propose(self, req: Request) -> Draft:
-        kn, dyn, static = self.knobs, self.dyn, self.static
+    def propose(self) -> Draft:
+        req, kn, dyn, static = self.req, self.drafter.knobs, self.dyn, self.static
         gen = req.generated
         new = gen[self.fed: len(gen) - 1]
         dyn.add(new)
         if static is not None:
-            static.advance(new)
+            self.s_match, self.s_len = static.walk(self.s_match, self.s_len, new)
         self.fed = len(gen) - 1
         anchor = gen[-1]
         s_d, m_d = dyn.step(dyn.match, dyn.match_len, anchor)
-        s_s, m_s = static.step(static.match, static.match_len, anchor) if static is not None else (0, 0)
+        s_s, m_s = static.step(self.s_match, self.s_len, anchor) if static is not None else (0, 0)
         use_static = static is not None and m_s - kn.len_bias > m_d
         m = m_s if use_static else m_d
-        size = min(kn.n_predicts, 1 + int(m * kn.alpha), req.budget, req.model.config.block_size - req.n)
+        # Every node of a tree, and a bonus chain's inputs, lie at depth <= size - 1 <= room - 1 (the budget rule).
+        size = min(kn.n_predicts, 1 + int(m * kn.alpha), req.room)
         if m < kn.len_threshold or size <= 1:
             return Draft()
         if use_static:
             toks, parents = static.tree(s_s, anchor, size)
-            return Draft(toks[1:], layout=TreeLayout(parents, device=req.tokens.device)) if len(toks) > 1 else Draft()
+            return Draft(toks[1:], layout=TreeLayout(parents, device=req.device)) if len(toks) > 1 else Draft()
         return Draft(dyn.draft(s_d, size - 1), bonus=True)
 
 

@@ -4,7 +4,8 @@ Each block drafts b tokens one after another, each with d core steps from its ow
 verified prefix at depths (kappa, nu) = policy(j, R) and the earlier drafts of this block at depth j (their K/V
 from the same draft step, stored in scratch rows).  Self-speculation uses Aligned reads (kappa = nu = j);
 Mature-Spec uses Deep K/V (kappa = nu = R); Deep V (Mature-V), Deep K or explicit depths are knobs.
-The b proposals go to the independent full-depth verifier as a chain (the paper's, without bonus token).
+The b proposals go to the independent full-depth verifier as a chain (the paper's, without bonus token).  All
+requests drafting in a step draft together: token i of every request is one batched pass.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from ..engine.draft import Draft, Drafter
-from ..engine.request import Request
+from ..engine.batch import Batch
+from ..engine.draft import Draft, Drafter, Session
+from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import Knobs, positive_int, knob
@@ -58,33 +60,50 @@ class MatureSpecKnobs(SequentialKnobs):
                                     "deep-kv | k=..,v=..", parse=str)
 
 
-def propose_sequential(req: Request, d: int, b: int, policy: ReadPolicy) -> Tensor:
-    """Draft b tokens after the anchor at depth d, in place in the token scratch; returns them."""
-    n, R = req.n, req.R
-    tokens = req.scratch(b)
+def propose_sequential(reqs: list[Request], d: int, blocks: list[int], policy: ReadPolicy) -> list[Tensor]:
+    """Draft ``blocks[i]`` tokens after request i's anchor at depth d, in place in each token scratch, all requests
+    in one batched pass per token; returns each request's drafted tokens.  A request that must stop
+    (``stopping``) leaves the batch at the next token."""
+    R = reqs[0].R
+    slots = [r.scratch(b) for r, b in zip(reqs, blocks)]
     reads = [policy.depths(j, R) for j in range(1, d + 1)]       # hoisted out of the token loop
-    for i in range(b):
-        row = n + i
-        span = req.span(row, 1)
-        inj = req.prelude(req.tokens[row: row + 1].unsqueeze(0), span)
-        h = req.h0[:, row: row + 1]
+    live = list(range(len(reqs)))
+    for i in range(max(blocks, default=0)):
+        live = [q for q in live if blocks[q] > i and reqs[q].stopping() is None]
+        if not live:
+            break
+        group = [reqs[q] for q in live]
+        batch = Batch(group, [r.n + i for r in group], [1] * len(group))
+        inj = batch.prelude(batch.ids())
+        h = batch.initial()
         for j, read in enumerate(reads, 1):
-            h = req.core_step(h, inj, span, read, own=(j, j))
-        tokens[i] = req.choose(req.readout(h, span)[0], row)[-1]
-    req.stats.count("draft", b * d, b * d)
-    return tokens
+            h = batch.core_step(h, inj, read, own=(j, j))
+        logits = batch.readout(h)[0]
+        if all(r.choose is greedy for r in group):
+            chosen = logits.argmax(-1)
+            for k, q in enumerate(live):
+                slots[q][i] = chosen[k]
+        else:
+            for k, q in enumerate(live):
+                slots[q][i] = reqs[q].choose(logits[k: k + 1], reqs[q].n + i)[-1]
+        for r in group:
+            r.stats.count("draft", d, d)
+    return slots
 
 
 class SequentialDrafter(Drafter):
     width_knobs = ("block",)
+
     def __init__(self, knobs: SequentialKnobs):
         self.knobs = knobs
         self.name = knobs.method
         self.width = knobs.block
 
-    def propose(self, req: Request) -> Draft:
+    def propose_batch(self, sessions: list[Session]) -> list[Draft]:
         k = self.knobs
-        return Draft(propose_sequential(req, k.draft_depth, min(k.block, req.budget), k.policy))
+        reqs = [s.req for s in sessions]
+        tokens = propose_sequential(reqs, k.draft_depth, [min(k.block, r.room) for r in reqs], k.policy)
+        return [Draft(t) for t in tokens]
 
 
 register(Method("self-spec", SelfSpecKnobs, SequentialDrafter))

@@ -46,8 +46,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.draft import Draft, Drafter, TreeLayout, Verdict
-from ..engine.request import Request
+from ..engine.batch import Batch
+from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
+from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import Knobs, boolean, knob, one_of, positive_int
@@ -121,66 +122,105 @@ def read_depths(kn: WaveKnobs, R: int) -> list:
     return [None] + [kn.policy.depths(r, R) for r in range(1, R + 1)]
 
 
-def refine(req: Request, kn: WaveKnobs, guesses: np.ndarray | None, H: Tensor, inj: Tensor | None,
-           notes: dict, reads: list) -> Tensor:
-    """The paper's block: J rounds of k parallel core updates over a growing window; returns the proposals (a view
-    of the token scratch; fewer with ``trim``).  ``guesses`` (host tokens) replace the first anchor copies.  ``H``
-    [1, w, d] holds the carried states; ``inj`` [1, w, d] the prelude rows when recomputed incrementally (CPU).
-    One host sync per round finds the first changed guess, for early stop, trim and the incremental prelude.
-    ``reads``: ``read_depths(kn, R)``, built once per request (by the drafter)."""
-    n, R, k, J = req.n, req.R, kn.k, kn.rounds
-    w = kn.w
-    req.scratch(w)                                # checks the window fits the cache
-    Z = req.tokens[n: n + w + 1]                  # Z[0] is the anchor; the guesses live in the token scratch
-    Z[1:] = Z[0]
-    if guesses is not None and len(guesses):
-        m = min(len(guesses), w)
-        Z[1: m + 1] = torch.from_numpy(guesses[:m]).to(Z.device)
-    H.copy_(req.h0[:, n: n + w])                  # inactive positions hold their init until they join
-    incremental = inj is not None
-    fresh = updates = 0                           # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
-    changed_at: list[int] = []
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray | None],
+           notes: list[dict]) -> list[Tensor]:
+    """The paper's block for every session at once, rounds in lockstep: J rounds of k parallel core updates over a
+    growing window; returns each session's proposals (a view of its token scratch; fewer with ``trim``).
+    ``seeds`` (host tokens) replace the first anchor copies.  Each session's ``H`` [1, w, d] holds its carried
+    states and ``inj`` its prelude rows when recomputed incrementally (CPU).  One host sync per round (for every
+    session) finds each first changed guess, for early stop, trim and the incremental prelude; a session that
+    stops early, or whose request must stop (``stopping``), leaves the batch."""
+    reqs = [s.req for s in sessions]
+    R, k, J, w = reqs[0].R, kn.k, kn.rounds, kn.w
+    B = len(sessions)
+    Z = []
+    for s, req, seed in zip(sessions, reqs, seeds):
+        n = req.n
+        z = req.draft_slots(w)                    # z[0] is the anchor; the guesses live in the token scratch
+        z[1:] = z[0]
+        if seed is not None and len(seed):
+            m = min(len(seed), w)
+            z[1: m + 1] = torch.from_numpy(seed[:m]).to(z.device)
+        s.H.copy_(req.initial(n, w))              # inactive positions hold their init until they join
+        Z.append(z)
+    incremental = sessions[0].inj is not None
+    reads = sessions[0].reads
+    greedy_all = all(r.choose is greedy for r in reqs)
+    fresh = [0] * B                               # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
+    updates, rounds, out_w = [0] * B, [0] * B, [w] * B
+    changed_at: list[list[int]] = [[] for _ in range(B)]
+    live = list(range(B))
     for j in range(J):
+        live = [i for i in live if reqs[i].stopping() is None]
+        if not live:
+            break
         W = min(kn.gamma, kn.w_init + j)
+        last = j == J - 1
+        group = [reqs[i] for i in live]
         if not kn.carry and j:
-            H[:, :W] = req.h0[:, n: n + W]
-        span = req.span(n, W)
+            for i in live:
+                sessions[i].H[:, :W] = reqs[i].initial(reqs[i].n, W)
+        batch = Batch(group, [r.n for r in group], [W] * len(group))
         if incremental:
-            if fresh < W:
-                inj[:, fresh:W] = req.prelude(Z[fresh:W].unsqueeze(0), req.span(n + fresh, W - fresh))
-            e = inj[:, :W]
+            pre = [i for i in live if fresh[i] < W]
+            if pre:
+                pb = Batch([reqs[i] for i in pre], [reqs[i].n + fresh[i] for i in pre], [W - fresh[i] for i in pre])
+                for i, part in zip(pre, pb.split(pb.prelude(pb.ids()), dim=1)):
+                    sessions[i].inj[:, fresh[i]:W] = part
+            e = _cat([sessions[i].inj[:, :W] for i in live])
         else:
-            e = req.prelude(Z[:W].unsqueeze(0), span)
-        h = H[:, :W]
+            e = batch.prelude(batch.ids())
+        h = _cat([sessions[i].H[:, :W] for i in live])
         clock = j * k if kn.carry else 0
         for u in range(k):
-            h = req.core_step(h, e, span, reads[min(R, clock + u + 1)])
-        H[:, :W] = h
-        new = req.choose(req.readout(h, span)[0], n)
-        updates += k * W
-        last = j == J - 1
+            h = batch.core_step(h, e, reads[min(R, clock + u + 1)])
+        logits = batch.readout(h)[0]
+        if greedy_all:
+            news = batch.split(logits.argmax(-1))
+        else:
+            news = [reqs[i].choose(z, reqs[i].n) for i, z in zip(live, batch.split(logits))]
+        for i, part in zip(live, batch.split(h, dim=1)):
+            sessions[i].H[:, :W] = part
+            updates[i] += k * W
+            rounds[i] = j + 1
         if incremental or kn.early_stop or (kn.trim and last and J > 1):    # one host sync for all three uses
-            diff = (new != Z[1: W + 1]).nonzero()
-            c = int(diff[0, 0]) if len(diff) else W                        # the first proposal this round changed
-            changed_at.append(c)
-            if kn.early_stop and not last and c == W:
-                w, last = W, True      # a round that changed no guess: stop here, with the whole window
-            elif kn.trim and last and J > 1:
-                w = min(c + 1, W)
-            fresh = min(c + 1, W)      # Z[c + 1] is the first guess that changes; the prelude saw Z[:W]
-        Z[1: W + 1] = new
+            firsts = []
+            for i, new in zip(live, news):
+                diff = new != Z[i][1: W + 1]
+                firsts.append(torch.where(diff.any(), diff.int().argmax(), W))
+            firsts = (firsts[0].view(1) if len(firsts) == 1 else torch.stack(firsts)).tolist()
+            still = []
+            for i, new, c in zip(live, news, firsts):       # c: the first proposal this round changed
+                changed_at[i].append(c)
+                Z[i][1: W + 1] = new
+                fresh[i] = min(c + 1, W)    # Z[c + 1] is the first guess that changes; the prelude saw Z[:W]
+                if kn.early_stop and not last and c == W:
+                    out_w[i] = W            # a round that changed no guess: stop here, with the whole window
+                    continue
+                if kn.trim and last and J > 1:
+                    out_w[i] = min(c + 1, W)
+                still.append(i)
+            live = still
+        else:
+            for i, new in zip(live, news):
+                Z[i][1: W + 1] = new
         if last:
             break
-    req.stats.count("draft", (j + 1) * k, updates)
-    notes.update(rounds=j + 1, changed_at=changed_at)
-    return Z[1: w + 1]
+    for i, req in enumerate(reqs):
+        req.stats.count("draft", rounds[i] * k, updates[i])
+        notes[i].update(rounds=rounds[i], changed_at=changed_at[i])
+    return [Z[i][1: out_w[i] + 1] for i in range(B)]
 
 
 def seed_branch_layout(req: Request, proposals: Tensor, seed: np.ndarray, max_len: int) -> TreeLayout | None:
     """Write [anchor, proposals, seed[m:L]] into the token scratch (m = their common prefix, L = up to ``max_len``
     seed tokens) and return the tree whose two branches are the wave's chain and the seed, sharing the first m
     nodes (``TreeLayout.fork``).  None when the seed adds nothing past the chain (verify the chain alone)."""
-    budget = req.budget - 1
+    budget = req.room - 1                   # every node of the tree is a verifier input (the budget rule)
     wv = min(int(proposals.numel()), budget)
     L = min(len(seed), budget, max_len)
     prop = proposals[:wv].tolist()
@@ -192,54 +232,80 @@ def seed_branch_layout(req: Request, proposals: Tensor, seed: np.ndarray, max_le
     if L <= m:
         return None
     extra = L - m
-    req.scratch(wv + extra)[wv:] = torch.from_numpy(seed[m:L]).to(req.tokens.device)
-    return TreeLayout.fork(wv, m, extra, req.tokens.device)
+    req.scratch(wv + extra)[wv:] = torch.from_numpy(seed[m:L]).to(req.device)
+    return TreeLayout.fork(wv, m, extra, req.device)
+
+
+class WaveSession(Session):
+    """One request's DAS-Wave state: its text index for seeds, the carried states and prelude rows of its window
+    (reused by every block), and whether its last seed was accepted whole (copy runs)."""
+
+    def __init__(self, drafter: "WaveDrafter", req: Request):
+        super().__init__(drafter, req)
+        kn = drafter.knobs
+        find = SEEDERS[kn.guesses]
+        self.lookup = PromptLookup(req, kn.max_ngram, drafter.seed_len, find) if find else None
+        self.copying = False              # copy_run: the last block's seed was accepted whole
+        self.tested: np.ndarray | None = None
+        d = req.model.config.n_embd
+        like = req.initial(0, 1)
+        self.H = like.new_empty(1, kn.w, d)                # carried states, reused by every block
+        incremental = req.device.type == "cpu" and not req.static_shapes
+        self.inj = like.new_empty(1, kn.w, d) if incremental else None
+        self.reads = drafter.reads(req.R)
+
+    def observe(self, verdict: Verdict) -> None:
+        if self.drafter.knobs.copy_run:
+            t = self.tested
+            self.copying = t is not None and verdict.tokens[: len(t)] == t.tolist()
 
 
 class WaveDrafter(Drafter):
     name = "das-wave"
     width_knobs = ("gamma", "rounds", "w_init", "seed_branch")
+    session = WaveSession
 
     def __init__(self, knobs: WaveKnobs):
         self.knobs = knobs
         self.seed_len = max(knobs.w, knobs.seed_branch)      # the window's guesses, and the branch past the window
         self.width = knobs.w + knobs.seed_branch + 1
+        self._reads: dict[int, list] = {}
 
-    def start(self, req: Request) -> None:
+    def reads(self, R: int) -> list:
+        """``read_depths`` at depth R, built once per R and shared by the sessions."""
+        r = self._reads.get(R)
+        if r is None:
+            r = self._reads[R] = read_depths(self.knobs, R)
+        return r
+
+    def propose_batch(self, sessions: list[WaveSession]) -> list[Draft]:
         kn = self.knobs
-        find = SEEDERS[kn.guesses]
-        self.lookup = PromptLookup(req, kn.max_ngram, self.seed_len, find) if find else None
-        self.copying = False              # copy_run: the last block's seed was accepted whole
-        self.tested: np.ndarray | None = None
-        d = req.model.config.n_embd
-        self.H = req.h0.new_empty(1, kn.w, d)              # carried states, reused by every block
-        incremental = req.model.device.type == "cpu" and not req.runtime.static_shapes
-        self.inj = req.h0.new_empty(1, kn.w, d) if incremental else None
-        self.reads = read_depths(kn, req.R)
-
-    def propose(self, req: Request) -> Draft:
-        kn = self.knobs
-        ask = COPY_RUN_GROWTH * self.seed_len if self.copying else self.seed_len
-        seed = self.lookup.propose(req, ask) if self.lookup is not None else None
-        notes = {"seed": seed, "asked": ask}
-        if self.copying and seed is not None and len(seed):        # a copy run: the seed alone, no rounds
-            self.tested = seed
-            notes["kind"] = "copy-run"
-            return Draft(seed, bonus=True, notes=notes)
-        proposals = refine(req, kn, seed, self.H, self.inj, notes, self.reads)
-        seeded = seed is not None and len(seed) > 0
-        self.tested = (seed[: kn.seed_branch] if kn.seed_branch else seed) if seeded else None
-        layout = seed_branch_layout(req, proposals, seed, kn.seed_branch) if seeded and kn.seed_branch else None
-        if layout is None:
-            notes["kind"] = "chain"
-            return Draft(proposals, notes=notes)
-        notes["kind"] = "seed-branch"
-        return Draft(req.scratch(layout.size - 1), layout=layout, notes=notes)
-
-    def observe(self, req: Request, verdict: Verdict) -> None:
-        if self.knobs.copy_run:
-            t = self.tested
-            self.copying = t is not None and verdict.tokens[: len(t)] == t.tolist()
+        drafts: list[Draft | None] = [None] * len(sessions)
+        refining = []                                            # (index, session, seed, notes)
+        for i, s in enumerate(sessions):
+            ask = COPY_RUN_GROWTH * self.seed_len if s.copying else self.seed_len
+            seed = s.lookup.propose(s.req, ask) if s.lookup is not None else None
+            notes = {"seed": seed, "asked": ask}
+            if s.copying and seed is not None and len(seed):     # a copy run: the seed alone, no rounds
+                s.tested = seed
+                notes["kind"] = "copy-run"
+                drafts[i] = Draft(seed, bonus=True, notes=notes)
+            else:
+                refining.append((i, s, seed, notes))
+        if refining:
+            props = refine([r[1] for r in refining], kn, [r[2] for r in refining], [r[3] for r in refining])
+            for (i, s, seed, notes), proposals in zip(refining, props):
+                seeded = seed is not None and len(seed) > 0
+                s.tested = (seed[: kn.seed_branch] if kn.seed_branch else seed) if seeded else None
+                layout = seed_branch_layout(s.req, proposals, seed, kn.seed_branch) if seeded and kn.seed_branch \
+                    else None
+                if layout is None:
+                    notes["kind"] = "chain"
+                    drafts[i] = Draft(proposals, notes=notes)
+                else:
+                    notes["kind"] = "seed-branch"
+                    drafts[i] = Draft(s.req.scratch(layout.size - 1), layout=layout, notes=notes)
+        return drafts
 
 
 register(Method("das-wave", WaveKnobs, WaveDrafter, aliases=("wave",)))

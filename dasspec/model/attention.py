@@ -15,6 +15,11 @@ kept apart (``two_source_attention``), which needs no copy of the prefix.
 
 Static shapes (``Span.rows`` set; CUDA graphs / torch.compile): every cache row is read under a visibility mask and
 rows are written through an index tensor, so nothing depends on a Python position.
+
+Several sequences in one call (the batched engine): a ``RaggedSpan`` lays their query rows end to end (segment i
+is rows [offsets[i], offsets[i+1]) of the call, each with its own ``Span`` over its own cache) and a ``BatchKV``
+holds each sequence's ``LayerKV``.  The linear layers see one flat [1, T, d] tensor, so a weight is read once for
+every sequence; attention stays per sequence (``ragged_attention`` picks how to run it).
 """
 
 from __future__ import annotations
@@ -96,8 +101,10 @@ class LayerKV:
             self.v_own[:, span.start: span.end] = v
 
 
-def attend(q: Tensor, kv: LayerKV, span: Span) -> Tensor:
+def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Tensor:
     """Eq. (2)-(3) for queries q [1, H, W, hd] over the verified prefix and the call's own rows -> [1, H, W, hd]."""
+    if isinstance(span, RaggedSpan):
+        return ragged_attention(q, kv, span)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kv.one_source:
         keys = slice(None) if span.rows is not None else slice(0, span.end)
@@ -161,3 +168,138 @@ def cpu_gemm_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: flo
         s = s.mul_(scale).add_(bias).view(hkv, g * W, rows)
     p = torch.softmax(s.float(), dim=-1).to(v.dtype)
     return torch.bmm(p, v).view(1, H, W, hd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several sequences in one call
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class UnionRows:
+    """A ragged call run as one attention over the storage rows [lo, hi) that hold every segment's keys (the
+    sequences' caches are ranges of one pool): ``rows`` [T], the storage row each query's K/V is stored at;
+    ``span``, the whole call's visibility over [lo, hi) (each query sees only its own sequence's rows) with its
+    CPU bias; ``prefix`` [hi - lo], which of those rows are their sequence's verified prefix."""
+
+    rows: Tensor
+    lo: int
+    hi: int
+    span: Span
+    prefix: Tensor
+    _split: tuple | None = field(default=None, repr=False)
+
+    def source_masks(self) -> tuple[Tensor, Tensor]:
+        if self._split is None:
+            m = self.span.mask
+            self._split = (m & self.prefix, m & ~self.prefix)
+        return self._split
+
+
+# When to run a ragged call as one attention over the union of its sequences' rows rather than one call per
+# sequence: the union computes T x (hi - lo) scores, most of them masked, but costs one kernel call instead of B.
+# It is taken when its scores are at most UNION_FACTOR times the per-sequence scores plus UNION_CALL_SCORES per
+# saved call (docs/performance.md, "Batched attention").
+UNION_FACTOR = 4
+UNION_CALL_SCORES = 4096
+
+
+@dataclass
+class RaggedSpan:
+    """The query rows of several sequences laid end to end: segment i is rows [offsets[i], offsets[i+1]) of the
+    call and is described by ``parts[i]`` (a ``Span`` over sequence i's own cache).  ``rot``: the rows' RoPE
+    operands, concatenated in the same order.  ``union``: set when the call runs as one attention over the pool
+    rows (``UnionRows``)."""
+
+    parts: list[Span]
+    offsets: list[int]
+    rot: Tensor | tuple[Tensor, Tensor]
+    union: UnionRows | None = None
+
+    @classmethod
+    def of(cls, parts: list[Span], bases: list[int] | None = None, storage_rows: int | None = None,
+           force_union: bool | None = None) -> "RaggedSpan":
+        """``bases``: the storage row where each sequence's cache starts, when all are ranges of one storage of
+        ``storage_rows`` rows (then the call may run as one attention over them: ``force_union`` or the cost
+        rule above)."""
+        offsets = [0]
+        for p in parts:
+            offsets.append(offsets[-1] + p.W)
+        rots = [p.rot for p in parts]
+        if isinstance(rots[0], tuple):
+            rot = (torch.cat([r[0] for r in rots]), torch.cat([r[1] for r in rots]))
+        else:
+            rot = torch.cat(rots)
+        span = cls(parts, offsets, rot)
+        if bases is not None and all(p.rows is None for p in parts):
+            lo = min(bases)
+            hi = max(b + p.end for b, p in zip(bases, parts))
+            T = offsets[-1]
+            union_scores = T * (hi - lo)
+            own_scores = sum(p.W * p.end for p in parts)
+            if force_union or (force_union is None and
+                               union_scores <= UNION_FACTOR * own_scores + UNION_CALL_SCORES * (len(parts) - 1)):
+                span.union = _union(parts, offsets, bases, lo, hi)
+        return span
+
+    @property
+    def W(self) -> int:
+        return self.offsets[-1]
+
+    def segments(self):
+        """(i, first row, end row, span) per sequence."""
+        o = self.offsets
+        return ((i, o[i], o[i + 1], p) for i, p in enumerate(self.parts))
+
+
+def _union(parts: list[Span], offsets: list[int], bases: list[int], lo: int, hi: int) -> UnionRows:
+    """The visibility of every query over storage rows [lo, hi): its own sequence's rows as its span shows them."""
+    dev = _device(parts[0].rot)
+    T = offsets[-1]
+    mask = torch.zeros(T, hi - lo, dtype=torch.bool, device=dev)
+    prefix = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+    rows = []
+    for p, a, b in zip(parts, offsets, bases):
+        c = b - lo
+        if p.mask is not None:
+            mask[a: a + p.W, c: c + p.end] = p.mask
+        else:
+            mask[a: a + p.W, c: c + p.end] = torch.ones(p.W, p.end, dtype=torch.bool, device=dev).tril(p.start)
+        prefix[c: c + p.n] = True
+        rows.append(torch.arange(b + p.start, b + p.end, device=dev))
+    bias = None
+    if dev.type == "cpu":
+        dtype = parts[0].bias.dtype if parts[0].bias is not None else torch.float32
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return UnionRows(torch.cat(rows), lo, hi, Span(n=0, start=0, W=T, rot=parts[0].rot, mask=mask, bias=bias), prefix)
+
+
+@dataclass
+class BatchKV:
+    """One layer's ``LayerKV`` of every sequence of a ``RaggedSpan`` (same order); ``whole``: the same layer and
+    depths over the whole storage their caches are ranges of (for union calls)."""
+
+    parts: list[LayerKV]
+    whole: LayerKV | None = None
+
+    def store(self, span: RaggedSpan, k: Tensor, v: Tensor) -> None:
+        """k, v [H_kv, T, hd]: each segment's rows into its own cache."""
+        if span.union is not None:
+            self.whole.k_own.index_copy_(1, span.union.rows, k)
+            self.whole.v_own.index_copy_(1, span.union.rows, v)
+            return
+        for i, a, b, part in span.segments():
+            self.parts[i].store(part, k[:, a:b], v[:, a:b])
+
+
+def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
+    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per sequence): one call per
+    sequence, or one call over the union of their rows under a mask that keeps each to its own."""
+    u = span.union
+    if u is None:
+        return torch.cat([attend(q[:, :, a:b], kv.parts[i], part) for i, a, b, part in span.segments()], dim=2)
+    w, scale = kv.whole, 1.0 / math.sqrt(q.shape[-1])
+    if w.one_source:
+        return dense_attention(q, w.k_own[:, u.lo: u.hi], w.v_own[:, u.lo: u.hi], u.span, scale)
+    mc, mu = u.source_masks()
+    return two_source_attention(q, w.k_prefix[:, u.lo: u.hi], w.v_prefix[:, u.lo: u.hi], mc,
+                                w.k_own[:, u.lo: u.hi], w.v_own[:, u.lo: u.hi], mu, scale)

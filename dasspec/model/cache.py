@@ -5,6 +5,10 @@ Layout (batch 1): ``core_k[l, r-1]`` is a [H_kv, capacity, hd] tensor, one row p
 the materialised, verified prefix.  Rows >= n are scratch: draft and verification passes write their own K/V
 there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Tree verification
 commits a non-contiguous set of rows with ``compact``.
+
+A pool (``dasspec.engine.pool``) is one DepthCache allocated once; ``view(base, rows)`` is a DepthCache over rows
+[base, base + rows) of it (the same storage), which a sequence uses exactly like a cache of its own.  A
+``BatchCache`` hands the layers every running sequence's views at once (one batched call).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .config import LoopedConfig
-from .attention import LayerKV
+from .attention import BatchKV, LayerKV
 
 
 class CacheCapacityError(RuntimeError):
@@ -49,7 +53,21 @@ class DepthCache:
                 f" = {need / 2**20:.1f} MiB on {device} ({err})") from err
         self.bytes_per_token = bytes_per_token(cfg, R, dtype)
         self.n = 0
+        self.base = 0                            # first row in the storage (a view of a pool: its range's start)
+        self.storage = self
         self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
+
+    def view(self, base: int, rows: int) -> "DepthCache":
+        """A cache over rows [base, base + rows) of this one's storage, empty (n = 0)."""
+        if not (0 <= base and rows >= 1 and base + rows <= self.capacity):
+            raise ValueError(f"rows [{base}, {base + rows}) are outside this cache's {self.capacity} rows")
+        v = object.__new__(DepthCache)
+        v.R, v.capacity, v.bytes_per_token = self.R, rows, self.bytes_per_token
+        part = slice(base, base + rows)
+        v.core_k, v.core_v, v.pre_k, v.pre_v, v.coda_k, v.coda_v = (t[..., part, :] for t in self.tensors())
+        v.n, v.base, v._views = 0, self.base + base, {}
+        v.storage = self.storage                 # the cache that owns the storage (union calls read it whole)
+        return v
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.core_k, self.core_v, self.pre_k, self.pre_v, self.coda_k, self.coda_v
@@ -120,3 +138,31 @@ class DepthCache:
         for t in (self.pre_k, self.pre_v, self.coda_k, self.coda_v):
             t[..., n: n + m, :] = t.index_select(-2, rows)
         self.commit(m)
+
+
+class BatchCache:
+    """The caches of the sequences of one batched call (``attention.RaggedSpan``), in segment order: each layer
+    view is a ``BatchKV`` of their per-sequence views (built once per call and key), with the same view of the
+    storage they share, if they share one (ranges of one pool)."""
+
+    def __init__(self, caches: list[DepthCache]):
+        self.caches = caches
+        storage = caches[0].storage
+        self.storage = storage if all(c.storage is storage for c in caches) else None
+        self._kv: dict[tuple, BatchKV] = {}
+
+    def _get(self, key: tuple, make) -> BatchKV:
+        kv = self._kv.get(key)
+        if kv is None:
+            kv = self._kv[key] = BatchKV([make(c) for c in self.caches],
+                                         make(self.storage) if self.storage is not None else None)
+        return kv
+
+    def prelude_kv(self, layer: int) -> BatchKV:
+        return self._get(("prelude", layer), lambda c: c.prelude_kv(layer))
+
+    def coda_kv(self, layer: int) -> BatchKV:
+        return self._get(("coda", layer), lambda c: c.coda_kv(layer))
+
+    def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> BatchKV:
+        return self._get((layer, read, own), lambda c: c.core_kv(layer, read, own))

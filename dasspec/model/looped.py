@@ -108,7 +108,7 @@ class LoopedLM(Recurrence, nn.Module):
         """Describe one call: queries at cache rows [start, start+W) over a verified prefix of n rows.
         ``positions`` (default: the rows) set RoPE; ``mask`` [W, start+W] overrides causal visibility.
         ``static_capacity``: build the static-shape form (visibility over all cache rows, rows as a tensor)."""
-        if start + W > self.config.block_size:
+        if positions is None and start + W > self.config.block_size:     # (given positions: checked by the caller)
             raise ValueError(f"position {start + W - 1} is beyond the model context ({self.config.block_size})")
         if positions is None:
             cos, sin = self.rope_cos[start: start + W], self.rope_sin[start: start + W]

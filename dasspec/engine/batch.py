@@ -1,0 +1,84 @@
+"""The model's three primitives over several requests in one call - how the engine verifies every running request
+in one pass, and how drafters that read the model batch their passes.
+
+    b = Batch(reqs, starts, widths)                # request i's rows [starts[i], starts[i] + widths[i])
+    e = b.prelude(b.ids())                         # [1, T, d]: every request's rows end to end
+    h = b.core_step(b.initial(), e, read=(R, R), own=(j, j))
+    logits = b.readout(h)                          # float32 [1, T', V]
+    per_request = b.split(logits[0])
+
+Each request reads and writes only its own cache (its range of the engine's pool) and sees only its own verified
+prefix, so a row's value does not depend on what else is in the batch; the linear layers run once over all T rows
+(``attention.RaggedSpan``).  A batch of one is exactly the request's own call (no ragged bookkeeping).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..model.attention import RaggedSpan, Span
+from ..model.cache import BatchCache
+from .request import Request
+
+
+class Batch:
+    def __init__(self, reqs: Sequence[Request], starts: Sequence[int], widths: Sequence[int],
+                 positions: Sequence[Tensor | None] | None = None, masks: Sequence[Tensor | None] | None = None,
+                 union: bool | None = None):
+        self.reqs, self.starts, self.widths = list(reqs), list(starts), list(widths)
+        self.positions = list(positions) if positions is not None else [None] * len(self.reqs)
+        masks = list(masks) if masks is not None else [None] * len(self.reqs)
+        spans = [r.span(s, w, positions=p, mask=m)
+                 for r, s, w, p, m in zip(self.reqs, self.starts, self.widths, self.positions, masks)]
+        self.net = self.reqs[0].net
+        if len(self.reqs) == 1:
+            self.span: Span | RaggedSpan = spans[0]
+            self.cache = self.reqs[0].cache
+        else:
+            self.cache = BatchCache([r.cache for r in self.reqs])
+            shared = self.cache.storage is not None
+            self.span = RaggedSpan.of(spans, [r.cache.base for r in self.reqs] if shared else None,
+                                      force_union=union)
+        self.offsets = [0]
+        for w in self.widths:
+            self.offsets.append(self.offsets[-1] + w)
+
+    @property
+    def T(self) -> int:
+        return self.offsets[-1]
+
+    def _cat(self, parts: list[Tensor], dim: int = 1) -> Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def ids(self) -> Tensor:
+        """The rows' tokens [1, T] (each request's token slots)."""
+        return self._cat([r.tokens[s: s + w] for r, s, w in zip(self.reqs, self.starts, self.widths)], 0)[None]
+
+    def initial(self) -> Tensor:
+        """The target's initial states of the rows [1, T, d]."""
+        return self._cat([r.initial(s, w, p) for r, s, w, p in zip(self.reqs, self.starts, self.widths,
+                                                                    self.positions)])
+
+    def split(self, x: Tensor, dim: int = 0) -> list[Tensor]:
+        """``x`` cut into the requests' parts along ``dim`` (rows in batch order)."""
+        if len(self.reqs) == 1:
+            return [x]
+        return list(torch.split(x, self.widths, dim=dim))
+
+    # --- the three primitives ----------------------------------------------------------------------------
+    def prelude(self, ids: Tensor) -> Tensor:
+        return self.net.prelude(ids, self.span, self.cache)
+
+    def core_step(self, h: Tensor, inj: Tensor, read: tuple[int, int], own: tuple[int, int] | None = None) -> Tensor:
+        return self.net.core_step(h, inj, self.span, self.cache, read=read, own=own)
+
+    def readout(self, h: Tensor, rows: slice | Tensor | None = None) -> Tensor:
+        return self.net.readout(h, self.span, self.cache, rows=rows)
+
+    def full_depth(self, R: int, rows: slice | Tensor | None = None) -> Tensor:
+        """The target on every row: prelude, R aligned core steps from the target's initial states, readout ->
+        float32 logits [T', V] (``rows`` of the T)."""
+        return self.net.full_depth(self.ids(), self.initial(), self.span, self.cache, R, rows)[0]

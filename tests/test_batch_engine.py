@@ -1,0 +1,210 @@
+"""The batched engine: many requests decoded at once, every answer exactly its own batch-1 full-depth AR decode
+(float32) - whatever else shares the batch, whenever it joined or left, whether others were cancelled; the pool
+(a request that can never fit is refused, one that fits later waits); events; generate_batch's contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.engine.engine import Engine
+from dasspec.engine.policy import SpeculationPolicy
+from dasspec.model.cache import CacheCapacityError
+from dasspec.testing import random_model
+
+# Every method, with knobs small enough for R = 4 random checkpoints (DAS-Wave with every extension on).
+METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 4}),
+           ("mature-spec", {"draft_depth": 2, "block": 3, "policy": "deep-v"}),
+           ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 2, "k": 1}),
+           ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 6, "k": 1, "guesses": "copy", "trim": True,
+                         "seed_branch": 6, "copy_run": True, "early_stop": True}),
+           ("pld", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}),
+           ("sam", {})]
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        L = int(torch.randint(2, 40, (1,), generator=g))
+        base = torch.randint(2, vocab, (max(2, L // 4),), generator=g)
+        out.append(base.repeat(5)[:L].tolist() if i % 2 else torch.randint(2, vocab, (L,), generator=g).tolist())
+    return out
+
+
+def _run(engine: Engine, schedule: dict[int, list], cancel_at: dict[int, list[int]] | None = None):
+    """Step ``engine``, adding ``schedule[step]`` requests (kwargs dicts) before that step and cancelling the
+    requests numbered ``cancel_at[step]``; returns {request number: (result, tokens seen in events)}."""
+    ids, seen, finished, step = {}, {}, {}, 0
+    while engine.has_work or any(s >= step for s in schedule):
+        for i, kw in enumerate(schedule.get(step, [])):
+            num = len(ids)
+            ids[num] = engine.add(**kw)
+        for num in (cancel_at or {}).get(step, []):
+            engine.cancel(ids[num])
+        for ev in engine.step():
+            seen.setdefault(ev.id, []).extend(ev.tokens)
+            if ev.finished:
+                finished[ev.id] = ev.reason
+        step += 1
+        assert step < 2000
+    out = {}
+    for num, rid in ids.items():
+        res = engine.result(rid)
+        assert finished[rid] == res.stop_reason
+        out[num] = (res, seen.get(rid, []))
+    return out
+
+
+@pytest.mark.parametrize("family", ["huginn", "raven-llama", "raven-olmo"])
+def test_mixed_arrivals_caps_and_cancellations_equal_each_requests_own_ar(family):
+    """Requests of every method join at different steps with different prompt lengths and caps, some are
+    cancelled, long prompts are prefilled in chunks beside running decodes; every finished request's tokens are
+    its own batch-1 AR decode, a cancelled one's a prefix of it; the events carry exactly the committed tokens."""
+    model = random_model(family, seed=4, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 12, seed=9)
+    reqs = [dict(prompt=p, max_new_tokens=4 + (i * 5) % 13, seed=i, init_scale=float(i % 2), eos=False)
+            for i, p in enumerate(prompts)]
+    refs = [dasspec.generate(model, r["prompt"], "ar", **{k: v for k, v in r.items() if k != "prompt"}).tokens
+            for r in reqs]
+    accepted = 0
+    for mi, (method, knobs) in enumerate(METHODS):
+        engine = Engine(model, method, knobs, max_batch=4, prefill_chunk=8, kv_budget=4 * 96)
+        sched = {0: reqs[:5], 2: reqs[5:8], 5: reqs[8:10], 9: reqs[10:]}
+        cancelled = {1: [1 + mi % 3], 6: [8]}
+        out = _run(engine, sched, cancelled)
+        for num, (res, seen) in out.items():
+            assert seen == res.tokens, (method, num)
+            if res.stop_reason == "cancelled":
+                assert res.tokens == refs[num][: len(res.tokens)], (family, method, num)
+            else:
+                assert res.tokens == refs[num], (family, method, knobs, num)
+            accepted += sum(res.stats.accepted)
+        assert {r.stop_reason for r, _ in out.values()} >= {"cancelled", "max_new_tokens"}
+        assert engine.pool.free_rows == engine.pool.rows                   # every row came back
+    assert accepted > 0
+
+
+def test_sampled_batch_equals_each_requests_own_sampled_ar():
+    """Sampling with per-request seeds and settings: each request samples what it samples alone."""
+    model = random_model("huginn", seed=6, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 6, seed=3)
+    settings = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.3, top_p=0.9),
+                dict(temperature=1.0, min_p=0.05), dict(temperature=0.5), dict(temperature=1.0)]
+    for method, knobs in METHODS[:5] + [("pld", {}), ("sam", {})]:
+        engine = Engine(model, method, knobs, max_batch=6)
+        reqs = [dict(prompt=p, max_new_tokens=10, seed=20 + i, do_sample=True, eos=False, **s)
+                for i, (p, s) in enumerate(zip(prompts, settings))]
+        reqs[-1] = dict(prompt=prompts[-1], max_new_tokens=10, eos=False)          # greedy beside sampled ones
+        out = _run(engine, {0: reqs})
+        for num, (res, _) in out.items():
+            kw = {k: v for k, v in reqs[num].items() if k != "prompt"}
+            assert res.tokens == dasspec.generate(model, reqs[num]["prompt"], "ar", **kw).tokens, (method, num)
+
+
+def test_bundled_model_batch_with_stop_strings_equals_generate():
+    """The bundled model (real tokenizer): stop strings and EOS inside verified chunks, text cut as generate
+    cuts it, for the engine's default method and AR."""
+    model = dasspec.load_model()
+    tok = model.tokenizer
+    texts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
+             "Question: Tom has 3 apples and buys 5 more. How many apples?\nAnswer:", "for i in range(10):"]
+    stops = [["\n\n"], None, ["return"], ["\n"], [":"]]
+    for method in ("ar", "das-wave"):
+        outs = dasspec.generate_batch(model, texts, method, max_new_tokens=[24, 30, 16, 20, 28], stop=stops,
+                                      num_steps=8, max_batch=3)
+        for text, s, cap, out in zip(texts, stops, [24, 30, 16, 20, 28], outs):
+            ref = dasspec.generate(model, text, "ar", max_new_tokens=cap, stop=s, num_steps=8)
+            assert (out.tokens, out.text, out.stop_reason) == (ref.tokens, ref.text, ref.stop_reason), (method, text)
+
+
+def test_generate_batch_options_per_prompt_and_order():
+    model = random_model("raven-llama", seed=1, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 5, seed=1)
+    outs = dasspec.generate_batch(model, prompts, "pld", max_new_tokens=[3, 9, 5, 1, 7], seed=[5, 4, 3, 2, 1],
+                                  eos=False, max_batch=2)
+    for p, cap, seed, out in zip(prompts, [3, 9, 5, 1, 7], [5, 4, 3, 2, 1], outs):
+        assert out.tokens == dasspec.generate(model, p, "ar", max_new_tokens=cap, seed=seed, eos=False).tokens
+    assert [len(o.tokens) for o in outs] == [3, 9, 5, 1, 7]
+    same = torch.tensor([[5, 6, 7], [9, 3, 4]])                   # a [B, T] tensor of prompts
+    assert [o.tokens for o in dasspec.generate_batch(model, same, max_new_tokens=4, eos=False)] == \
+        [dasspec.generate(model, row, max_new_tokens=4, eos=False).tokens for row in same.tolist()]
+    padded = {"input_ids": [[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], "attention_mask": [[0, 0, 1, 1, 1], [1] * 5]}
+    assert dasspec.generate_batch(model, padded, max_new_tokens=3, eos=False)[0].tokens == \
+        dasspec.generate(model, [5, 6, 7], max_new_tokens=3, eos=False).tokens
+    with pytest.raises(ValueError, match="max_new_tokens: 2 values for 5 prompts"):
+        dasspec.generate_batch(model, prompts, max_new_tokens=[3, 4])
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number"):
+        dasspec.generate_batch(model, prompts, max_new_tokens=[3, 4, 2.5, 1, 1])
+    with pytest.raises(ValueError, match="list of prompts"):
+        dasspec.generate_batch(model, "one prompt")
+    assert dasspec.generate_batch(model, []) == []
+
+
+def test_pool_refuses_what_never_fits_and_queues_what_fits_later():
+    model = random_model("huginn", seed=2, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 4, seed=2)
+    engine = Engine(model, "pld", max_batch=4, kv_budget=60)
+    with pytest.raises(CacheCapacityError, match="needs 72 cache positions .* pool holds 60 positions"):
+        engine.add(list(range(2, 52)), max_new_tokens=10)
+    ids = [engine.add(p[:20], max_new_tokens=8, eos=False) for p in prompts]    # ~40 rows each: one at a time
+    most = 0
+    while engine.has_work:
+        engine.step()
+        most = max(most, len(engine.running))
+    assert most == 1
+    for rid, p in zip(ids, prompts):
+        assert engine.result(rid).tokens == dasspec.generate(model, p[:20], max_new_tokens=8, eos=False).tokens
+
+
+def test_pool_ranges_are_reused_and_merged():
+    from dasspec.engine.pool import KVPool
+
+    model = random_model("huginn", mean_recurrence=2)
+    pool = KVPool(model, 2, 100)
+    a, b, c = pool.allocate(30), pool.allocate(30), pool.allocate(30)
+    assert [v.base for v in (a, b, c)] == [0, 30, 60] and pool.allocate(20) is None
+    pool.release(b)
+    assert pool.allocate(40) is None and pool.largest_free == 30
+    pool.release(a)                                           # merges with b's range: 60 rows at 0
+    assert pool.largest_free == 60 and pool.allocate(60).base == 0
+    with pytest.raises(RuntimeError, match="released twice"):
+        pool.release(c), pool.release(c)
+
+
+def test_cancel_and_timeout_stop_at_the_next_step():
+    model = random_model("huginn", seed=3, mean_recurrence=3)
+    engine = Engine(model, "das-wave", {"gamma": 4, "rounds": 3}, max_batch=2)
+    a = engine.add([5, 6, 7], max_new_tokens=40, eos=False)
+    b = engine.add([8, 9], max_new_tokens=40, eos=False, timeout=1e-9)         # out of time at once
+    c = engine.add([3, 4], max_new_tokens=40, eos=False)                       # waits: max_batch 2
+    engine.cancel(c)                                                           # never starts
+    events = engine.step()
+    assert {(e.id, e.reason) for e in events if e.finished} == {(b, "timeout"), (c, "cancelled")}
+    engine.step()
+    engine.cancel(a)
+    assert [(e.id, e.reason) for e in engine.step()] == [(a, "cancelled")]
+    assert not engine.has_work
+    res = engine.result(a)
+    assert 0 < len(res.tokens) < 40
+    assert res.tokens == dasspec.generate(model, [5, 6, 7], max_new_tokens=40, eos=False).tokens[: len(res.tokens)]
+    assert engine.result(c).tokens == [] and engine.result(b).stop_reason == "timeout"
+    with pytest.raises(KeyError):
+        engine.result(a)
+
+
+def test_speculation_policy_changes_speed_never_tokens():
+    """The engine may stop speculating as the batch grows (off_above) or narrow drafts (max_tokens): the same
+    tokens, fewer (or no) proposals."""
+    model = random_model("raven-olmo", seed=5, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 6, seed=4)
+    ref = [dasspec.generate(model, p, "ar", max_new_tokens=12, eos=False).tokens for p in prompts]
+    proposed = {}
+    for name, policy in (("always", None), ("off", SpeculationPolicy(off_above=2)),
+                         ("narrow", SpeculationPolicy(max_tokens=6))):
+        outs = dasspec.generate_batch(model, prompts, "pld", max_new_tokens=12, eos=False, max_batch=6, policy=policy,
+                                      num_pred=8)
+        assert [o.tokens for o in outs] == ref, name
+        proposed[name] = sum(sum(o.stats.proposed) for o in outs)
+    assert proposed["always"] > proposed["narrow"] > 0 and proposed["off"] < proposed["narrow"]
