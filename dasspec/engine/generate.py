@@ -114,6 +114,8 @@ def split_stop(stop, vocab_size: int) -> tuple[list[int], list[str]]:
         items = list(stop)
     for s in items:
         if isinstance(s, str):
+            if not s:       # the server's rule too: it would match before any text, so it can only be a mistake
+                raise ValueError("stop strings must not be empty")
             strings.append(s)
         elif is_token_id(s):
             if not 0 <= int(s) < vocab_size:
@@ -204,9 +206,12 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
     else:
-        check = getattr(getattr(drafter, "knobs", None), "validate", None)
-        if check is not None:
-            check(R)                        # a kept drafter's knobs must also fit this call's depth
+        kept = getattr(drafter, "knobs", None)      # a kept drafter's knobs must also fit this call's depth
+        if hasattr(kept, "validate"):
+            kept = kept.validate(R)
+        if hasattr(kept, "check_ceilings"):
+            from ..methods.knobs import Scope
+            kept.check_ceilings(Scope.of(model, R))
     tok = tokenizer or model.tokenizer
     extra_ids, stop_strings = split_stop(stop, model.config.vocab_size)
     stop_ids = (default_stop_ids(model, tok) if eos else []) + extra_ids
