@@ -290,3 +290,29 @@ def test_normal_requests_stay_equal_to_ar_under_a_hostile_load(server, client, m
     assert statuses and all(400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert errors(server) == before and server.health()["status"] == "ok"
     assert time.monotonic() - t0 < 120
+
+
+def test_long_stop_strings_cost_a_scan_per_streamed_chunk_not_a_slice_per_length():
+    """A client's 16 stop strings of 60,000 characters made every streamed chunk slice each of them once per
+    length (quadratic in the text); the held-back length is the same, found in a fraction of the time."""
+    import random
+
+    from dasspec.serve.textstream import _stop_prefix_len
+
+    def reference(text, stops):                 # the definition: longest suffix of text that is a proper prefix
+        return max([n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])],
+                   default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
+        assert _stop_prefix_len(text, stops) == reference(text, stops), (text, stops)
+    text, stops = "hello world " * 1500, ["q" * 60_000] * 16
+    t0 = time.perf_counter()
+    assert _stop_prefix_len(text, stops) == 0
+    fast = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for n in range(len(text), 0, -1):           # what the old loop did for one of the 16
+        text.endswith(stops[0][:n])
+    assert fast < (time.perf_counter() - t0) / 4
