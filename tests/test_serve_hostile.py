@@ -52,7 +52,7 @@ def model(checkpoint):
 def server(checkpoint, tmp_path_factory):
     srv = start_server(checkpoint, tmp_path_factory.mktemp("hostile-log") / "server.log", "--set", "gamma=6",
                        "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
-                       "--served-model-name", "tiny")
+                       "--served-model-name", "tiny", "--no-warmup")
     yield srv
     srv.proc.terminate()
     try:
