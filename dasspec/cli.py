@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     """``dasspec``: every command's input errors end with one line on stderr and exit code 2, Ctrl-C with one
     line and 130 - never a traceback (a traceback means a bug in dasspec)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if sys.stdout is None or _closed(sys.stdout):
+        # (`dasspec ... >&-`): Python starts with no stdout; every command prints its result or progress there
+        return _fail("error: stdout is closed; redirect it instead (> FILE, or > /dev/null to discard it)",
+                     EXIT_USAGE)
     try:
         parser = build_parser([argv[0]] if argv and argv[0] in COMMANDS else [])
         args = parser.parse_args(argv)
@@ -279,6 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, OSError):
             return _fail(f"error: {err}", EXIT_FAILED)
         raise
+
+
+def _closed(stream) -> bool:
+    """Whether ``stream``'s descriptor is closed (an in-memory stream put in its place is not)."""
+    import io
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return bool(getattr(stream, "closed", False))
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
 
 
 def is_user_error(err: BaseException) -> bool:

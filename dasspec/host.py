@@ -44,11 +44,23 @@ def set_threads(requested: int | None) -> int:
     average leaves idle - on a shared CPU a thread that waits for a busy core slows every step."""
     import torch
 
-    if requested is not None and requested < 1:
-        raise ValueError(f"--threads must be >= 1, got {requested}")
+    check_threads(requested)
     threads = requested or fair_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
     return threads
+
+
+def check_threads(requested: int | None, flag: str = "--threads") -> None:
+    """``requested`` threads, refused unless 1 .. the cores this process may use: more only queue for the same
+    cores (5000 ran 60x slower) and past OpenMP's limits crash the process."""
+    if requested is None:
+        return
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"{flag} must be >= 1, got {requested}")
+    cores = usable_cores()
+    if requested > cores:
+        raise ValueError(f"{flag} {requested} is more than the {cores} CPU core(s) this process may use; give at "
+                         f"most {cores}")
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
@@ -87,6 +99,18 @@ def unwritable_reason(folder: Path) -> str | None:
 
 
 def writable(path: Path) -> bool:
-    """Whether this process may create files in (or write to) ``path``; a read-only file system counts as not
-    writable even for root."""
-    return os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0))
+    """Whether this process may create files in (or write to) ``path``, found by trying: a temporary file made and
+    removed in a folder, a file opened for appending (nothing written).  Permission bits alone say nothing for
+    root, nor for /proc or a full or read-only file system."""
+    import tempfile
+
+    try:
+        if path.is_dir():
+            fd, name = tempfile.mkstemp(dir=path, prefix=".dasspec-write-check-")
+            os.close(fd)
+            os.unlink(name)
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError:
+        return False
+    return True

@@ -17,6 +17,7 @@ import sys
 import re
 import textwrap
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -572,13 +573,60 @@ def test_hf_cache_ref_cannot_point_outside_the_snapshots(folders, tmp_path, monk
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     ref = cache / "models--org--tiny-raven" / "refs" / "main"
     ref.write_text("../../../../elsewhere")
-    with pytest.raises(CheckpointError, match=r"refs/main names '../../../../elsewhere', not a snapshot"):
+    with pytest.raises(CheckpointError, match=r"refs/main does not hold a commit hash \(21 bytes") as err:
         dasspec.load_model("org/tiny-raven", device="cpu")
+    assert "elsewhere" not in str(err.value)            # what a file that is not a ref holds is never quoted
     outside = copy_of(folders["sharded"], tmp_path, "outside")
-    os.symlink(outside, snap.parent / "evil")           # a snapshot that is a link out of the cache
-    ref.write_text("evil")
+    evil = "e" * 40
+    os.symlink(outside, snap.parent / evil)             # a snapshot that is a link out of the cache
+    ref.write_text(evil)
     with pytest.raises(CheckpointError, match="resolves outside"):
         dasspec.load_model("org/tiny-raven", device="cpu")
+
+
+def test_hf_cache_ref_that_does_not_resolve_is_an_error(folders, tmp_path, monkeypatch):
+    """A refs/main linked to a private file is refused unread (the file's first bytes used to appear in the
+    message); a ref naming a missing snapshot is an error, never another snapshot loaded in its place."""
+    cache = tmp_path / "hub"
+    snap = fake_hf_cache(cache, "org/tiny-raven", folders["sharded"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    ref = cache / "models--org--tiny-raven" / "refs" / "main"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2-private-token")
+    ref.unlink()
+    ref.symlink_to(secret)
+    with pytest.raises(CheckpointError, match="symlink that leads outside") as err:
+        dasspec.load_model("org/tiny-raven", device="cpu")
+    assert "hunter2" not in str(err.value)
+    ref.unlink()
+    ref.write_text("f" * 40)
+    with pytest.raises(CheckpointError, match=f"refs/main names commit {'f' * 40}, but .* does not exist"):
+        dasspec.load_model("org/tiny-raven", device="cpu")
+    ref.write_text(snap.name)
+    assert dasspec.load_model("org/tiny-raven", device="cpu").source == str(snap)     # the cache's own links load
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json", "chat_template.jinja"])
+def test_a_symlink_out_of_the_checkpoint_is_refused(folders, tmp_path, no_weight_reads, name):
+    """Every file a load opens must lie inside the folder after symlinks: a chat template linked to a private file
+    used to make that file's text part of every chat prompt.  Links inside the folder still load."""
+    folder = copy_of(folders["single"], tmp_path)
+    private = tmp_path / "private" / name
+    private.parent.mkdir()
+    if (folder / name).exists():
+        (folder / name).rename(private)
+    else:
+        private.write_text("{}" if name.endswith(".json") else "{{ 'SECRET' }}")
+    (folder / name).symlink_to(private)
+    with pytest.raises(CheckpointError, match=f"{re.escape(name)} .*is a symlink that leads outside") as err:
+        dasspec.load_model(folder, device="cpu")
+    assert "SECRET" not in str(err.value)
+    (folder / name).unlink()
+    (folder / "inner").mkdir()
+    private.rename(folder / "inner" / name)
+    (folder / name).symlink_to(Path("inner") / name)
+    dasspec.load_model(folder, device="cpu")
 
 
 # --- damaged files: a CheckpointError naming the file, never a traceback (issue 23) -------------------------------

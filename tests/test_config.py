@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 
@@ -252,3 +253,31 @@ def test_integral_floats_are_whole_numbers():
 def test_a_config_that_is_not_an_object_is_named(value, kind):
     with pytest.raises(ConfigError, match=f"config.json must be a JSON object, got a JSON {kind}"):
         LoopedConfig.from_hf(value, weight_names("huginn"))
+
+
+# --- keys from_hf does not read (issue 29): refused when they change the model, named when unknown ---------------
+
+@pytest.mark.parametrize("edits, message", [
+    ({"vocab_size": math.inf}, "vocab_size must be a whole number, got inf"),     # JSON 1e400, beside padded_vocab_size
+    ({"vocab_size": 10**9}, "vocab_size=1000000000 exceeds padded_vocab_size=64"),
+    ({"nonlin_name": "GELU"}, "nonlin_name is 'GELU', but dasspec implements only 'SiLU'"),
+    ({"state_init": "zero"}, "state_init is 'zero'"),
+    ({"sliding_window": 128}, "sliding_window is 128"),
+    ({"attention_bias": True}, "attention_bias is True"),
+    ({"hidden_size": 96}, "n_embd=48 and hidden_size=96 disagree"),
+])
+def test_unread_keys_that_change_the_model_are_refused(edits, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse("huginn", edits)
+
+
+def test_unknown_keys_are_named_in_one_warning():
+    with pytest.warns(UserWarning, match=r"config.json sets frobnicate, num_experts, which dasspec does not know") \
+            as caught:
+        parse("raven-llama", {"num_experts": 8, "frobnicate": 1})
+    assert len(caught) == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for layout in LAYOUT_NAMES:                 # every key the real files carry is known
+            parse(layout)

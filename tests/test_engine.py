@@ -170,13 +170,27 @@ def test_a_kept_drafter_is_checked_against_the_calls_depth():
 
 def test_knobs_whose_drafts_cannot_fit_the_context_are_named():
     model = random_model("huginn", mean_recurrence=4, block_size=64)
-    with pytest.raises(ValueError, match=r"self-spec: drafts of up to 100 verifier positions \(block=100\) exceed "
-                                         r"the model context of 64; lower block"):
+    with pytest.raises(ValueError, match=r"block=100 is above its ceiling of 63 .*context 64.*the context - 1"):
         dasspec.generate(model, [3, 4], "self-spec", max_new_tokens=4, block=100, draft_depth=2)
-    with pytest.raises(ValueError, match=r"gamma=80, rounds=90.*lower gamma or rounds"):
+    with pytest.raises(ValueError, match=r"gamma=80 is above its ceiling of 63"):
         dasspec.generate(model, [3, 4], "das-wave", max_new_tokens=4, gamma=80, rounds=90)
-    with pytest.raises(ValueError, match=r"tree of \d+ nodes"):
+    with pytest.raises(ValueError, match=r"seed_branch=40 is above its ceiling of 31 .*the window min\(gamma"):
+        dasspec.generate(model, [3, 4], "das-wave", max_new_tokens=4, gamma=32, rounds=32, guesses="copy",
+                         seed_branch=40)
+    with pytest.raises(ValueError, match=r"tree=.* is above its ceiling of 64 .*context nodes"):
         dasspec.build_drafter(model, "token-recycling", {"tree": [[0], [1]] + [[0] * d for d in range(2, 70)]})
+
+    class Wide(dasspec.engine.draft.Drafter):       # a method without ceilings is still held to the context
+        width = 100
+    from dasspec.methods import METHODS, Method, register
+    from dasspec.methods.ar import ARKnobs
+    register(Method("wide-test", ARKnobs, lambda knobs: Wide()))
+    try:
+        with pytest.raises(ValueError, match=r"wide-test: drafts of up to 100 verifier positions .* exceed the model "
+                                             r"context of 64"):
+            dasspec.build_drafter(model, "wide-test")
+    finally:
+        METHODS.pop("wide-test")
 
 
 def test_sampled_decoding_takes_the_models_sampled_defaults(monkeypatch):

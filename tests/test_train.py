@@ -131,6 +131,18 @@ def test_presets_build_valid_huginn_configs():
     (dict(checkpoint_every=-1), "checkpoint_every must be >= 0"),
     (dict(time_budget_s=-60.0), "time_budget_s must be a positive number of seconds, got -60.0"),
     (dict(time_budget_s=0), "time_budget_s must be a positive number of seconds, got 0"),
+    # issue 29: every field is checked before the corpus, not ~40 s into it or never
+    (dict(threads=-3), "threads must be >= 0"),
+    (dict(threads=10**5), "threads 100000 is more than the"),
+    (dict(lr=math.inf), "lr must be > 0 and finite, got inf"),
+    (dict(grad_clip=math.nan), "grad_clip must be a finite number >= 0"),
+    (dict(grad_clip=-1.0), "grad_clip must be a finite number >= 0"),
+    (dict(weight_decay=-5.0), "weight_decay must be a finite number >= 0"),
+    (dict(mean_recurrence=9, max_depth=8), r"mean_recurrence \(9\) must lie in \[min_depth, max_depth\]"),
+    (dict(val_fraction=1.0), r"val_fraction must be a number in \(0, 0.5\], got 1.0"),
+    (dict(betas=(0.9, 1.5)), r"betas must be two numbers in \[0, 1\)"),
+    (dict(seq_len=10**6), r"seq_len \(1000000\) must be <= block_size"),
+    (dict(vocab_size=100), "vocab_size must be >= 259"),
 ])
 def test_bad_training_settings_fail_before_the_corpus_is_built(override, message, tmp_path, monkeypatch):
     from dasspec.train import corpus
@@ -141,6 +153,17 @@ def test_bad_training_settings_fail_before_the_corpus_is_built(override, message
     monkeypatch.setattr(corpus, "build_corpus", no_corpus)
     with pytest.raises(ValueError, match=message):
         train(replace(PRESETS["micro"], **override), tmp_path, progress=False)
+
+
+def test_every_training_setting_is_checked():
+    """A field without a rule would again be accepted silently: each one's wrong type is refused by name."""
+    from dataclasses import fields
+
+    for f in fields(TrainConfig):
+        if f.name in ("device", "preset"):              # text: any name, checked by what it names
+            continue
+        with pytest.raises(ValueError, match=f.name):
+            replace(PRESETS["micro"], **{f.name: "x"}).validate()
 
 
 def test_gpu_preset_on_a_cpu_only_machine_says_so():

@@ -64,9 +64,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
     else:
-        check = getattr(getattr(drafter, "knobs", None), "validate", None)
-        if check is not None:
-            check(R)                        # a kept drafter's knobs must also fit this call's depth
+        check_kept(model, drafter, R)
     rows = rows_needed(model.config.block_size, len(prompt), max_new_tokens, drafter.width)
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer)
     with torch.inference_mode():
@@ -77,6 +75,16 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         while engine.has_work:
             engine.step()
     return engine.result(rid)
+
+
+def check_kept(model: LoopedLM, drafter: Drafter, R: int) -> None:
+    """A kept drafter's knobs must also fit this call's depth and their ceilings at it."""
+    kept = getattr(drafter, "knobs", None)
+    if hasattr(kept, "validate"):
+        kept = kept.validate(R)
+    if hasattr(kept, "check_ceilings"):
+        from ..methods.knobs import Scope
+        kept.check_ceilings(Scope.of(model, R))
 
 
 def _per_prompt(name: str, value, count: int, is_one) -> list:
@@ -155,6 +163,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     elif knobs or method not in ("ar", drafter.name):
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
+    else:
+        check_kept(model, drafter, R)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     if kv_budget is None:

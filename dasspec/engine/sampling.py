@@ -55,8 +55,15 @@ class Sampling:
             raise ValueError(f"seed must be an integer, got {s!r}")
 
     def warp(self, logits: Tensor) -> Tensor:
-        """Tempered and filtered logits [W, V] (filtered entries -inf): what the sample's softmax is taken of."""
-        z = logits.float() / self.temperature
+        """Tempered and filtered logits [W, V] (filtered entries -inf): what the sample's softmax is taken of.
+
+        The row maximum is subtracted before dividing, so every positive temperature gives finite logits <= 0 with
+        0 at the maximum: a tiny T sends the rest to -inf (the T -> 0 limit, greedy up to exact ties) instead of
+        overflowing to inf - inf = NaN.  The maximum itself stays 0 even where 0 / T is computed as 0 x (1 / T) =
+        0 x inf."""
+        z = logits.float()
+        z = z - z.amax(-1, keepdim=True)
+        z = torch.where(z == 0, z, z / self.temperature)
         if self.top_k is not None and self.top_k < z.shape[-1]:
             kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
             z = z.masked_fill(z < kth, float("-inf"))

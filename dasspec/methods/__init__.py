@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..engine.draft import Drafter
-from .knobs import Knobs
+from .knobs import SAMPLED, Knobs, Scope
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,29 @@ def all_knobs() -> list[type[Knobs]]:
 def resolve_knobs(model, method: str, user: dict | None = None, num_steps: int | None = None,
                   sampled: bool = False) -> Knobs:
     """``method``'s knobs on ``model``: family defaults <- the model folder's (with its ``"<method>:sampled"``
-    section when ``sampled``) <- the caller's, validated at the call's depth R."""
+    section when ``sampled``) <- the caller's, validated at the call's depth R and held to every knob's ceiling on
+    this model (``Knobs.check_ceilings``)."""
     m = get_method(method)
     source = getattr(model, "source", None)
     origin = str(Path(source) / "generation_config.json") if source else None    # named when its values are bad
-    return m.knobs.resolve(model.config.family, model.generation_defaults, dict(user or {}), model.depth(num_steps),
-                           origin=origin, sampled=sampled)
+    _warn_unknown_sections(model.generation_defaults, origin)
+    R = model.depth(num_steps)
+    return m.knobs.resolve(model.config.family, model.generation_defaults, dict(user or {}), R, origin=origin,
+                           sampled=sampled, scope=Scope.of(model, R), folder=source)
+
+
+def _warn_unknown_sections(model_defaults, origin: str | None) -> None:
+    """A generation_config.json section that names no method (a typo: "das-wav") is named, never silently unused;
+    a warning, as for a knob a method does not take there (Python shows each once)."""
+    section = model_defaults.get("dasspec") if isinstance(model_defaults, dict) else None
+    if not isinstance(section, dict):
+        return
+    known = set(method_names())
+    unknown = sorted(k for k in section if str(k).removesuffix(SAMPLED) not in known)
+    if unknown:
+        where = origin or "the model's generation_config.json"
+        warnings.warn(f'{where}: "dasspec" has sections {", ".join(map(repr, unknown))}, which name no method '
+                      f"(methods: {', '.join(sorted(known))}); ignored", UserWarning, stacklevel=4)
 
 
 def build_drafter(model, method: str, user: dict | None = None, num_steps: int | None = None,

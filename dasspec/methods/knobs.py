@@ -12,6 +12,11 @@ A default is a value, or a dict family -> value (paper Table 5); a family missin
 never another family's schedule.  Resolution: family defaults <- the model folder's generation_config.json
 (``"dasspec": {"<method>": {...}}``) <- the caller's knobs; then ``fit`` lowers defaulted values that conflict with
 explicit ones or with the call's depth R, and ``validate`` checks every value and returns normalised knobs.
+
+Every number knob has a ceiling that follows from the model and the call (``most=Most(...)``: the model's context,
+the depth R, the vocabulary, the other knobs), shown in its help and checked for every source alike - the API, the
+CLI, a server request, generation_config.json: one request's knobs cannot make a block's work unbounded.  An
+explicit value above its ceiling is refused, naming the ceiling and why; a *defaulted* one is lowered to it.
 """
 
 from __future__ import annotations
@@ -19,19 +24,57 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import typing
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, ClassVar
 
 SAMPLED = ":sampled"          # generation_config.json section suffix: a method's defaults for sampled decoding
 
 
+@dataclass(frozen=True)
+class Scope:
+    """What knob ceilings follow from: the call's depth R and the model's context, vocabulary and width."""
+    R: int
+    context: int
+    vocab: int
+    n_embd: int
+
+    @classmethod
+    def of(cls, model, R: int) -> "Scope":
+        c = model.config
+        return cls(R=R, context=c.block_size, vocab=c.vocab_size, n_embd=c.n_embd)
+
+
+class CeilingError(ValueError):
+    """A knob above its ceiling (``name``)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Most:
+    """A knob's ceiling: ``text`` (how it is computed, shown in the help), ``why`` (shown when refusing) and
+    ``of(knobs, scope)``, its value; ``measure`` turns a structured knob into the number compared (a tree's size)."""
+    text: str
+    why: str
+    of: Callable[[Any, Scope], float]
+    measure: Callable[[Any], float] | None = None
+
+
 def knob(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
-         choices: tuple | None = None) -> Any:
+         choices: tuple | None = None, most: Most | None = None, path: bool = False) -> Any:
     """A knob field: ``default`` (a value or {family: value}), ``help`` for the CLI, an optional short flag, a parser
-    for text values (default: by the field's type) and the allowed values."""
-    meta = {"help": help, "short": short, "parse": parse, "choices": choices}
+    for text values (default: by the field's type), the allowed values, its ceiling (``most``, added to the help)
+    and whether it names a file (``path``: a checkpoint may name only files inside itself)."""
+    if most is not None:
+        help = f"{help} (at most {most.text})"
+    meta = {"help": help, "short": short, "parse": parse, "choices": choices, "most": most, "path": path}
     if isinstance(default, dict):
         meta["by_family"] = dict(default)
         return field(default=None, metadata=meta)
@@ -89,14 +132,17 @@ class Knobs:
 
     @classmethod
     def resolve(cls, family: str, model_defaults: dict | None, user: dict[str, Any], R: int,
-                origin: str | None = None, sampled: bool = False) -> "Knobs":
+                origin: str | None = None, sampled: bool = False, scope: Scope | None = None,
+                folder: str | os.PathLike | None = None) -> "Knobs":
         """Family defaults <- the model folder's per-method overrides (for sampled decoding, then those under
-        ``"<method>:sampled"``) <- the caller's knobs; fitted, validated.  ``origin``: the file the overrides came
-        from (``<folder>/generation_config.json``), named in the error when one of its values is the invalid one."""
+        ``"<method>:sampled"``) <- the caller's knobs; fitted, validated and, given the ``scope`` (model and
+        depth), held to every knob's ceiling.  ``origin``: the file the overrides came from
+        (``<folder>/generation_config.json``), named in the error when one of its values is the invalid one;
+        ``folder``: the checkpoint folder, the only place a file the overrides name may lie."""
         where = origin or "the model's generation_config.json"
         base = cls.file_overrides(model_defaults, where)
         extra = cls.file_overrides(model_defaults, where, cls.method + SAMPLED) if sampled else {}
-        per_method = {**base, **extra}
+        per_method = cls._confine_paths({**base, **extra}, folder, where)
         section = {**{k: cls.method for k in base}, **{k: cls.method + SAMPLED for k in extra}}  # where each came from
         sections = " and ".join(f'"{name}"' for name in dict.fromkeys(section.values()))
         unknown = sorted(set(user) - set(cls.names()))
@@ -104,17 +150,17 @@ class Knobs:
             raise ValueError(f"method {cls.method!r} does not take {', '.join(unknown)}; its knobs: "
                              f"{', '.join(cls.names()) or 'none'}")
         try:
-            return cls._build(family, per_method, user, R)
+            return cls._build(family, per_method, user, R, scope)
         except ValueError as err:
-            if not per_method:
-                raise
-            mine = cls._error(family, {}, user, R)
+            if not per_method or (isinstance(err, CeilingError) and err.name in user):
+                raise                               # (a caller's value above its ceiling on these very knobs)
+            mine = cls._error(family, {}, user, R, scope)
             if mine is not None:
                 raise mine from None                # the caller's knobs are invalid by themselves
-            if cls._error(family, per_method, {}, R) is not None:
+            if cls._error(family, per_method, {}, R, scope) is not None:
                 raise ValueError(f'{where}: "dasspec" -> {sections}: {err}') from None
             # each is valid alone: the caller's knobs conflict with the file's
-            from_file = ", ".join(f'{k}={v!r} ("{section[k]}")' for k, v in per_method.items() if k not in user)
+            from_file = ", ".join(f'{k}={brief(v)} ("{section[k]}")' for k, v in per_method.items() if k not in user)
             raise ValueError(f"{err} ({from_file} from {where})") from None
 
     @classmethod
@@ -139,21 +185,101 @@ class Knobs:
         return {k: v for k, v in per_method.items() if k in cls.names()}
 
     @classmethod
-    def _build(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int) -> "Knobs":
+    def _confine_paths(cls, per_method: dict[str, Any], folder: str | os.PathLike | None,
+                       where: str) -> dict[str, Any]:
+        """File knobs a checkpoint sets (``path=True``), as paths inside ``folder``: a checkpoint must not make
+        the loader read ``/etc/passwd`` or ``../../elsewhere`` (a client is refused the same knobs)."""
+        if folder is None:
+            return per_method
+        from ..model.safetensors_io import CheckpointError, checkpoint_root, confine
+        out = dict(per_method)
+        for f in dataclasses.fields(cls):
+            value = out.get(f.name)
+            if not f.metadata.get("path") or value is None:
+                continue
+            named = f'{where}: "dasspec" -> "{cls.method}" sets {f.name}'
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{named} to {brief(value)}; it must be a file name inside {folder}")
+            rel = PurePosixPath(value)
+            if rel.is_absolute() or "\\" in value or ".." in rel.parts:
+                raise ValueError(f"{named} to {brief(value)}: a checkpoint may only name files inside its folder "
+                                 f"{folder} (a relative path without '..')")
+            try:
+                out[f.name] = str(confine(Path(folder).joinpath(*rel.parts), checkpoint_root(Path(folder)),
+                                          f.name))
+            except CheckpointError as err:
+                raise ValueError(f"{named}: {err}") from None
+        return out
+
+    @classmethod
+    def _build(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int,
+               scope: Scope | None = None) -> "Knobs":
         values = cls.defaults(family, set(per_method) | set(user))
         values.update(per_method)
         values.update(user)
         values = cls.fit(values, set(user), R)
-        return cls(**values).validate(R)
+        knobs = cls(**values).validate(R)
+        if scope is None:
+            return knobs
+        given = set(per_method) | set(user)
+        knobs.check_ceilings(scope, only=given)     # a value someone set is judged before any default moves
+        lowered = knobs.lower_defaults(scope, given)
+        if lowered is not knobs:
+            knobs = lowered.validate(R)
+        return knobs.check_ceilings(scope)
 
     @classmethod
-    def _error(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int) -> ValueError | None:
+    def _error(cls, family: str, per_method: dict[str, Any], user: dict[str, Any], R: int,
+               scope: Scope | None = None) -> ValueError | None:
         """What ``_build`` raises for these values, or None when they are valid."""
         try:
-            cls._build(family, per_method, user, R)
+            cls._build(family, per_method, user, R, scope)
         except ValueError as err:
             return err
         return None
+
+    # --- ceilings --------------------------------------------------------------------------------------------
+    @classmethod
+    def ceilings(cls) -> dict[str, Most]:
+        """knob name -> its ceiling, for every knob that has one."""
+        return {f.name: f.metadata["most"] for f in dataclasses.fields(cls) if f.metadata.get("most") is not None}
+
+    def _over(self, name: str, most: Most, scope: Scope) -> tuple[float, float] | None:
+        """(value, ceiling) when knob ``name`` is above its ceiling, else None."""
+        value = getattr(self, name)
+        measured = most.measure(value) if most.measure is not None else value
+        ceiling = most.of(self, scope)
+        return (measured, ceiling) if measured > ceiling else None
+
+    def lower_defaults(self, scope: Scope, given: set[str]) -> "Knobs":
+        """These knobs with every *defaulted* number (a name not in ``given``) above its ceiling lowered to it, in
+        declaration order (a lowered gamma lowers the ceilings after it)."""
+        knobs = self
+        for name, most in self.ceilings().items():
+            if name in given or most.measure is not None:
+                continue
+            over = knobs._over(name, most, scope)
+            if over is not None:
+                ceiling = over[1]
+                value = math.floor(ceiling) if isinstance(getattr(knobs, name), int) else float(ceiling)
+                if value >= 1:                      # below every knob's floor: left for check_ceilings to name
+                    knobs = dataclasses.replace(knobs, **{name: value})
+        return knobs
+
+    def check_ceilings(self, scope: Scope, only: set[str] | None = None) -> "Knobs":
+        """Refuse any knob (of ``only``, when given) above its ceiling on this model and depth, naming the ceiling
+        and why it is one."""
+        for name, most in self.ceilings().items():
+            if only is not None and name not in only:
+                continue
+            over = self._over(name, most, scope)
+            if over is not None:
+                value, ceiling = over
+                shown = f"{ceiling:g}" if isinstance(ceiling, float) else str(ceiling)
+                raise CeilingError(name, f"{name}={_show(value)} is above its ceiling of {shown} on this model and "
+                                         f"depth (R={scope.R}, context {scope.context}): at most {most.text}, since "
+                                         f"{most.why}")
+        return self
 
     @classmethod
     def fit(cls, values: dict[str, Any], explicit: set[str], R: int) -> dict[str, Any]:
@@ -172,6 +298,10 @@ class Knobs:
         return jsonable(self.as_dict())
 
 
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else brief(value, 40)
+
+
 def jsonable(value: Any) -> Any:
     """``value`` as JSON can hold it: a knob that is a structure (a draft tree) becomes its name or a digest."""
     if isinstance(value, (str, int, float, bool)) or value is None:
@@ -188,24 +318,35 @@ def jsonable(value: Any) -> Any:
 
 # --- value checks used by the methods' validate ----------------------------------------------------------------
 
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a message quotes a bad value, never a whole request body."""
+    if isinstance(value, (list, dict, tuple)) and len(value) >= 64:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):       # an integer past Python's digit limit, a deeply nested list
+        text = f"<a {type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def positive_int(knobs: Knobs, *names: str, minimum: int = 1) -> None:
     for name in names:
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {brief(v)}")
 
 
 def boolean(knobs: Knobs, *names: str) -> None:
     for name in names:
         v = getattr(knobs, name)
         if not isinstance(v, bool):
-            raise ValueError(f"{name} must be true or false, got {v!r}")
+            raise ValueError(f"{name} must be true or false, got {brief(v)}")
 
 
 def one_of(knobs: Knobs, name: str, allowed) -> None:
     v = getattr(knobs, name)
-    if v not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {v!r}")
+    if not isinstance(v, (str, int, float, bool)) or v not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {brief(v)}")
 
 
 def parse_as(kind: Any, text: str, name: str = "value") -> Any:

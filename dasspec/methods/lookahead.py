@@ -40,7 +40,7 @@ import numpy as np
 from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request
 from . import Method, register
-from .knobs import Knobs, boolean, knob, positive_int
+from .knobs import Knobs, Most, boolean, knob, positive_int
 
 
 def lookahead_parents(W: int, N: int, g: int) -> tuple[list[int], list[int]]:
@@ -117,12 +117,30 @@ class LookaheadState:
         self.passes += 1
 
 
+def most_guesses(kn: "LookaheadKnobs", s) -> int:
+    """The largest G with (G + 1) x ((W + G)(N - 1))^2 <= context^2 (0 when none)."""
+    fits = lambda g: (g + 1) * ((kn.window + g) * (kn.ngram - 1)) ** 2 <= s.context ** 2    # noqa: E731
+    lo, hi = 0, s.context
+    while lo < hi:                          # the left side grows with G: bisect
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+_PASS = "a pass of (window + guess_set) x (ngram - 1) positions is verified at once"
+
+
 @dataclass(frozen=True)
 class LookaheadKnobs(Knobs):
     method = "lookahead"
-    window: int = knob(7, "Lookahead: Jacobi window W")
-    ngram: int = knob(5, "Lookahead: n-gram size N")
-    guess_set: int = knob(7, "Lookahead: most n-gram candidates verified per step G")
+    window: int = knob(7, "Lookahead: Jacobi window W", most=Most(
+        "context // (ngram - 1) - guess_set", _PASS, lambda kn, s: s.context // (kn.ngram - 1) - kn.guess_set))
+    ngram: int = knob(5, "Lookahead: n-gram size N", most=Most(
+        "context // (window + guess_set) + 1", _PASS, lambda kn, s: s.context // (kn.window + kn.guess_set) + 1))
+    guess_set: int = knob(7, "Lookahead: most n-gram candidates verified per step G", most=Most(
+        "the largest G with (G + 1) x ((window + G)(ngram - 1))^2 <= context^2",
+        "a request lays out the pass for every count of candidates 0..G, each with a (pass width)^2 visibility "
+        "mask", most_guesses))
     pool_from_prompt: bool = knob(False, "Lookahead: seed the n-gram pool with the prompt's n-grams")
 
     def validate(self, R: int) -> "LookaheadKnobs":

@@ -21,7 +21,10 @@ import numpy as np
 from ..engine.draft import Draft, Drafter, Session
 from ..engine.request import Request
 from . import Method, register
-from .knobs import Knobs, knob, positive_int
+from .knobs import Knobs, Most, knob, positive_int
+
+# The ceiling of a suffix n-gram's length (prompt lookup here, DAS-Wave's seeds).
+MAX_NGRAM = Most("the context", "no longer n-gram fits in the text", lambda kn, s: s.context)
 
 def longest_suffix_matches(seq: np.ndarray, max_ngram: int) -> np.ndarray:
     """End positions e < L-1 of the earlier occurrences of the text's longest repeated suffix n-gram, n <= max_ngram
@@ -87,8 +90,10 @@ class PromptLookup:
 @dataclass(frozen=True)
 class PLDKnobs(Knobs):
     method = "pld"
-    max_ngram: int = knob(3, "longest suffix n-gram matched in the text (prompt lookup, DAS-Wave seeds)")
-    num_pred: int = knob(10, "prompt lookup: most tokens drafted per step")
+    max_ngram: int = knob(3, "longest suffix n-gram matched in the text (prompt lookup, DAS-Wave seeds)",
+                          most=MAX_NGRAM)
+    num_pred: int = knob(10, "prompt lookup: most tokens drafted per step", most=Most(
+        "the context - 1", "the draft and its anchor are verified in one pass", lambda kn, s: s.context - 1))
 
     def validate(self, R: int) -> "PLDKnobs":
         positive_int(self, "max_ngram", "num_pred")

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request
 from . import Method, register
-from .knobs import Knobs, boolean, knob, positive_int
+from .knobs import Knobs, Most, boolean, brief, knob, positive_int
 from .tree import StaticTree, TreeFiller, tree_from_choices
 
 # The official "2.2.2" template (TokenRecycling, model/recycling/tree_template_.py): 80 nodes + root, depth 6,
@@ -70,13 +70,13 @@ class SuccessorTable:
 def resolve_tree(tree) -> StaticTree:
     if isinstance(tree, str):
         if tree not in TEMPLATES:
-            raise ValueError(f"unknown tree template {tree!r}; available: {', '.join(TEMPLATES)} "
+            raise ValueError(f"unknown tree template {brief(tree)}; available: {', '.join(TEMPLATES)} "
                              "(or give a list of choices such as [[0], [1], [0, 0]])")
         return tree_from_choices(TEMPLATES[tree])
     if isinstance(tree, StaticTree):
         return tree
     if not isinstance(tree, (list, tuple)) or not tree:
-        raise ValueError(f"tree must be a template name or a non-empty list of choices, got {tree!r}")
+        raise ValueError(f"tree must be a template name or a non-empty list of choices, got {brief(tree)}")
     return tree_from_choices(tree)
 
 
@@ -87,9 +87,13 @@ def _parse_tree(text: str):
 @dataclass(frozen=True)
 class RecyclingKnobs(Knobs):
     method = "token-recycling"
-    topk: int = knob(8, "Token Recycling: successors kept per token")
+    topk: int = knob(8, "Token Recycling: successors kept per token", most=Most(
+        "min(vocabulary size, n_embd)", "no rank past the vocabulary exists, and the successor table (vocabulary x "
+        "topk ids) then stays within the size of the model's embedding", lambda kn, s: min(s.vocab, s.n_embd)))
     tree: str | list | StaticTree = knob("2.2.2", "Token Recycling: draft tree template name or a JSON list of "
-                                         "choices such as [[0],[1],[0,0]]", parse=_parse_tree)
+                                         "choices such as [[0],[1],[0,0]]", parse=_parse_tree, most=Most(
+        "context nodes", "the whole tree is verified in one pass", lambda kn, s: s.context,
+        measure=lambda tree: tree.size))
     reset: bool = knob(False, "Token Recycling: forget the successor table before this request")
 
     def validate(self, R: int) -> "RecyclingKnobs":

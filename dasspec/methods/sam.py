@@ -38,7 +38,9 @@ from typing import Iterable, Sequence
 from ..engine.draft import Draft, Drafter, Session, TreeLayout
 from ..engine.request import Request
 from . import Method, register
-from .knobs import Knobs, knob, positive_int
+from .knobs import Knobs, Most, brief, knob, positive_int
+
+_MATCH = "no match is longer than the context"
 
 STATIC_TOPK = 8          # K: transitions kept per static state and nodes per depth of a static tree
 
@@ -221,22 +223,28 @@ def load_corpus(path: str, tokenizer) -> list[list[int]]:
 @dataclass(frozen=True)
 class SAMKnobs(Knobs):
     method = "sam"
-    n_predicts: int = knob(40, "SAM: most verifier positions per step, the anchor included")
-    alpha: float = knob(4.0, "SAM: draft length per matched token")
-    len_threshold: int = knob(1, "SAM: shortest match that drafts (below it: a plain AR step)")
-    len_bias: int = knob(5, "SAM: how much longer the static match must be to win over the dynamic one")
-    static_corpus: str | None = knob(None, "SAM: a corpus file (.jsonl / .json / text) for the static automaton")
+    n_predicts: int = knob(40, "SAM: most verifier positions per step, the anchor included", most=Most(
+        "the context", "a draft and its anchor are verified in one pass", lambda kn, s: s.context))
+    alpha: float = knob(4.0, "SAM: draft length per matched token", most=Most(
+        "n_predicts", "a draft is cut to n_predicts - 1 tokens, so a longer one per matched token changes nothing",
+        lambda kn, s: kn.n_predicts))
+    len_threshold: int = knob(1, "SAM: shortest match that drafts (below it: a plain AR step)", most=Most(
+        "the context", _MATCH, lambda kn, s: s.context))
+    len_bias: int = knob(5, "SAM: how much longer the static match must be to win over the dynamic one", most=Most(
+        "the context", _MATCH, lambda kn, s: s.context))
+    static_corpus: str | None = knob(None, "SAM: a corpus file (.jsonl / .json / text) for the static automaton; "
+                                     "one named in a checkpoint's generation_config.json lies inside it", path=True)
 
     def validate(self, R: int) -> "SAMKnobs":
         positive_int(self, "n_predicts", "len_threshold")
         positive_int(self, "len_bias", minimum=0)
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
-            raise ValueError(f"alpha must be a number > 0, got {a!r}")
+            raise ValueError(f"alpha must be a number > 0, got {brief(a)}")
         c = self.static_corpus
         if c is not None:
             if not isinstance(c, (str, os.PathLike)) or not os.path.isfile(c):
-                raise ValueError(f"static_corpus must be a path to a corpus file, got {c!r}")
+                raise ValueError(f"static_corpus must be a path to a corpus file, got {brief(c)}")
             return replace(self, static_corpus=os.fspath(c))
         return self
 

@@ -19,15 +19,20 @@ from ..engine.draft import Draft, Drafter, Session
 from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, positive_int, knob
+from .knobs import Knobs, Most, knob, positive_int
+
+DRAFT_DEPTH = Most("R - 1", "a draft as deep as the target would be the target itself", lambda kn, s: s.R - 1)
 
 RAVEN = ("raven-llama", "raven-olmo")
 
 
 @dataclass(frozen=True)
 class SequentialKnobs(Knobs):
-    draft_depth: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 4)}, "sequential draft depth d", short="-d")
-    block: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 16)}, "sequential draft block length b", short="-b")
+    draft_depth: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 4)}, "sequential draft depth d", short="-d",
+                            most=DRAFT_DEPTH)
+    block: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 16)}, "sequential draft block length b", short="-b",
+                      most=Most("the context - 1", "a block and its anchor are verified in one pass",
+                                lambda kn, s: s.context - 1))
     policy: str | ReadPolicy = knob("aligned", "prefix read policy: aligned | deep-v (mature-v) | deep-k | "
                                     "deep-kv | k=..,v=..", parse=str)
 
@@ -55,7 +60,7 @@ class SelfSpecKnobs(SequentialKnobs):
 @dataclass(frozen=True)
 class MatureSpecKnobs(SequentialKnobs):
     method = "mature-spec"
-    draft_depth: int = knob(4, "sequential draft depth d", short="-d")
+    draft_depth: int = knob(4, "sequential draft depth d", short="-d", most=DRAFT_DEPTH)
     policy: str | ReadPolicy = knob("deep-kv", "prefix read policy: aligned | deep-v (mature-v) | deep-k | "
                                     "deep-kv | k=..,v=..", parse=str)
 

@@ -15,6 +15,12 @@ import torch
 from torch import Tensor
 
 
+def _brief(value) -> str:
+    """A choice as a message quotes it: never a whole request's worth."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 @dataclass(frozen=True)
 class StaticTree:
     choices: tuple[tuple[int, ...], ...]   # BFS-ordered, root excluded
@@ -46,16 +52,16 @@ def tree_from_choices(choices: Sequence[Sequence[int]]) -> StaticTree:
     paths = []
     for c in choices:
         if isinstance(c, (str, bytes)) or not isinstance(c, Sequence) or not c:
-            raise ValueError(f"a tree choice must be a non-empty list of child ranks, got {c!r}")
+            raise ValueError(f"a tree choice must be a non-empty list of child ranks, got {_brief(c)}")
         if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c):
-            raise ValueError(f"tree choice {list(c)} has a rank that is not an integer >= 0")
+            raise ValueError(f"tree choice {_brief(list(c))} has a rank that is not an integer >= 0")
         paths.append(tuple(c))
     if len(set(paths)) != len(paths):
         raise ValueError("tree choices contain a duplicate path")
     present = set(paths)
     for p in paths:
         if len(p) > 1 and p[:-1] not in present:
-            raise ValueError(f"tree choice {list(p)} has no parent {list(p[:-1])} in the tree")
+            raise ValueError(f"tree choice {_brief(list(p))} has no parent {_brief(list(p[:-1]))} in the tree")
     paths.sort(key=lambda p: (len(p), p))
     index = {(): 0}
     parents, ranks, levels = [-1], [0], []

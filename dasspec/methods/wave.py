@@ -51,8 +51,8 @@ from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, boolean, knob, one_of, positive_int
-from .pld import PromptLookup, find_copy, find_draft
+from .knobs import Knobs, Most, boolean, knob, one_of, positive_int
+from .pld import MAX_NGRAM, PromptLookup, find_copy, find_draft
 
 # guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)
 SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
@@ -67,18 +67,29 @@ RAVEN = ("raven-llama", "raven-olmo")
 @dataclass(frozen=True)
 class WaveKnobs(Knobs):
     method = "das-wave"
-    gamma: int = knob(32, "DAS-Wave: verifier capacity gamma, the widest active window")
-    rounds: int = knob(24, "DAS-Wave: refinement rounds J per block", short="-J")
-    w_init: int = knob(2, "DAS-Wave: initial active width W_init")
-    k: int = knob({"huginn": 2, **dict.fromkeys(RAVEN, 1)}, "DAS-Wave: core updates per round", short="-k")
+    gamma: int = knob(32, "DAS-Wave: verifier capacity gamma, the widest active window", most=Most(
+        "the context - 1", "the window and its anchor are verified in one pass", lambda kn, s: s.context - 1))
+    rounds: int = knob(24, "DAS-Wave: refinement rounds J per block", short="-J", most=Most(
+        "gamma + ceil(R / k)", "after gamma rounds every guess of a window without carry has reached its fixed "
+        "point (guess i is final after round i), and ceil(R / k) rounds later every carried state has had the "
+        "target's R core updates: more rounds only repeat work", lambda kn, s: kn.gamma + -(-s.R // kn.k)))
+    w_init: int = knob(2, "DAS-Wave: initial active width W_init", most=Most(
+        "gamma", "the window starts no wider than it may grow", lambda kn, s: kn.gamma))
+    k: int = knob({"huginn": 2, **dict.fromkeys(RAVEN, 1)}, "DAS-Wave: core updates per round", short="-k",
+                  most=Most("R", "one round then already gives every state the target's depth",
+                            lambda kn, s: s.R))
     policy: str | ReadPolicy = knob("deep-kv", "prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | "
                                     "k=..,v=..", parse=str)
     carry: bool = knob(True, "DAS-Wave: carry latent states across rounds (off: re-initialise every round)")
     guesses: str = knob("anchor", "DAS-Wave window seed: anchor (repeat it, the paper's) | lookup (prompt lookup) | "
                         "copy (periodic copy of the latest match)", choices=tuple(SEEDERS))
-    max_ngram: int = knob(3, "longest suffix n-gram matched in the text (prompt lookup, DAS-Wave seeds)")
+    max_ngram: int = knob(3, "longest suffix n-gram matched in the text (prompt lookup, DAS-Wave seeds)",
+                          most=MAX_NGRAM)
     trim: bool = knob(False, "DAS-Wave: verify only up to the first proposal the last round changed")
-    seed_branch: int = knob(0, "DAS-Wave: verify up to N tokens of the window's seed as a second branch (0 = off)")
+    seed_branch: int = knob(0, "DAS-Wave: verify up to N tokens of the window's seed as a second branch (0 = off)",
+                            most=Most("the context - 1 - the window min(gamma, w_init + rounds - 1)",
+                                      "the branch is verified with the window and its anchor in one pass",
+                                      lambda kn, s: s.context - 1 - kn.w))
     copy_run: bool = knob(False, "DAS-Wave: after a block whose seed was accepted whole, verify the next seed "
                           "without rounds")
     early_stop: bool = knob(False, "DAS-Wave: stop a block's rounds after one that changed no guess (J becomes a "

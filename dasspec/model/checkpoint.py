@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, LoopedConfig, json_type
 from .looped import LoopedLM, in_major_pays
-from .safetensors_io import (FLOAT_CODES, CheckpointError, TensorEntry, open_regular, read_header,
-                             read_into, read_rows)
+from .safetensors_io import (FLOAT_CODES, CheckpointError, TensorEntry, checkpoint_root, confine, open_regular,
+                             read_header, read_into, read_rows)
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "resolve_source", "resolve_device",
            "read_json", "weight_entries"]
@@ -78,25 +78,30 @@ def _hf_cache_root() -> Path:
     return home / "hub"
 
 
-# A commit hash or branch-like name: one path component, so a ref can only name a folder of snapshots/.
-_REF = re.compile(r"[A-Za-z0-9_.-]+")
+# What huggingface_hub writes into refs/<branch>: a commit hash, so a ref can only name a folder of snapshots/.
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def _hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     repo_dir = _hf_cache_root() / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         return None
+    snapshots = repo_dir / "snapshots"
     ref = repo_dir / "refs" / revision
     if os.path.lexists(ref):
-        with open_regular(ref, "Hugging Face cache ref") as f:
-            commit = f.read(256).decode("utf-8", "replace").strip()
-    else:
-        commit = revision
-    if not _REF.fullmatch(commit) or commit in (".", ".."):
-        raise CheckpointError(f"{ref} names {commit!r}, not a snapshot of {repo_dir / 'snapshots'}")
-    snapshots = repo_dir / "snapshots"
-    snap = snapshots / commit
-    if snap.is_dir():
+        # confined to the repository's cache folder; its content is quoted only once it is known to be a hash
+        with open_regular(ref, "Hugging Face cache ref", within=repo_dir) as f:
+            raw = f.read(256)
+        commit = raw.decode("ascii", "replace").strip()
+        if not _COMMIT.fullmatch(commit):
+            raise CheckpointError(f"{ref} does not hold a commit hash ({len(raw)} bytes that are not 40 hex "
+                                  f"digits), so it names no snapshot of {snapshots}; the cache is damaged - "
+                                  "download the repository again")
+        snap = snapshots / commit
+        if not snap.is_dir():
+            # never another snapshot in its place: the ref says which revision the user asked for
+            raise CheckpointError(f"{ref} names commit {commit}, but {snap} does not exist; the cache is "
+                                  "incomplete - download the repository again")
         if not snap.resolve().is_relative_to(snapshots.resolve()):
             raise CheckpointError(f"snapshot {snap} (from {ref}) resolves outside {snapshots}")
         return snap
@@ -105,10 +110,10 @@ def _hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snaps[-1] if snaps else None
 
 
-def read_json(path: Path, expect: type = dict) -> Any:
-    """A checkpoint's JSON file, refused by name when it is not a regular file, not JSON, or not of type
-    ``expect`` (an object unless told otherwise)."""
-    with open_regular(path, path.name) as f:
+def read_json(path: Path, expect: type = dict, within: Path | None = None) -> Any:
+    """A checkpoint's JSON file, refused by name when it is not a regular file (inside ``within`` after symlinks),
+    not JSON, or not of type ``expect`` (an object unless told otherwise)."""
+    with open_regular(path, path.name, within) as f:
         raw = f.read()
     try:
         value = json.loads(raw)
@@ -132,10 +137,12 @@ def _shard_path(folder: Path, shard: object, name: object, index: Path) -> Path:
 
 
 def weight_entries(folder: Path) -> dict[str, Located]:
-    """Tensor name -> (file, header entry), from the index (sharded) or the single file; headers only."""
+    """Tensor name -> (file, header entry), from the index (sharded) or the single file; headers only.  Every file
+    lies inside the checkpoint after symlinks (``checkpoint_root``)."""
+    root = checkpoint_root(folder)
     index = folder / "model.safetensors.index.json"
     if os.path.lexists(index):
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json(index, within=root).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map object")
         files = {name: _shard_path(folder, shard, name, index) for name, shard in weight_map.items()}
@@ -145,7 +152,7 @@ def weight_entries(folder: Path) -> dict[str, Located]:
             if p not in headers:
                 if not os.path.lexists(p):
                     raise CheckpointError(f"missing shard {weight_map[name]} (listed in {index.name} for {name})")
-                headers[p] = read_header(p)
+                headers[p] = read_header(confine(p, root, "weight file"))
             if name not in headers[p]:
                 raise CheckpointError(f"{p.name} does not contain {name} (listed in the index)")
             located[name] = (p, headers[p][name])
@@ -153,7 +160,7 @@ def weight_entries(folder: Path) -> dict[str, Located]:
     single = folder / "model.safetensors"
     if not os.path.lexists(single):
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-    return {name: (single, e) for name, e in read_header(single).items()}
+    return {name: (single, e) for name, e in read_header(confine(single, root, "weight file")).items()}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -180,8 +187,9 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     device = resolve_device(device)
     dtype = _parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if device.type == "cuda"
                                                           else torch.float32)
+    root = checkpoint_root(folder)          # every file opened lies inside it after symlinks
     config_path = folder / "config.json"
-    hf_cfg = read_json(config_path)
+    hf_cfg = read_json(config_path, within=root)
     located = weight_entries(folder)
     shapes = {name: e.shape for name, (_, e) in located.items()}
     try:
@@ -218,7 +226,7 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     # Everything that can fail cheaply fails before the (possibly many GB of) weights are read.
     tokenizer = _load_tokenizer(folder, cfg)
     gen = folder / "generation_config.json"
-    generation_defaults = read_json(gen) if os.path.lexists(gen) else {}
+    generation_defaults = read_json(gen, within=root) if os.path.lexists(gen) else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
     weight_bytes = sum(math.prod(shape) for shape in expected.values()) * itemsize
     _check_memory(weight_bytes + _rope_bytes(cfg), device,

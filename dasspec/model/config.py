@@ -29,6 +29,23 @@ class ConfigError(ValueError):
     """config.json is missing a field, has an inconsistent one, or describes an unknown layout."""
 
 
+# config.json keys of the huginn_raven layout that from_hf does not read.  These change the computation: any value
+# but the one dasspec implements is refused (ignoring it would load another model under this one's name).
+_FIXED = {"injection_type": ("linear",), "mlp_class_name": ("GatedMLP",), "nonlin_name": ("SiLU",),
+          "hidden_act": ("silu",), "norm_class_name": ("RMSNorm_llama",), "state_init": ("like-init",),
+          "bias": (False,), "attention_bias": (False,), "mlp_bias": (False,), "sliding_window": (None,),
+          "use_sliding_window": (False,), "partial_rotary_factor": (1,), "attn_logit_softcapping": (None,),
+          "final_logit_softcapping": (None,)}
+# These do not (training settings, bookkeeping, a Raven converter's stale Huginn leftovers): ignored quietly.
+_INERT = frozenset({
+    "architectures", "auto_map", "architecture_class_name", "transformers_version", "torch_dtype", "_name_or_path",
+    "use_cache", "initializer_range", "attention_dropout", "activation_checkpoint_impl", "effective_expected_depth",
+    "init_orthogonal", "init_strategy", "mean_backprop_depth", "padding_multiple", "sampling_scheme",
+    "test_time_noise_type", "block_class_name", "rope_base", "rope_theta", "max_position_embeddings", "vocab_size",
+    "num_hidden_layers", "n_layers", "hidden_size", "num_attention_heads", "rms_norm_eps", "norm_eps",
+    "tie_word_embeddings", "tie_embeddings"})
+
+
 def json_type(value: Any) -> str:
     """JSON's name for the type of a parsed value, for messages."""
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
@@ -224,6 +241,7 @@ class LoopedConfig:
             block_size = max(opt_int("block_size", 0, least=0), opt_int("max_position_embeddings", 0, least=0)) \
                 or 4096
         vocab_size = opt_int("padded_vocab_size", None) or need_int("vocab_size")
+        _check_unread(cfg, vocab_size)
         out = cls(
             family=family,
             vocab_size=vocab_size,
@@ -283,6 +301,43 @@ class LoopedConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_unread(cfg: dict[str, Any], vocab_size: int) -> None:
+    """The huginn_raven keys from_hf does not read: a value that would change the model is refused, a number that
+    names a size is checked as one (a ``vocab_size`` of 1e400 beside ``padded_vocab_size``), and keys dasspec does
+    not know are named in one warning - ignored, never silently."""
+    for name, allowed in _FIXED.items():
+        if name in cfg and cfg[name] not in allowed and not (isinstance(cfg[name], str) and any(
+                isinstance(a, str) and cfg[name].lower() == a.lower() for a in allowed)):
+            raise ConfigError(f"config field {name} is {cfg[name]!r}, but dasspec implements only "
+                              f"{' / '.join(map(repr, allowed))}: loading it would compute another model")
+    for name in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "n_layers", "hidden_size",
+                 "num_attention_heads"):
+        if cfg.get(name) is not None:
+            whole(name, cfg[name], least=0)
+    if cfg.get("vocab_size") is not None and int(cfg["vocab_size"]) > vocab_size:
+        raise ConfigError(f"config field vocab_size={int(cfg['vocab_size'])} exceeds padded_vocab_size={vocab_size}")
+    for a, b in (("n_embd", "hidden_size"), ("n_heads", "num_attention_heads")):
+        if cfg.get(a) is not None and cfg.get(b) is not None and whole(a, cfg[a]) != whole(b, cfg[b]):
+            raise ConfigError(f"config fields {a}={cfg[a]} and {b}={cfg[b]} disagree")
+    unknown = sorted(k for k in cfg if k not in _READ and k not in _FIXED and k not in _INERT)
+    if unknown:
+        import warnings
+        shown = ", ".join(k if len(k) <= 40 else k[:37] + "..." for k in unknown[:8])
+        more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        warnings.warn(f"config.json sets {shown}{more}, which dasspec does not know; ignored (should one change the "
+                      "computation, the outputs will not be the reference model's)", UserWarning, stacklevel=4)
+
+
+# The keys from_hf reads (each type- and range-checked there).
+_READ = frozenset({
+    "dasspec_family", "model_type", "n_embd", "hidden_size", "n_heads", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda",
+    "n_layers", "num_hidden_layers", "init_values", "test_time_noise", "rope_base", "rope_theta", "norm_eps",
+    "rms_norm_eps", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id", "block_size",
+    "max_position_embeddings", "padded_vocab_size", "vocab_size", "intermediate_size", "mean_recurrence",
+    "qk_bias", "tie_embeddings", "tie_word_embeddings"})
 
 
 def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> str:

@@ -51,7 +51,7 @@ def parse_policy(spec: "str | ReadPolicy | tuple[int | str, int | str]") -> Read
         k, v = raw[2:].split(",", 1)
         v = v[2:]
         return ReadPolicy(f"k={k},v={v}", _depth_spec(k), _depth_spec(v))
-    raise ValueError(f"unknown read policy {spec!r}; expected one of {sorted(NAMED)} or 'k=<depth>,v=<depth>' "
+    raise ValueError(f"unknown read policy {str(spec)[:60]!r}; expected one of {sorted(NAMED)} or 'k=<depth>,v=<depth>' "
                      "with depths r, R or integers")
 
 
@@ -61,7 +61,7 @@ def _depth_spec(x: int | str) -> str | int:
     try:
         d = int(x)
     except (TypeError, ValueError):
-        raise ValueError(f"bad read depth {x!r}: expected r, R or an integer") from None
+        raise ValueError(f"bad read depth {str(x)[:60]!r}: expected r, R or an integer") from None
     if d < 1:
         raise ValueError(f"read depth must be >= 1, got {d}")
     return d

@@ -59,9 +59,35 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
-def open_regular(path: Path, what: str = "file") -> BinaryIO:
-    """Open ``path`` for reading only if it is a regular file (after symlinks).  O_NONBLOCK keeps ``open`` from
-    waiting for a writer when the path is a FIFO; the type is then checked on the open descriptor."""
+def checkpoint_root(folder: Path) -> Path:
+    """The folder a checkpoint's files must lie in after symlinks: the folder itself, or for a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<commit>``, whose files link into ``../../blobs``) the repository's
+    cache folder."""
+    folder = Path(folder)
+    real = Path(os.path.realpath(folder))
+    repo = real.parent.parent
+    if real.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--")) and \
+            (repo / "blobs").is_dir():
+        return repo
+    return real
+
+
+def confine(path: Path, root: Path, what: str = "file") -> Path:
+    """``path`` if it lies inside ``root`` after every symlink is followed, else a ``CheckpointError``: a link in a
+    downloaded folder must not make the loader read (and quote, or serve) a file elsewhere on the machine."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(root)):
+        raise CheckpointError(f"{what} {path} is a symlink that leads outside {root}; only files inside the "
+                              "checkpoint are read")
+    return path
+
+
+def open_regular(path: Path, what: str = "file", within: Path | None = None) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file (after symlinks) - and, given ``within``, only if it
+    lies inside that folder after symlinks (``confine``).  O_NONBLOCK keeps ``open`` from waiting for a writer when
+    the path is a FIFO; the type is then checked on the open descriptor."""
+    if within is not None:
+        confine(path, within, what)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -80,15 +106,15 @@ def open_regular(path: Path, what: str = "file") -> BinaryIO:
         raise
 
 
-def check_regular(path: Path, what: str = "file") -> None:
-    """Raise unless ``path`` is a readable regular file (opens and closes it; never blocks)."""
-    open_regular(path, what).close()
+def check_regular(path: Path, what: str = "file", within: Path | None = None) -> None:
+    """Raise unless ``path`` is a readable regular file (inside ``within``; opens and closes it; never blocks)."""
+    open_regular(path, what, within).close()
 
 
-def read_header(path: Path) -> dict[str, TensorEntry]:
+def read_header(path: Path, within: Path | None = None) -> dict[str, TensorEntry]:
     """Every tensor entry of a safetensors file, validated against the file's size: a damaged or truncated file is
     refused here, by name, before anything is allocated for it."""
-    with open_regular(path, "weight file") as f:
+    with open_regular(path, "weight file", within) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
@@ -155,7 +181,8 @@ def _check_finite(chunk: torch.Tensor, first_row: int, entry: TensorEntry, path:
                               "the checkpoint is damaged")
 
 
-def read_into(path: Path, entry: TensorEntry, out: torch.Tensor, chunk_bytes: int | None = None) -> None:
+def read_into(path: Path, entry: TensorEntry, out: torch.Tensor, chunk_bytes: int | None = None,
+              within: Path | None = None) -> None:
     """Fill ``out`` (the entry's shape, any float dtype, any strides, on any device) with the tensor's values,
     converting chunk by chunk (``chunk_bytes``, default ``CHUNK_BYTES``) along the first dimension, and refuse
     non-finite values by name."""
@@ -172,7 +199,7 @@ def read_into(path: Path, entry: TensorEntry, out: torch.Tensor, chunk_bytes: in
     step = max(1, chunk_bytes // max(1, row_elems * entry.dtype.itemsize))
     direct = out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous()
     buf = None if direct else torch.empty(min(step, rows) * row_elems, dtype=entry.dtype)
-    with open_regular(path, "weight file") as f:
+    with open_regular(path, "weight file", within) as f:
         f.seek(entry.begin)
         for a in range(0, rows, step):
             b = min(rows, a + step)
@@ -186,13 +213,13 @@ def read_into(path: Path, entry: TensorEntry, out: torch.Tensor, chunk_bytes: in
             _check_finite(dst, a, entry, path)
 
 
-def read_rows(path: Path, entry: TensorEntry, rows: Iterable[int]) -> torch.Tensor:
+def read_rows(path: Path, entry: TensorEntry, rows: Iterable[int], within: Path | None = None) -> torch.Tensor:
     """Rows of a tensor along its first dimension, in its stored dtype (for spot checks that must not read it all)."""
     rows = list(rows)
     row_elems = entry.numel // entry.shape[0]
     nbytes = row_elems * entry.dtype.itemsize
     out = torch.empty(len(rows), row_elems, dtype=entry.dtype)
-    with open_regular(path, "weight file") as f:
+    with open_regular(path, "weight file", within) as f:
         for i, r in enumerate(rows):
             f.seek(entry.begin + r * nbytes)
             _readinto(f, out[i], path, entry.name)

@@ -13,13 +13,13 @@ text carries its special tokens, so it is encoded with ``add_special_tokens=Fals
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from .chat_template import compile_chat_template
 
 # Token strings that end a document in the families we load, in priority order.
 _EOS_NAMES = ("<|end_text|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eos|>")
@@ -79,52 +79,19 @@ class Tokenizer:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role' string and a 'content', got {m!r}")
         template = chat_template or self.chat_template or PLAIN_CHAT_TEMPLATE
-        return _compile_chat_template(template).render(
+        return compile_chat_template(template).render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             **self.special_tokens)
-
-
-@functools.lru_cache(maxsize=8)          # compiled once per template, not per request
-def _compile_chat_template(template: str):
-    """A Jinja template compiled as Hugging Face's ``apply_chat_template`` does: sandboxed (a checkpoint's template
-    is untrusted code), trim_blocks + lstrip_blocks, loop controls, the ``{% generation %}`` tag (rendered as its
-    body: only training masks care about it), ``raise_exception`` and ``tojson``."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
 
 
 def _read_chat_template(folder: Path, meta: dict) -> str | None:
     """``chat_template.jinja`` (newer transformers) or tokenizer_config.json's ``chat_template``: a string, or a
     list of named templates of which the one named ``default`` is the chat template."""
-    from .safetensors_io import open_regular
+    from .safetensors_io import checkpoint_root, open_regular
 
     path = folder / "chat_template.jinja"
     if os.path.lexists(path):               # (a dangling link is named as missing, not skipped)
-        with open_regular(path, path.name) as f:
+        with open_regular(path, path.name, within=checkpoint_root(folder)) as f:
             raw = f.read()
         try:
             return raw.decode("utf-8")
@@ -141,22 +108,25 @@ def _read_chat_template(folder: Path, meta: dict) -> str | None:
 def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     """Tokenizer of a checkpoint folder (or HF cache repo id); None -> the bundled model's."""
     from .checkpoint import CheckpointError, read_json, resolve_source
-    from .safetensors_io import check_regular
+    from .safetensors_io import checkpoint_root, open_regular
 
     folder = resolve_source(source)
+    root = checkpoint_root(folder)          # no file outside the checkpoint, after symlinks
     path = folder / "tokenizer.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise CheckpointError(f"no tokenizer.json in {folder}")
-    check_regular(path, path.name)          # a FIFO or a directory is named, never waited on
+    with open_regular(path, path.name, within=root) as f:   # a FIFO or a directory is named, never waited on
+        raw = f.read()
     try:
-        tok = HFTokenizer.from_file(str(path))
+        tok = HFTokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
-        raise CheckpointError(f"cannot read {path}: {err}") from None
+        reason = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else str(err)[:200]
+        raise CheckpointError(f"cannot read {path}: {reason}") from None
     meta: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         p = Path(folder) / name
         if os.path.lexists(p):              # not JSON, not an object, not a regular file: named, not skipped
-            meta.update({k: v for k, v in read_json(p).items() if v is not None})
+            meta.update({k: v for k, v in read_json(p, within=root).items() if v is not None})
 
     def tid(text):
         return tok.token_to_id(text) if text else None

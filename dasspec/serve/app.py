@@ -3,8 +3,9 @@
     POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending with ``data: [DONE]``)
     GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
 
-A request is parsed and checked in the event loop (errors answer at once, 4xx), queued for the decode worker (a
-full queue answers 429 at once), then awaited: the worker's events become the JSON body or the stream's chunks.
+A request body is read up to the server's limit (larger: 413 at once), then parsed, checked and tokenized - its
+chat template rendered in the sandbox - in a thread, so no body and no template can stall the event loop (errors
+answer at once, 4xx), queued for the decode worker (a full queue answers 429 at once), then awaited: the worker's events become the JSON body or the stream's chunks.
 While it waits or streams, a watcher listens for the client's disconnect and cancels the job: out of the queue,
 or stopped at its next verification step.
 """
@@ -98,15 +99,39 @@ def create_app(service: Service) -> FastAPI:
         return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # --- generation -------------------------------------------------------------------------------------------
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to pass the server's limit."""
+        limit = service.max_body
+        declared = request.headers.get("content-length")
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                                  "(dasspec serve --max-body)", code="request_too_large")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def completion_input(raw: bytes):
+        req = parse_request(CompletionRequest, parse_json(raw))
+        return req, service.completion_prompt(req)
+
+    def chat_input(raw: bytes):
+        req = parse_request(ChatRequest, parse_json(raw))
+        return req, service.chat_prompt(req)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, parse_json(await request.body()))
-        return await generate(request, req, service.completion_prompt(req), "completions")
+        req, prompt = await asyncio.to_thread(completion_input, await read_body(request))
+        return await generate(request, req, prompt, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_request(ChatRequest, parse_json(await request.body()))
-        return await generate(request, req, service.chat_prompt(req), "chat")
+        req, prompt = await asyncio.to_thread(chat_input, await read_body(request))
+        return await generate(request, req, prompt, "chat")
 
     async def generate(request: Request, req, prompt: list[int], endpoint: str) -> Response:
         job = service.job(req, prompt, endpoint, asyncio.get_running_loop())

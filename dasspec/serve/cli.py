@@ -11,10 +11,17 @@ streams at once.  docs/serving.md has the endpoints, the request options and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import socket
 import sys
+import typing
 from pathlib import Path
 
 from ..host import THREADS_HELP
+
+# ServeOptions fields whose flags are derived from the dataclass (type, default and help in one place).
+DERIVED = ("max_body", "template_timeout")
 
 
 def _server_knobs(method: str, items: list[str]) -> dict:
@@ -49,6 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the most tokens one request may ask for (default: the model's context); bounds the "
                         "memory of a request's depth cache")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    _add_option_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (warning: no access log)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -57,27 +65,77 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _add_option_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``DERIVED`` ServeOptions field: its type parses the value, its metadata is the help."""
+    from .service import ServeOptions
+
+    fields = {f.name: f for f in dataclasses.fields(ServeOptions)}
+    hints = typing.get_type_hints(ServeOptions)
+    for name in DERIVED:
+        f = fields[name]
+        kind = next(a for a in (typing.get_args(hints[name]) or (hints[name],)) if a is not type(None))
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=f.default,
+                       metavar=name.upper(), help=f.metadata["help"] + (
+                           f" (default: {f.default})" if f.default is not None else ""))
+
+
+def _options_from_args(args: argparse.Namespace) -> dict:
+    values = {name: getattr(args, name) for name in DERIVED}
+    for name, value in values.items():
+        if value is not None and not 0 < value < math.inf:          # also NaN
+            raise ValueError(f"--{name.replace('_', '-')} must be a number > 0, got {value}")
+    return values
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads: a bad or taken port is an error in a second,
+    not after the load (and no other process can take the port in between)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"--port must be a TCP port, 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"--host {host!r}: not an address of this machine ({err})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import dasspec
-    from ..host import set_threads
+    from ..host import check_threads, set_threads
     from .app import create_app
     from .service import ServeOptions, Service
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
+        raise ValueError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
+    options = _options_from_args(args)
+    knobs = _server_knobs(args.method, args.knobs)
+    check_threads(args.threads)
+    sock = listen_socket(args.host, args.port)          # every check that needs no model, before it loads
     set_threads(args.threads)
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (Path(args.model).name if args.model else "dasspec-tiny")
-    service = Service(model, ServeOptions(model_name=name, method=args.method,
-                                          knobs=_server_knobs(args.method, args.knobs), max_queue=args.max_queue,
-                                          max_tokens_cap=args.max_tokens_cap))
+    service = Service(model, ServeOptions(model_name=name, method=args.method, knobs=knobs, max_queue=args.max_queue,
+                                          max_tokens_cap=args.max_tokens_cap, **options))
     if args.warmup:       # first-call costs (allocator, kernels) before the first client, not in its latency
         dasspec.generate(model, model.tokenizer.encode("Hello"), drafter=service.drafter(service.method, {}),
                          max_new_tokens=4)
     print(f"dasspec serve: {name} ({model.config.family}, R={service.depth}, context {service.context}) with "
           f"{service.method} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -177,10 +177,54 @@ def _message(err: dict) -> tuple[str, str]:
     return param, f"'{param}': {err.get('msg', 'invalid value')}, got {got}"
 
 
+# No valid request nests deeper than 5 levels (dasspec.knobs.tree's list of choices); this leaves room and stops a
+# hostile body long before any recursive step (validation, json.dumps, repr in a message) could overflow.
+MAX_NESTING = 32
+
+
+def check_body(body: Any) -> None:
+    """Refuse, naming the field, a body nested deeper than ``MAX_NESTING`` or holding text that is not Unicode (a
+    lone UTF-16 surrogate such as "\\ud800", which JSON allows and no tokenizer or UTF-8 encoder takes).  Iterative,
+    so no body can make it recurse."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            _unicode(value, where)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_NESTING:
+            raise APIError(400, f"'{where or 'body'}' nests more than {MAX_NESTING} levels deep; no field of a "
+                           "request does", param=where or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _unicode(key, where or "body", key=True)
+                key = key if len(key) <= 64 else key[:61] + "..."      # a path in a message, not the whole key
+                path = f"{where}.{key}" if where else key
+                stack.append((item, path, depth + 1))
+        else:
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _unicode(text: str, where: str, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        what = "a key" if key else "the text"
+        param = where if key or where else None
+        raise APIError(400, f"'{where or 'body'}': {what} holds a lone UTF-16 surrogate "
+                       f"(\\u{ord(text[err.start]):04x} at character {err.start}), which is not Unicode text; send "
+                       "valid UTF-8 (surrogates only in pairs)", param=param) from None
+
+
 def parse_request(kind: type[_Common], body: Any) -> _Common:
     """A validated request of ``kind`` from a decoded JSON body, or an ``APIError`` (400) naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_body(body)
     try:
         req = kind.model_validate(body)
     except ValidationError as err:
@@ -198,3 +242,8 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays or objects too deeply (at most {MAX_NESTING} levels)") \
+            from None
+    except ValueError as err:           # an integer past Python's digit limit, ...
+        raise APIError(400, f"the request body holds a value JSON decoding refuses: {str(err)[:120]}") from None

@@ -26,7 +26,9 @@ from typing import Any
 from ..engine.draft import Drafter
 from ..engine.sampling import Sampling
 from ..methods import build_drafter, get_method
+from ..model.chat_template import TemplateLimit, TemplateSandbox
 from ..model.looped import LoopedLM
+from ..model.tokenizer import PLAIN_CHAT_TEMPLATE
 from .metrics import ServerMetrics
 from .schema import APIError, ChatRequest, CompletionRequest
 from .worker import DecodeWorker, Job, QueueFull
@@ -40,6 +42,10 @@ SERVER_ONLY_KNOBS = frozenset({"static_corpus"})
 _DRAFTERS_KEPT = 16
 
 
+# Slack in the derived body limit for what is not prompt text: the other fields, stop strings, knobs.
+_BODY_SLACK = 64 << 10
+
+
 @dataclass
 class ServeOptions:
     model_name: str = "dasspec-tiny"
@@ -47,6 +53,13 @@ class ServeOptions:
     knobs: dict[str, Any] = field(default_factory=dict)     # the default method's knobs (--set)
     max_queue: int = 64
     max_tokens_cap: int | None = None                        # None: the model's context
+    # Options below carry their flag's help (dasspec serve derives --max-body, --template-timeout from them).
+    max_body: int | None = field(default=None, metadata={"help": (
+        "the largest request body in bytes; a larger one is answered 413 before it is read (default: what the "
+        "longest prompt that fits the context can take as JSON, 6 x context x the longest token + 64 KiB)")})
+    template_timeout: float = field(default=1.0, metadata={"help": (
+        "seconds a chat template may take to render one conversation; it renders in a separate process with "
+        "bounded output and memory, and one that takes longer is stopped and the request answered 400")})
 
 
 class Service:
@@ -56,10 +69,20 @@ class Service:
         cap = options.max_tokens_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"max_tokens_cap must be an integer >= 1, got {cap!r}")
+        body = options.max_body
+        if body is not None and (isinstance(body, bool) or not isinstance(body, int) or body < 1):
+            raise ValueError(f"max_body must be an integer >= 1 (bytes), got {body!r}")
         self.model, self.tok, self.options = model, model.tokenizer, options
         self.method = get_method(options.method).name            # canonical name (aliases resolved)
         self.context = model.config.block_size
         self.depth = model.depth(None)
+        # No text longer than context x the longest token can fit the context: the bound of the template's output
+        # and, escaped as JSON (at most 6 bytes per byte), of a request body.
+        longest = max(map(len, self.tok.backend.get_vocab(with_added_tokens=True)), default=1)
+        self.max_body = body or 6 * self.context * longest + _BODY_SLACK
+        self.chat_template = self.tok.chat_template or PLAIN_CHAT_TEMPLATE
+        self.templates = TemplateSandbox(options.template_timeout, self.context * longest)
+        self._check_template()
         self._drafters: OrderedDict[tuple[str, str, bool], Drafter] = OrderedDict()
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
             try:
@@ -95,13 +118,26 @@ class Service:
         return ids
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
+        """The conversation's token ids: the checkpoint's template rendered in the sandbox (bounded time, output
+        and memory; blocks the calling thread, so call it off the event loop)."""
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as err:                 # the template's raise_exception / a template error
-            raise APIError(400, f"'messages': the chat template refused them: {err}", param="messages") from None
+            text = self.templates.render(self.chat_template, messages, True, self.tok.special_tokens)
+        except TemplateLimit as err:             # the template's raise_exception, or a bound it exceeded
+            raise APIError(400, f"'messages': {err}", param="messages") from None
         return self.tok.encode(text, add_special_tokens=False)  # the template placed BOS itself
+
+    def _check_template(self) -> None:
+        """Render a one-message conversation at start: a template that exceeds the sandbox's bounds on it would
+        exceed them on every chat request, so the server refuses to start (its own errors only 400 chat)."""
+        try:
+            self.templates.render(self.chat_template, [{"role": "user", "content": "Hello"}], True,
+                                  self.tok.special_tokens)
+        except TemplateLimit as err:
+            if err.bound:
+                self.templates.close()
+                raise ValueError(f"the checkpoint's chat template, on a one-message conversation: {err}") from None
 
     # --- the job --------------------------------------------------------------------------------------------
     def job(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str,
@@ -191,3 +227,4 @@ class Service:
 
     def close(self) -> None:
         self.worker.close()
+        self.templates.close()

@@ -19,11 +19,19 @@ from typing import Callable, Iterable, Sequence
 def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
     best = 0
+    last = text[-1:]
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
+        # Only an n whose prefix s[:n] ends with text's last character can match: rfind jumps between those (a
+        # long stop string costs a scan in C per chunk, not one slice per length - quadratic in a long stream).
+        n = min(len(s) - 1, len(text))
+        while n > best and last:
+            n = s.rfind(last, 0, n) + 1
+            if n <= best:
+                break
+            if text[-n] == s[0] and text.endswith(s[:n]):
                 best = n
                 break
+            n -= 1
     return best
 
 

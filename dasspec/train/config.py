@@ -64,27 +64,35 @@ class TrainConfig:
     checkpoint_every: int = 50          # save the resume state every this many steps (0: only on Ctrl-C / at the end)
 
     def validate(self) -> "TrainConfig":
-        """Refuse a run that would fail late or train nothing, before the corpus and tokenizer are built."""
-        positive = ("vocab_size", "n_embd", "n_heads", "intermediate_size", "n_core", "mean_recurrence",
-                    "backprop_depth", "min_depth", "max_depth", "seq_len", "batch_size", "long_seq_len", "eval_tokens",
-                    "log_every")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (isinstance(self.time_budget_s, (int, float)) and 0 < self.time_budget_s < math.inf):
-            # a budget of zero or less would "finish" at once and save an untrained model as if it were trained
-            raise ValueError(f"time_budget_s must be a positive number of seconds, got {self.time_budget_s}")
-        if self.max_steps is not None and self.max_steps < 1:
+        """Refuse a run that would fail late, train nothing or train something else than asked, before the corpus
+        and tokenizer are built: every field's type and range, and the fields that must agree."""
+        for name, (kind, ok, rule) in _RULES.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not _is(value, kind) or not ok(value):
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+        if self.max_steps is not None and (not _is(self.max_steps, int) or self.max_steps < 1):
             raise ValueError(f"max_steps must be >= 1 (or null: the cosine runs over the time budget), got "
                              f"{self.max_steps}")
-        if not self.lr > 0 or not 0 <= self.min_lr_frac <= 1:
-            raise ValueError(f"lr must be > 0 and min_lr_frac in [0, 1], got {self.lr}, {self.min_lr_frac}")
+        if len(self.betas) != 2 or not all(_is(b, float) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.min_depth > self.max_depth:
             raise ValueError(f"min_depth ({self.min_depth}) > max_depth ({self.max_depth})")
+        if not self.min_depth <= self.mean_recurrence <= self.max_depth:
+            raise ValueError(f"mean_recurrence ({self.mean_recurrence}) must lie in [min_depth, max_depth] = "
+                             f"[{self.min_depth}, {self.max_depth}]: depths are drawn around it and clipped there")
+        for name in ("seq_len", "long_seq_len"):
+            if getattr(self, name) > self.block_size:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be <= block_size ({self.block_size}), the "
+                                 "context the model's RoPE table covers")
         if self.n_embd % self.n_heads:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_heads ({self.n_heads})")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0 (0: no periodic saves), got {self.checkpoint_every}")
+        if (self.n_embd // self.n_heads) % 2:
+            raise ValueError(f"n_embd / n_heads ({self.n_embd // self.n_heads}) must be even for RoPE")
+        from ..host import check_threads
+        if self.threads:
+            check_threads(self.threads, "threads")
         from ..model.checkpoint import resolve_device      # the same device check as load_model
         try:
             resolve_device(self.device)
@@ -107,6 +115,46 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is(value, kind) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+_POS = (int, lambda v: v >= 1, ">= 1 (a whole number)")
+_NONNEG = (int, lambda v: v >= 0, ">= 0 (a whole number)")
+# field -> (type, check, the rule as said in the error)
+_RULES = {
+    "preset": (str, bool, "a preset name"),
+    # the byte-level BPE's alphabet is 256 bytes plus 3 special tokens: a smaller vocabulary cannot hold it
+    "vocab_size": (int, lambda v: v >= 259, ">= 259, a whole number (the 256 bytes and 3 special tokens)"),
+    "n_embd": _POS, "n_heads": _POS, "intermediate_size": _POS, "n_prelude": _NONNEG, "n_core": _POS,
+    "n_coda": _NONNEG, "block_size": _POS,
+    "rope_theta": (float, lambda v: v > 0, "a finite number > 0"),
+    "mean_recurrence": _POS, "depth_sigma": (float, lambda v: v >= 0, "a finite number >= 0"),
+    "backprop_depth": _POS, "min_depth": _POS, "max_depth": _POS,
+    "depth_warmup_frac": (float, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)"),
+    "depth_warmup_start": _POS, "init_scale": (float, lambda v: v >= 0, "a finite number >= 0 (0: zero state)"),
+    "seq_len": _POS, "batch_size": _POS, "long_seq_len": _POS,
+    "long_every": (int, lambda v: v >= 0, ">= 0 (a whole number; 0: no long steps)"),
+    # every source keeps most of its documents for training (val_fraction 1 left it none)
+    "val_fraction": (float, lambda v: 0 < v <= 0.5, "a number in (0, 0.5]"),
+    "lr": (float, lambda v: v > 0, "> 0 and finite"),
+    "min_lr_frac": (float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "warmup_steps": _NONNEG,
+    "weight_decay": (float, lambda v: v >= 0, "a finite number >= 0"),
+    "grad_clip": (float, lambda v: v >= 0, "a finite number >= 0 (0: no clipping)"),
+    # a budget of zero or less would "finish" at once and save an untrained model as if it were trained
+    "time_budget_s": (float, lambda v: v > 0, "a positive number of seconds"),
+    "seed": (int, lambda v: True, "an integer"), "device": (str, bool, "a device name"),
+    "threads": (int, lambda v: v >= 0, ">= 0 (a whole number; 0: torch's default)"),
+    "share_cpu": (bool, lambda v: True, "true or false"), "autocast_bf16": (bool, lambda v: True, "true or false"),
+    "eval_tokens": _POS, "sample_tokens": _POS, "log_every": _POS,
+    "checkpoint_every": (int, lambda v: v >= 0, ">= 0 (a whole number; 0: only on Ctrl-C and at the end)"),
+}
+_OPTIONAL = frozenset()
 
 
 PRESETS: dict[str, TrainConfig] = {

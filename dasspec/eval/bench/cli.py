@@ -104,6 +104,9 @@ def _apply_preset(args: argparse.Namespace) -> None:
     for name in ("tasks", "prompts", "max_new_tokens", "shots", "threads"):   # only flags left unset (0 is a value)
         if getattr(args, name) in (None, []):
             setattr(args, name, QUICK[name])
+            if name == "shots":             # the preset's few-shot settings, for the tasks this run has
+                named = {t.strip().lower() for t in args.tasks.split(",")}
+                args.shots = [s for s in args.shots if s.split("=", 1)[0] in named]
 
 
 def _available(tasks, data, preset: bool) -> list:

@@ -96,6 +96,9 @@ def knobs_for_methods(methods: Iterable[str], shared: dict[str, Any], per_method
         for m in takers:
             out.setdefault(m, {})[name] = value
     for method, knobs in per_method.items():
+        if method not in methods:          # refused here, before the model loads, as in resolved_knobs
+            raise ValueError(f"--knobs names method {method} that is not being benchmarked (methods: "
+                             f"{', '.join(methods)})")
         out.setdefault(method, {}).update(knobs)
     return out
 
@@ -129,16 +132,31 @@ def parse_knobs(items: Iterable[str]) -> dict[str, dict]:
 
 
 def resolve_tasks(names: Iterable[str], caps: dict[str, int] | None = None,
-                  shots: dict[str, int] | None = None) -> list[Task]:
-    tasks, seen = [], set()
+                  shots: dict[str, int] | None = None, flags: tuple[str, str] = ("--cap", "--shots")) -> list[Task]:
+    """The tasks ``names`` names, each with its cap and shots; a cap or shots entry for a task that is not among
+    them (a typo: ``humaneva=5``) is an error naming its ``flags`` entry, never ignored."""
+    picked = {}
     for name in names:
         task = get_task(name)
-        if task.name in seen:
-            continue
-        seen.add(task.name)
-        tasks.append(task.with_cap((caps or {}).get(task.name, (caps or {}).get("*")))
-                     .with_shots((shots or {}).get(task.name)))
-    return tasks
+        picked.setdefault(task.name, task)
+    per_task = []
+    for flag, table in zip(flags, (caps or {}, shots or {})):
+        by_task = {}
+        for key, value in table.items():
+            if key == "*":
+                continue
+            try:
+                task = get_task(key)
+            except ValueError as err:
+                raise ValueError(f"{flag} {key}={value}: {err}") from None
+            if task.name not in picked:
+                raise ValueError(f"{flag} {key}={value}: {task.name} is not among the tasks of this run "
+                                 f"({', '.join(picked)})")
+            by_task[task.name] = value
+        per_task.append(by_task)
+    cap_of, shots_of = per_task
+    return [task.with_cap(cap_of.get(name, (caps or {}).get("*"))).with_shots(shots_of.get(name))
+            for name, task in picked.items()]
 
 
 def prepare_prompts(plan: BenchPlan, tokenizer, block_size: int) -> tuple[list[Prompt], list[dict]]:
@@ -162,7 +180,7 @@ def dev_prompts(model: LoopedLM, task_names: str, prompts: int, max_new_tokens: 
     per task of the comma-separated ``task_names``, every task capped at ``max_new_tokens``, ``shots`` as
     ``TASK=N`` items."""
     n_shots = {k: int(v) for k, v in (s.split("=", 1) for s in shots)}
-    tasks = resolve_tasks(task_names.split(","), {"*": max_new_tokens}, n_shots)
+    tasks = resolve_tasks(task_names.split(","), {"*": max_new_tokens}, n_shots, flags=("cap", "--shots"))
     plan = BenchPlan(tasks=tasks, methods=["ar"], prompts=prompts, split="dev", data=data)
     return prepare_prompts(plan, model.tokenizer, model.config.block_size)[0]
 
