@@ -17,15 +17,13 @@ from ..engine.draft import Draft, Drafter
 from ..engine.request import Request
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, positive_int, knob
-
-RAVEN = ("raven-llama", "raven-olmo")
+from .knobs import FAMILY, Knobs, positive_int, knob
 
 
 @dataclass(frozen=True)
 class SequentialKnobs(Knobs):
-    draft_depth: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 4)}, "sequential draft depth d", short="-d")
-    block: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 16)}, "sequential draft block length b", short="-b")
+    draft_depth: int = knob(FAMILY, "sequential draft depth d", short="-d")
+    block: int = knob(FAMILY, "sequential draft block length b", short="-b")
     policy: str | ReadPolicy = knob("aligned", "prefix read policy: aligned | deep-v (mature-v) | deep-k | "
                                     "deep-kv | k=..,v=..", parse=str)
 

@@ -50,7 +50,7 @@ from ..engine.draft import Draft, Drafter, TreeLayout, Verdict
 from ..engine.request import Request
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, boolean, knob, one_of, positive_int
+from .knobs import FAMILY, Knobs, boolean, knob, one_of, positive_int
 from .pld import PromptLookup, find_copy, find_draft
 
 # guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)
@@ -60,7 +60,6 @@ SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
 SEED_AGREE, SEED_PROBE = 2, 4
 # copy_run: seeds of a copy run are this many times the usual seed length.
 COPY_RUN_GROWTH = 6
-RAVEN = ("raven-llama", "raven-olmo")
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class WaveKnobs(Knobs):
     gamma: int = knob(32, "DAS-Wave: verifier capacity gamma, the widest active window")
     rounds: int = knob(24, "DAS-Wave: refinement rounds J per block", short="-J")
     w_init: int = knob(2, "DAS-Wave: initial active width W_init")
-    k: int = knob({"huginn": 2, **dict.fromkeys(RAVEN, 1)}, "DAS-Wave: core updates per round", short="-k")
+    k: int = knob(FAMILY, "DAS-Wave: core updates per round", short="-k")
     policy: str | ReadPolicy = knob("deep-kv", "prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | "
                                     "k=..,v=..", parse=str)
     carry: bool = knob(True, "DAS-Wave: carry latent states across rounds (off: re-initialise every round)")
