@@ -12,6 +12,7 @@ from dasspec.model.config import ConfigError, LoopedConfig, detect_family
 from dasspec.model.families import FAMILIES
 from dasspec.model.looped import LoopedLM
 from dasspec.testing import tiny_config
+from reference_impl import ouro_config, ouro_tensors
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -44,9 +45,31 @@ def _params(cfg):
         return {k: tuple(v.shape) for k, v in LoopedLM(cfg).state_dict().items()}
 
 
+def test_ouro_config_reads_upstream_fields_and_defaults():
+    cfg = ouro_config()
+    c = LoopedConfig.from_hf(cfg, ouro_tensors(cfg))
+    assert (c.family, c.n_prelude, c.n_core, c.n_coda, c.mean_recurrence) == ("ouro", 0, 3, 0, 4)
+    assert (c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size) == (64, 4, 2, 16, 96)
+    assert c.rope_theta == 1e6 and c.block_size == 512 and c.norm_eps == 1e-6 and not c.tie_embeddings
+    assert c.embed_scale == 1.0 and c.init_std == 0.0 and c.block_style == "peri" and c.rope_style == "half"
+    for key in ("total_ut_steps", "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "hidden_act", "layer_types"):
+        cfg.pop(key)
+    c = LoopedConfig.from_hf(cfg, ouro_tensors(ouro_config()))       # upstream OuroConfig's defaults
+    assert (c.mean_recurrence, c.n_kv_heads, c.head_dim, c.rope_theta, c.norm_eps, c.block_size) == \
+        (4, 4, 16, 10000.0, 1e-6, 32768)
+
+
 def test_detection_by_model_type():
-    with pytest.raises(ConfigError, match=r"unsupported model_type 'qwen2'.*'huginn_raven'"):
-        detect_family({"model_type": "qwen2"})
+    cfg = ouro_config()
+    assert detect_family(cfg, ouro_tensors(cfg)) == "ouro" and detect_family(cfg) == "ouro"
+    assert detect_family(dict(cfg, dasspec_family="ouro")) == "ouro"
+    with pytest.raises(ConfigError, match="no model.layers.. weights: not an Ouro layout"):
+        detect_family(cfg, ["transformer.core_block.0.attn.Wqkv.weight"])
+    with pytest.raises(ConfigError, match="unknown dasspec_family 'huginn' for model_type 'ouro'"):
+        detect_family(dict(cfg, dasspec_family="huginn"))
+    with pytest.raises(ConfigError, match=r"unsupported model_type 'qwen2'.*'huginn_raven', 'ouro'"):
+        detect_family(dict(cfg, model_type="qwen2"))
 
 
 @pytest.mark.parametrize("method,knob,values", [

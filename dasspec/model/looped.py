@@ -1,14 +1,14 @@
 """LoopedLM: prelude P, shared core F applied R times, coda H (paper eq. 1), exposed as three primitives.
 
     inj = model.prelude(ids, span, cache)                         # e = P(x), the injected prelude output
-    h   = model.start_state(h0, inj)                              # what step 1 reads (the family's choice)
+    h   = model.start_state(h0, inj)                              # what step 1 reads (h0, or e for Ouro)
     h   = model.core_step(h, inj, span, cache, read=(kappa, nu))  # h <- F(h, e): (adapter) + core layers (+ ln_f)
     z   = model.readout(h, span, cache)                           # H(h): (ln_f) + coda + (ln_f) + head, float32
 
 Every decoder composes these; none reaches into layers.  ``read`` is the verified-prefix read policy of eq. (2)-(3):
 keys from depth kappa, values from depth nu.  The draft-side rows of the call are stored at ``own`` depths
 (default: the read depths), which is where verification and AR materialise depth r (``read = own = (r, r)``).
-What differs between families (injection, where ln_f sits, the initial state) is the family's
+What differs between families (injection, where ln_f sits, the initial state, an exit gate) is the family's
 (``dasspec/model/families``); the parentheses above mark those parts.
 
 The adapter acts on concat[h, e] in one matmul per step, exactly as the upstream modeling files do.  Hoisting its
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .cache import DepthCache
 from .config import LoopedConfig
 from .attention import Span
+from .exit import ExitRule
 from .layers import RMSNorm, rope_operands, rope_tables
 from .noise import position_noise
 
@@ -40,14 +41,17 @@ def in_major_pays(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
-    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``), and the model's
-    hook ``start_state``, which a wrapper holding the model as ``model`` takes from it."""
+    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``), and the model's two
+    hooks ``start_state`` and ``exit_logits``, which a wrapper holding the model as ``model`` takes from it."""
 
     R: int
     model: "LoopedLM"
 
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
         return self.model.start_state(h0, inj)
+
+    def exit_logits(self, h: Tensor) -> Tensor:
+        return self.model.exit_logits(h)
 
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
               depths: range | None = None) -> Tensor:
@@ -58,13 +62,23 @@ class Recurrence:
         return h
 
     def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
-                   rows: slice | None = None) -> Tensor:
+                   rows: slice | None = None, exit: ExitRule | None = None) -> Tensor:
         """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d] (through
         ``start_state``), readout: float32 logits [B, W', V] (``rows`` of the W positions).  With a cache, the
-        span's K/V are written at every depth."""
+        span's K/V are written at every depth.  ``exit`` (validated by ``LoopedLM.exit_rule``): every step still
+        runs, and each position is read out from the step the rule picks; None reads the last step."""
         inj = self.prelude(ids, span, cache)
         h = self.start_state(h, inj)
-        return self.readout(self.recur(h, inj, span, cache, range(1, (R or self.R) + 1)), span, cache, rows)
+        steps = range(1, (R or self.R) + 1)
+        if exit is None:
+            h = self.recur(h, inj, span, cache, steps)
+        else:
+            states = []
+            for r in steps:
+                h = self.core_step(h, inj, span, cache, read=(r, r))
+                states.append(h)
+            h = exit.select(states, self.exit_logits)
+        return self.readout(h, span, cache, rows)
 
 
 class LoopedLM(Recurrence, nn.Module):
@@ -80,6 +94,8 @@ class LoopedLM(Recurrence, nn.Module):
         parts.update(core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
                      coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
                      ln_f=RMSNorm(d, cfg.norm_eps))
+        if family.exit_gate:
+            parts["exit_gate"] = nn.Linear(d, 1, bias=True)
         self.transformer = nn.ModuleDict(parts)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -204,22 +220,41 @@ class LoopedLM(Recurrence, nn.Module):
     # --- the family's hooks ---------------------------------------------------------------------------------
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
         """The state the first core step reads, from a position's initial state ``h0`` and its prelude output
-        ``inj``: h0 (Huginn, Raven), or whatever the family starts from.  Every path into the recurrence takes
-        it."""
+        ``inj``: h0 (Huginn, Raven), or the embedding itself (Ouro).  Every path into the recurrence takes it."""
         return self.family.start_state(h0, inj)
+
+    def exit_logits(self, h: Tensor) -> Tensor:
+        """The early-exit gate's logit of each position of a step's state h [B, W, d] -> [B, W], model dtype."""
+        if not self.family.exit_gate:
+            raise ValueError(f"the {self.family.name} family has no early-exit gate")
+        return self.transformer.exit_gate(h).squeeze(-1)
+
+    def exit_rule(self, exit_threshold: float | None = None, exit_at_step: int | None = None,
+                  num_steps: int | None = None) -> ExitRule | None:
+        """The target's exit rule for the two options (None: the last step), checked against this model's family
+        and the call's depth.  Families without an exit gate refuse both options."""
+        rule = ExitRule.of(exit_threshold, exit_at_step)
+        if rule is None:
+            return None
+        if not self.family.exit_gate:
+            raise ValueError(f"exit_threshold / exit_at_step need a model with an early-exit gate (Ouro); a "
+                             f"{self.family.name} model has none and always reads its last recurrence step")
+        return rule.check_depth(self.depth(num_steps))
 
     # --- full forward (no cache) -------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
-                seed: int = 0) -> Tensor:
-        """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache."""
+                seed: int = 0, exit_threshold: float | None = None, exit_at_step: int | None = None) -> Tensor:
+        """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache.
+        ``exit_threshold`` / ``exit_at_step`` (0-based): Ouro's early-exit targets (``dasspec/model/exit.py``)."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("empty input")
         R = self.depth(num_steps)
+        exit = self.exit_rule(exit_threshold, exit_at_step, R)
         h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
-        return self.full_depth(input_ids, h, self.span(0, 0, T), None, R)
+        return self.full_depth(input_ids, h, self.span(0, 0, T), None, R, exit=exit)
 
     def linear_weight_names(self) -> list[str]:
         """State-dict names of the Linear weights (a tied head's shared weight under its embedding name)."""

@@ -2,11 +2,12 @@
 
 A family says how to recognise its checkpoints, how to read (and write) their ``config.json``, where each of its
 checkpoint tensors goes in ``LoopedLM``, which block it stacks, the specifics of the three primitives (input
-injection, where the final norm sits, the initial state) and its default knobs per decoding
+injection, where the final norm sits, the initial state, an early-exit gate) and its default knobs per decoding
 method.  ``LoopedLM``, the loader and the methods ask the family; none of them switch on a family's name.
 
     huginn.py   Huginn-0125 (and the huginn_raven config format the Raven files share)
     raven.py    Raven-Llama (Raven-Llama-3.2, Raven-TinyLlama) and Raven-OLMo
+    ouro.py     ByteDance Ouro (Ouro-1.4B / 2.6B and their -Thinking variants)
 
 A new family is one new module here that subclasses ``Family`` and calls ``register`` (imported below).
 """
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Slot:
     """Where one checkpoint tensor goes: a ``LoopedLM`` state-dict entry, or rows ``[start, start + shape[0])``
-    of one when the family stores parts of a fused weight apart (separate q/k/v or gate/up projections)."""
+    of one when the family stores parts of a fused weight apart (Ouro's q/k/v and gate/up projections)."""
 
     param: str
     shape: tuple[int, ...]
@@ -61,6 +62,7 @@ class Family:
     norm_after_loop: bool = False       # ln_f on the last state before the coda
     norm_every_step: bool = False       # ln_f closes every core step (the next step reads the normed state), so
                                         # the head reads the state as is
+    exit_gate: bool = False             # a per-step early-exit gate, Linear(d -> 1) on the state
 
     # --- checkpoint names the loader checks sizes against ---------------------------------------------------
     embedding: str = "transformer.wte.weight"
@@ -132,8 +134,8 @@ def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None
     if not candidates:
         known = ", ".join(sorted({repr(f.model_type) for f in FAMILIES.values()}))
         raise ConfigError(f"unsupported model_type {model_type!r}: dasspec loads looped checkpoints of model_type "
-                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama)")
+                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro)")
     return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
 
 
-from . import huginn, raven  # noqa: E402,F401  (each registers its families)
+from . import huginn, raven, ouro  # noqa: E402,F401  (each registers its families)
