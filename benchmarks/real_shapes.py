@@ -1,8 +1,10 @@
-"""Huginn-0125 at its real size on this machine's CPU, with random weights of the real layout.
+"""Huginn-0125 (or Ouro-1.4B: ``--layout ouro``) at its real size on this machine's CPU, with random weights of the
+real layout.
 
-From the real repository's files without the weights (config.json, model.safetensors.index.json, tokenizer) a
-checkpoint of the real shapes is built once (``dasspec.testing.build_real_checkpoint``: four float32 shards,
-15.6 GB), then loaded and decoded as a user with the real folder would (``load_model(folder, dtype=...)``):
+From the real repository's files without the weights (config.json, model.safetensors.index.json when there is one,
+tokenizer) a checkpoint of the real shapes is built once (``dasspec.testing.build_real_checkpoint``: Huginn-0125,
+four float32 shards, 15.6 GB; Ouro-1.4B, one bfloat16 model.safetensors, 2.9 GB), then loaded and decoded as a
+user with the real folder would (``load_model(folder, dtype=...)``):
 
 * load time and peak resident memory, in float32 and bfloat16, each in a fresh process;
 * tokens/s of AR, Mature-Spec and DAS-Wave at R = 32 (a few tokens each; the family's default knobs) in bfloat16
@@ -16,8 +18,11 @@ losslessness.
     python benchmarks/real_shapes.py --huginn-files ../shared/checkpoints/huginn-0125 \\
         --ckpt /tmp/dasspec-big/huginn-0125-random --out runs/real_shapes --tokens 4 --threads 2
 
+    python benchmarks/real_shapes.py --layout ouro --out runs/real_shapes_ouro      # build + load (the default phases)
+
 Heavy: the float32 load holds 15.6 GB; run it on a quiet machine.  ``--scale small`` runs everything on the
-scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32).
+scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32);
+``--methods`` the decoded methods.
 """
 
 from __future__ import annotations
@@ -30,8 +35,14 @@ import time
 from pathlib import Path
 
 PROMPT = "The recurrent-depth model reads the question twice and then answers:"
-METHODS = ("ar", "mature-spec", "das-wave")
-README_BYTES_PER_TOKEN = 2.7e6
+README_BYTES_PER_TOKEN = 2.7e6          # Huginn-0125's depth cache per token in the README
+# --layout: the repository files, where the checkpoint goes, the default phases and depth, the report's title
+LAYOUTS = {
+    "huginn": dict(files="../shared/checkpoints/huginn-0125", ckpt="/tmp/dasspec-big/huginn-0125-random",
+                   phases="build,load,bf16,fp32", R=32, title="Huginn-0125"),
+    "ouro": dict(files="../shared/checkpoints/ouro-1.4b", ckpt="/tmp/dasspec-big/ouro-1.4b-random",
+                 phases="build,load", R=4, title="Ouro-1.4B"),
+}
 
 
 def _peak_rss() -> int:
@@ -55,8 +66,8 @@ def child_load(ckpt: str, dtype: str) -> dict:
             "peak_over_model": (_peak_rss() - base) / size}
 
 
-def child_decode(ckpt: str, dtype: str, tokens: int, R: int) -> dict:
-    """AR, Mature-Spec and DAS-Wave on one prompt: tokens, tokens/s, A; plus the depth cache's bytes per token."""
+def child_decode(ckpt: str, dtype: str, tokens: int, R: int, methods: tuple[str, ...]) -> dict:
+    """``methods`` (AR first) on one prompt: tokens, tokens/s, A; plus the depth cache's bytes per token."""
     import torch
     import dasspec
     from dasspec.model.cache import DepthCache, bytes_per_token
@@ -64,7 +75,7 @@ def child_decode(ckpt: str, dtype: str, tokens: int, R: int) -> dict:
     model = dasspec.load_model(ckpt, device="cpu", dtype=getattr(torch, dtype))
     ids = model.tokenizer.encode(PROMPT)
     runs = {}
-    for method in METHODS:
+    for method in methods:
         out = dasspec.generate(model, ids, method, max_new_tokens=tokens, num_steps=R)
         s = out.stats
         decode = s.wall_time - s.prefill_time
@@ -73,7 +84,7 @@ def child_decode(ckpt: str, dtype: str, tokens: int, R: int) -> dict:
                         "A": s.A, "sequential_passes": s.sequential_passes}
         print(f"  {dtype} {method}: {len(out.tokens)} tokens in {s.wall_time:.1f} s ({s.tokens_per_second:.3f} "
               f"tok/s, prefill {s.prefill_time:.1f} s)", file=sys.stderr, flush=True)
-    for method in METHODS[1:]:
+    for method in methods[1:]:
         runs[method]["equals_ar"] = runs[method]["tokens"] == runs["ar"]["tokens"]
     capacity = 64
     cache = DepthCache(model.config, R, capacity, "cpu", getattr(torch, dtype))
@@ -94,10 +105,12 @@ def run_child(args: argparse.Namespace, *child_args: str) -> dict:
 
 def report(results: dict) -> str:
     gib = 2 ** 30
-    lines = [f"# Huginn-0125 layout at scale {results['scale']}, random weights, CPU, {results['threads']} threads",
-             ""]
+    title = LAYOUTS[results.get("layout", "huginn")]["title"]
+    lines = [f"# {title} layout at scale {results['scale']}, random weights, CPU, {results['threads']} threads", ""]
     if "build" in results:
-        lines += [f"Built in {results['build']['seconds']:.0f} s.", ""]
+        build = results["build"]
+        peak = f", peak RSS {build['peak_rss'] / gib:.2f} GiB" if build.get("peak_rss") else ""
+        lines += [f"Built in {build['seconds']:.0f} s{peak}.", ""]
     if "load" in results:
         lines += ["| dtype | load s | model | peak RSS | peak added / model |", "|---|---|---|---|---|"]
         for r in results["load"]:
@@ -115,24 +128,27 @@ def report(results: dict) -> str:
             lines.append(f"| {m} | {len(r['tokens'])} | {r['seconds']:.1f} | {r['tokens_per_second']:.3f} | "
                          f"{r['prefill_seconds']:.1f} | {r['decode_tokens_per_second']:.3f} | {r['A']:.2f} | "
                          f"{r.get('equals_ar', '-')} |")
+        readme = (f" (README: {README_BYTES_PER_TOKEN / 1e6:.1f} MB in bfloat16)"
+                  if results.get("layout", "huginn") == "huginn" else "")
         lines += ["", f"Depth cache at R = {d['R']} in {key}: {d['cache_bytes_per_token'] / 1e6:.2f} MB per token "
-                      f"computed, {d['cache_allocated_per_token'] / 1e6:.2f} MB allocated (README: "
-                      f"{README_BYTES_PER_TOKEN / 1e6:.1f} MB in bfloat16).", ""]
+                      f"computed, {d['cache_allocated_per_token'] / 1e6:.2f} MB allocated{readme}.", ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--huginn-files", default="../shared/checkpoints/huginn-0125",
-                   help="the real repository's files without weights")
-    p.add_argument("--ckpt", default="/tmp/dasspec-big/huginn-0125-random", help="where the random checkpoint "
-                   "is (built there when it lacks config.json)")
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="huginn")
+    p.add_argument("--files", "--huginn-files", dest="files", default=None,
+                   help="the real repository's files without weights (default: the layout's, in ../shared)")
+    p.add_argument("--ckpt", default=None, help="where the random checkpoint is (built there when it lacks "
+                   "config.json; default: under /tmp/dasspec-big)")
     p.add_argument("--scale", choices=("full", "small"), default="full")
     p.add_argument("--out", default="runs/real_shapes")
     p.add_argument("--tokens", type=int, default=4, help="new tokens per method")
-    p.add_argument("--R", type=int, default=32, help="recurrence depth")
+    p.add_argument("--R", type=int, default=None, help="recurrence depth (default: the layout's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--phases", default="build,load,bf16,fp32")
+    p.add_argument("--phases", default=None, help="build, load, bf16, fp32 (default: the layout's)")
+    p.add_argument("--methods", default="ar,mature-spec,das-wave", help="decoded methods, AR first")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -140,25 +156,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.child:
         kind, ckpt, dtype, *rest = args.child
-        out = child_load(ckpt, dtype) if kind == "load" else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]))
+        out = (child_load(ckpt, dtype) if kind == "load"
+               else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(rest[2].split(","))))
         print(json.dumps(out))
         return
 
-    phases = set(args.phases.split(","))
-    ckpt = Path(args.ckpt)
-    results: dict = {"scale": args.scale, "threads": args.threads, "ckpt": str(ckpt), "torch": torch.__version__}
+    layout = LAYOUTS[args.layout]
+    phases = set((args.phases or layout["phases"]).split(","))
+    R = args.R or layout["R"]
+    ckpt = Path(args.ckpt or layout["ckpt"])
+    results: dict = {"layout": args.layout, "scale": args.scale, "threads": args.threads, "ckpt": str(ckpt),
+                     "torch": torch.__version__}
     if "build" in phases and not (ckpt / "config.json").exists():
         from dasspec.testing import build_real_checkpoint
         t = time.perf_counter()
-        build_real_checkpoint(args.huginn_files, ckpt, scale=args.scale)
-        results["build"] = {"seconds": time.perf_counter() - t}
+        build_real_checkpoint(args.files or layout["files"], ckpt, scale=args.scale)
+        results["build"] = {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss()}
         print(f"built {ckpt} in {results['build']['seconds']:.0f} s", file=sys.stderr, flush=True)
     if "load" in phases:
         results["load"] = [run_child(args, "load", str(ckpt), d) for d in ("float32", "bfloat16")]
     results["decode"] = {}
     for phase, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
         if phase in phases:
-            results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(args.R))
+            results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(R),
+                                                 args.methods)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Random checkpoints for tests, examples and benchmarks (no downloads needed): small ones of every family, and
 checkpoints of a real configuration (``build_real_checkpoint``, ``python -m dasspec.testing build-real``) built
-from a repository's config.json, shard index and tokenizer, at full size or scaled down."""
+from a repository's config.json, shard index (when it has one) and tokenizer, at full size or scaled down."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif family == "raven-olmo":
         base.update(qk_norm=True, rope_theta=500000.0, norm_eps=1e-6, init_std=0.0087)
+    elif family == "ouro":          # the whole stack loops; no prelude, coda or initial state
+        base.update(n_kv_heads=2, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=4, rope_theta=1e6)
     base.update(overrides)
     return LoopedConfig(**base).validate()
 
@@ -57,8 +59,10 @@ def random_model(family: str = "huginn", seed: int = 0, **overrides) -> LoopedLM
 # --- checkpoints of a real configuration, random weights ----------------------------------------------------------
 
 # The scaled-down widths: every key, shard and tokenizer id of the real layout stays, only the widths shrink (the
-# 65,536-row vocabulary stays, so the tokenizer's special ids keep their meaning).
+# vocabulary stays, so the tokenizer's special ids keep their meaning).  Keyed by Huginn's field names; a config
+# that spells a width the HF way gets it under that name.
 SMALL_WIDTHS = dict(n_embd=64, n_heads=4, num_key_value_heads=4, head_dim=16, intermediate_size=160)
+_HF_NAMES = {"n_embd": "hidden_size", "n_heads": "num_attention_heads"}
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
            "chat_template.jinja")
 
@@ -72,7 +76,8 @@ def real_config(src: str | os.PathLike, scale: str = "small") -> dict:
         raise ValueError(f"scale must be 'small' or 'full', got {scale!r}")
     cfg = read_json(Path(src) / "config.json")
     if scale == "small":
-        cfg.update(SMALL_WIDTHS)
+        cfg.update({key if key in cfg else _HF_NAMES.get(key, key): v for key, v in SMALL_WIDTHS.items()})
+    if scale == "small" and "init_values" in cfg:
         d = cfg["n_embd"]
         std = math.sqrt(2 / (5 * d))
         depth = cfg.get("effective_expected_depth") or (
@@ -83,24 +88,52 @@ def real_config(src: str | os.PathLike, scale: str = "small") -> dict:
     return cfg
 
 
-def real_tensor_specs(cfg: dict, weight_map: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor the index lists, for ``cfg``: the model's parameters, the tied duplicate
-    ``lm_head.weight`` and Huginn's ``freqs_cis`` RoPE table [1, block_size, 1, head_dim/2, 2]."""
+def real_tensor_specs(cfg: dict, weight_map: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor the index lists (without an index: every tensor the family's checkpoints hold), for
+    ``cfg``: the family's checkpoint tensors, a tied head's duplicate and Huginn's ``freqs_cis`` RoPE table
+    [1, block_size, 1, head_dim/2, 2]."""
     from .model.config import LoopedConfig
 
-    lcfg = LoopedConfig.from_hf(cfg, weight_map.keys())
-    with torch.device("meta"):
-        model = LoopedLM(lcfg)
-    params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    lcfg = LoopedConfig.from_hf(cfg, weight_map.keys() if weight_map is not None else None)
+    slots = _slots(lcfg)
+    if weight_map is None:
+        return {name: slot.shape for name, slot in slots.items()}
     specs = {}
     for name in weight_map:
-        if name in params:
-            specs[name] = params[name]
+        if name in slots:
+            specs[name] = slots[name].shape
+        elif name == lcfg.spec.head and lcfg.tie_embeddings:
+            specs[name] = slots[lcfg.spec.embedding].shape
         elif name == "freqs_cis":
             specs[name] = (1, lcfg.block_size, 1, lcfg.head_dim // 2, 2)
         else:
             raise ValueError(f"the index lists {name}, which the {lcfg.family} layout does not have")
     return specs
+
+
+def _slots(lcfg: LoopedConfig) -> dict:
+    """The family's checkpoint tensors of a model of ``lcfg`` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = LoopedLM(lcfg)
+    return lcfg.spec.tensor_map(lcfg, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def _normal_tensor(name: str, shape: tuple[int, ...], std: float, seed: int,
+                   chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """One tensor of Hugging Face's default init (``initializer_range``): norm weights 1, biases 0, every other
+    weight normal(0, std), drawn in row chunks from the tensor's own seed (float32)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    out = torch.empty(shape)
+    flat = out.reshape(shape[0], -1)
+    step = max(1, chunk_bytes // max(1, flat.shape[1] * 4))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    for a in range(0, flat.shape[0], step):
+        part = flat[a: a + step]
+        part.normal_(0.0, std, generator=g)
+    return out
 
 
 def _takase_tensor(model: LoopedLM, name: str, seed: int, chunk_bytes: int = 64 << 20) -> torch.Tensor:
@@ -134,39 +167,58 @@ def _takase_tensor(model: LoopedLM, name: str, seed: int, chunk_bytes: int = 64 
 
 def build_real_checkpoint(src: str | os.PathLike, out: str | os.PathLike, scale: str = "small",
                           seed: int = 0) -> Path:
-    """A checkpoint of the real configuration in ``src`` (config.json, model.safetensors.index.json, tokenizer
-    files - the real repository without its weights) with random takase-initialised weights: the same keys, shard
-    files and index format, float32 like the real shards, the tokenizer copied.  ``scale`` "full" keeps every width
-    (Huginn-0125: 15.6 GB, written one tensor at a time, so building needs about one tensor's memory); "small" shrinks the
-    widths (``SMALL_WIDTHS``) for tests."""
-    from .model.checkpoint import read_json
+    """A checkpoint of the real configuration in ``src`` (config.json, the tokenizer files and, when the repository
+    has one, model.safetensors.index.json - the real repository without its weights) with random weights: the same
+    keys, shard files and index format (without an index: one model.safetensors, as transformers saves a model
+    that fits one shard), in the config's ``torch_dtype``, the tokenizer copied.  Weights follow the init the config
+    describes: the takase init of its ``init_values`` (Huginn) or normal(0, ``initializer_range``) (Ouro).  ``scale``
+    "full" keeps every width (Huginn-0125: 15.6 GB of float32; Ouro-1.4B: 2.9 GB of bfloat16), written one tensor
+    at a time, so building needs about one tensor's memory; "small" shrinks the widths (``SMALL_WIDTHS``) for tests."""
+    from .model.checkpoint import _parse_dtype, read_json
     from .model.config import LoopedConfig
     from .model.layers import rope_tables
     from .model.safetensors_io import write_streamed
 
     src, out = Path(src), Path(out)
-    index = read_json(src / "model.safetensors.index.json")
-    weight_map = index["weight_map"]
+    has_index = (src / "model.safetensors.index.json").is_file()
     cfg = real_config(src, scale)
-    specs = real_tensor_specs(cfg, weight_map)
+    if has_index:
+        weight_map = read_json(src / "model.safetensors.index.json")["weight_map"]
+        specs = real_tensor_specs(cfg, weight_map)
+    else:
+        specs = real_tensor_specs(cfg)
+        weight_map = dict.fromkeys(specs, "model.safetensors")
     lcfg = LoopedConfig.from_hf(cfg, weight_map.keys())
-    with torch.device("meta"):
-        model = LoopedLM(lcfg)
-    tied_source = "transformer.wte.weight" if lcfg.tie_embeddings else "lm_head.weight"
+    dtype = _parse_dtype(cfg.get("torch_dtype") or "float32")
+    slots = _slots(lcfg)
+
+    if "init_values" in cfg:
+        with torch.device("meta"):
+            model = LoopedLM(lcfg)
+        tied_source = "transformer.wte.weight" if lcfg.tie_embeddings else "lm_head.weight"
+
+        def draw(name: str) -> torch.Tensor:
+            return _takase_tensor(model, tied_source if name == "lm_head.weight" else slots[name].param, seed)
+    else:
+        std = float(cfg.get("initializer_range", 0.02))
+
+        def draw(name: str) -> torch.Tensor:
+            return _normal_tensor(name, specs[name], std, seed)
 
     def produce(name: str) -> torch.Tensor:
         if name == "freqs_cis":
             cos, sin = rope_tables(lcfg, lcfg.block_size)
-            return torch.stack((cos, sin), dim=-1)[None, :, None]
-        return _takase_tensor(model, tied_source if name == "lm_head.weight" else name, seed)
+            return torch.stack((cos, sin), dim=-1)[None, :, None].to(dtype)
+        return draw(name).to(dtype)
 
     out.mkdir(parents=True, exist_ok=True)
     total = 0
     for shard in sorted(set(weight_map.values())):
         names = [n for n in weight_map if weight_map[n] == shard]
-        total += write_streamed(out / shard, [(n, specs[n], torch.float32) for n in names], produce)
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        total += write_streamed(out / shard, [(n, specs[n], dtype) for n in names], produce)
+    if has_index:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in _COPIED:
         if (src / name).is_file():
@@ -182,9 +234,9 @@ def main(argv: list[str] | None = None) -> None:
                                 "benchmarks")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build-real", help="a checkpoint of a real configuration (the repository's config.json, "
-                       "index and tokenizer, without weights) with random takase-initialised weights")
-    b.add_argument("--from", dest="src", required=True, help="folder with config.json, model.safetensors.index.json "
-                   "and the tokenizer files")
+                       "index and tokenizer, without weights) with random weights of the init its config describes")
+    b.add_argument("--from", dest="src", required=True, help="folder with config.json, the tokenizer files and "
+                   "(when the repository has one) model.safetensors.index.json")
     b.add_argument("--out", required=True, help="folder to write the checkpoint to")
     b.add_argument("--scale", choices=("small", "full"), default="small")
     b.add_argument("--seed", type=int, default=0)

@@ -1,5 +1,6 @@
-"""A deliberately plain, independent re-implementation of the three looped families' forward pass, used only by
-tests, plus writers for small random checkpoints and tokenizers laid out like the real ones.
+"""A deliberately plain, independent re-implementation of the looped families' forward pass (Huginn, Raven-Llama,
+Raven-OLMo, and Ouro at the end of the file), used only by tests, plus writers for small random checkpoints and
+tokenizers laid out like the real ones.
 
 Written from the parity spec (docs/families.md, notes on the upstream Huginn / Raven modeling files), not from
 dasspec: it never imports dasspec.  Everything is spelled out the slow, obvious way - separate q/k/v split,
@@ -452,3 +453,200 @@ def fake_hf_cache(cache_root: str | os.PathLike, repo_id: str, src_folder: str |
         blob.write_bytes(data)
         (snap / f.name).symlink_to(os.path.relpath(blob, snap))
     return snap
+
+
+# =================================================================================================================
+# Ouro: upstream OuroForCausalLM.forward (ouro_rl/modeling/modeling_ouro.py @ 531187b), written out plainly
+# =================================================================================================================
+#
+# Written from reading the upstream file, not from dasspec: the checkpoint's own tensor names, separate q/k/v and
+# gate/up projections, HF ``rotate_half`` RoPE with cos/sin of cat(freqs, freqs), eager attention (additive causal
+# mask, float32 softmax, ``repeat_kv``), the four layer norms named as upstream names them, ``model.norm`` after
+# every one of the T steps (the normed state feeds the next step), one gate logit per step, and upstream's exit
+# rules: ``exit_at_step`` (0-based; an out-of-range one is silently ignored, as upstream does), else
+# ``exit_threshold`` (first step whose cumulative exit probability reaches it; the last when none does), with both
+# defaulting to config.json's ``early_exit_step`` / ``early_exit_threshold`` exactly as upstream reads them.
+
+class OuroReference:
+    """Uncached full forward of an HF Ouro folder."""
+
+    def __init__(self, folder: str | os.PathLike):
+        folder = Path(folder)
+        c = json.loads((folder / "config.json").read_text())
+        self.sd = load_state_dict(folder)
+        self.d = c["hidden_size"]
+        self.nh = c["num_attention_heads"]
+        self.nkv = c.get("num_key_value_heads") or self.nh
+        self.hd = c.get("head_dim") or self.d // self.nh
+        self.n_layers = c["num_hidden_layers"]
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.theta = c.get("rope_theta", 10000.0)
+        self.total_ut_steps = c.get("total_ut_steps", 4)
+        self.config_exit_step = c.get("early_exit_step")
+        self.config_exit_threshold = c.get("early_exit_threshold", 1.0)
+        tied = c.get("tie_word_embeddings", False)
+        self.head = self.sd["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        self.norm_every_step = True          # the tests turn this off to show the pitfall it guards
+
+    def W(self, name: str) -> torch.Tensor:
+        return self.sd[name]
+
+    def cos_sin(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.int64).float() / self.hd))
+        freqs = torch.arange(S).float()[:, None] @ inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()                                    # [S, hd]
+
+    def decoder_layer(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}."
+        B, S, _ = x.shape
+        residual = x
+        h = rms_norm(x, self.W(p + "input_layernorm.weight"), self.eps)
+        q = (h @ self.W(p + "self_attn.q_proj.weight").T).view(B, S, self.nh, self.hd).transpose(1, 2)
+        k = (h @ self.W(p + "self_attn.k_proj.weight").T).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        v = (h @ self.W(p + "self_attn.v_proj.weight").T).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k, self.nh // self.nkv), repeat_kv(v, self.nh // self.nkv)
+        mask = torch.full((S, S), float("-inf")).triu(1)
+        weights = torch.softmax((q @ k.transpose(2, 3)) * self.hd ** -0.5 + mask, dim=-1, dtype=torch.float32)
+        attn = (weights.to(q.dtype) @ v).transpose(1, 2).reshape(B, S, self.nh * self.hd)
+        attn = attn @ self.W(p + "self_attn.o_proj.weight").T
+        x = residual + rms_norm(attn, self.W(p + "input_layernorm_2.weight"), self.eps)
+        residual = x
+        h = rms_norm(x, self.W(p + "post_attention_layernorm.weight"), self.eps)
+        gate = h @ self.W(p + "mlp.gate_proj.weight").T
+        up = h @ self.W(p + "mlp.up_proj.weight").T
+        h = (torch.nn.functional.silu(gate) * up) @ self.W(p + "mlp.down_proj.weight").T
+        return residual + rms_norm(h, self.W(p + "post_attention_layernorm_2.weight"), self.eps)
+
+    def steps(self, ids: torch.Tensor, num_steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every step's (normed) state [B, S, d] and gate logit [B, S]."""
+        if ids.dim() == 1:
+            ids = ids[None]
+        cos, sin = self.cos_sin(ids.shape[1])
+        x = self.W("model.embed_tokens.weight")[ids]
+        norm = self.W("model.norm.weight")
+        states, gates = [], []
+        for ut in range(num_steps):
+            for i in range(self.n_layers):
+                x = self.decoder_layer(x, i, cos, sin)
+            if self.norm_every_step or ut == num_steps - 1:
+                x = rms_norm(x, norm, self.eps)
+            states.append(x)
+            gates.append((x @ self.W("model.early_exit_gate.weight").T + self.W("model.early_exit_gate.bias"))[..., 0])
+        return states, gates
+
+    @staticmethod
+    def threshold_steps(gates: list[torch.Tensor], tau: float) -> torch.Tensor:
+        """Per position, the first step whose cumulative exit probability reaches tau (else the last)."""
+        T = len(gates)
+        remaining = torch.ones_like(gates[0])
+        cumulative = torch.zeros_like(gates[0])
+        chosen = torch.full(gates[0].shape, T - 1, dtype=torch.long)
+        decided = torch.zeros(gates[0].shape, dtype=torch.bool)
+        for t in range(T):
+            lam = torch.sigmoid(gates[t])
+            p = remaining if t == T - 1 else lam * remaining
+            remaining = remaining * (1.0 - lam)
+            cumulative = cumulative + p
+            newly = (cumulative >= tau) & ~decided
+            chosen[newly] = t
+            decided |= newly
+        return chosen
+
+    def forward(self, ids: torch.Tensor, num_steps: int | None = None, exit_at_step: int | None = None,
+                exit_threshold: float | None = None, use_early_exit_gate: bool = True,
+                return_exit_steps: bool = False):
+        """float32 logits [B, S, V], as upstream with total_ut_steps = num_steps (default: the config's)."""
+        T = num_steps or self.total_ut_steps
+        states, gates = self.steps(ids, T)
+        exit_at_step = exit_at_step if exit_at_step is not None else self.config_exit_step
+        exit_threshold = exit_threshold if exit_threshold is not None else self.config_exit_threshold
+        exit_steps = torch.full(gates[0].shape, T - 1, dtype=torch.long)
+        if use_early_exit_gate and exit_at_step is not None and 0 <= exit_at_step < T:
+            exit_steps[:] = exit_at_step
+        elif use_early_exit_gate and exit_threshold is not None:
+            exit_steps = self.threshold_steps(gates, exit_threshold)
+        chosen = torch.zeros_like(states[0])
+        for b in range(chosen.shape[0]):
+            for s in range(chosen.shape[1]):
+                chosen[b, s] = states[int(exit_steps[b, s])][b, s]
+        logits = (chosen @ self.head.T).float()
+        return (logits, exit_steps) if return_exit_steps else logits
+
+    __call__ = forward
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, num_steps: int, **exit) -> list[int]:
+        seq = list(prompt)
+        for _ in range(max_new_tokens):
+            seq.append(int(self.forward(torch.tensor([seq]), num_steps, **exit)[0, -1].argmax()))
+        return seq[len(prompt):]
+
+
+OURO_MINI = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                 num_hidden_layers=3)
+
+
+def ouro_config(vocab_size: int = 128, total_ut_steps: int = 4) -> dict:
+    """config.json of a miniature Ouro, with every field the published Ouro-1.4B file carries (bos/eos/pad all 0
+    as published; GQA 4/2 here, where the real models are MHA, so the q/k/v split is exercised)."""
+    n = OURO_MINI["num_hidden_layers"]
+    return {
+        "architectures": ["OuroForCausalLM"], "model_type": "ouro", **OURO_MINI,
+        "hidden_act": "silu", "vocab_size": vocab_size, "max_position_embeddings": 512,
+        "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+        "total_ut_steps": total_ut_steps, "early_exit_threshold": 1.0, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": n, "layer_types": ["full_attention"] * n,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "bfloat16",
+        "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig",
+                     "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
+    }
+
+
+def ouro_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under upstream's tensor names (norms around 1, gate logits of order 1)."""
+    g = torch.Generator().manual_seed(seed)
+    d, nh, nkv, hd, inter = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                             cfg["head_dim"], cfg["intermediate_size"])
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) / math.sqrt(i)
+
+    def norm():
+        return 0.5 + torch.rand(d, generator=g)
+
+    t = {"model.embed_tokens.weight": torch.randn(cfg["vocab_size"], d, generator=g)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = lin(nh * hd, d)
+        t[p + "self_attn.k_proj.weight"] = lin(nkv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = lin(nkv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = lin(d, nh * hd)
+        t[p + "mlp.gate_proj.weight"] = lin(inter, d)
+        t[p + "mlp.up_proj.weight"] = lin(inter, d)
+        t[p + "mlp.down_proj.weight"] = lin(d, inter)
+        for name in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"):
+            t[f"{p}{name}.weight"] = norm()
+    t["model.norm.weight"] = norm()
+    t["model.early_exit_gate.weight"] = lin(1, d)
+    t["model.early_exit_gate.bias"] = 0.5 * torch.randn(1, generator=g)
+    t["lm_head.weight"] = lin(cfg["vocab_size"], d)
+    return t
+
+
+def write_ouro_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, seed: int = 0, n_shards: int = 1,
+                          config_edits: dict | None = None, drop: tuple[str, ...] = (),
+                          edit: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a random HF Ouro folder; ``edit`` replaces or adds tensors."""
+    folder = Path(folder)
+    cfg = ouro_config(vocab_size)
+    tensors = ouro_tensors(cfg, seed)
+    for k in drop:
+        tensors.pop(k)
+    tensors.update(edit or {})
+    cfg.update(config_edits or {})
+    save_tensors(folder, tensors, n_shards)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

@@ -26,7 +26,7 @@ import dasspec
 import dasspec.model.checkpoint as ckpt
 from dasspec import CheckpointError, ConfigError, LoopedLM
 from dasspec.testing import random_model
-from reference_impl import fake_hf_cache, write_checkpoint, write_tokenizer
+from reference_impl import fake_hf_cache, write_checkpoint, write_ouro_checkpoint, write_tokenizer
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 61, 7, 23, 11]])
 
@@ -657,3 +657,82 @@ def test_json_files_of_the_wrong_type_are_named(folders, tmp_path, no_weight_rea
     folder = copy_of(folders["sharded"], tmp_path)
     (folder / name).write_text(json.dumps(content))
     expect_clean_failure(folder, CheckpointError, message, no_weight_reads)
+
+
+# --- Ouro: upstream's tensor names, fused into dasspec's q/k/v and gate/up weights ---------------------------------
+
+@pytest.fixture(scope="module")
+def ouro_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ouro")
+    return {"single": write_ouro_checkpoint(root / "single", seed=1),
+            "sharded": write_ouro_checkpoint(root / "sharded", seed=1, n_shards=3)}
+
+
+def test_ouro_single_file_and_sharded_load_the_same_weights(ouro_folders):
+    a = dasspec.load_model(ouro_folders["single"], device="cpu")
+    b = dasspec.load_model(ouro_folders["sharded"], device="cpu")
+    assert a.config.family == b.config.family == "ouro" and (a.config.n_prelude, a.config.n_coda) == (0, 0)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    from safetensors import safe_open
+    with safe_open(ouro_folders["single"] / "model.safetensors", "pt") as f:       # k sits after q in Wqkv
+        k = f.get_tensor("model.layers.2.self_attn.k_proj.weight")
+        up = f.get_tensor("model.layers.2.mlp.up_proj.weight")
+    assert torch.equal(a.transformer.core_block[2].attn.Wqkv.weight[64:96], k)
+    assert torch.equal(a.transformer.core_block[2].mlp.fc.weight[96:], up)
+
+
+def test_ouro_bfloat16_load(ouro_folders):
+    m32 = dasspec.load_model(ouro_folders["sharded"], device="cpu", dtype="float32")
+    m16 = dasspec.load_model(ouro_folders["sharded"], device="cpu", dtype="bfloat16")
+    assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}        # norms and the gate too, as upstream's
+    for exit in ({}, {"exit_threshold": 0.5}, {"exit_at_step": 1}):
+        a, b = m32(IDS, **exit), m16(IDS, **exit)
+        assert b.dtype == torch.float32 and (a - b).abs().max() < 0.1 * a.abs().max(), exit
+
+
+def test_ouro_save_round_trip_uses_upstream_names(ouro_folders, tmp_path):
+    m = dasspec.load_model(ouro_folders["single"], device="cpu")
+    dasspec.save_checkpoint(m, tmp_path / "again")
+    from safetensors import safe_open
+    with safe_open(tmp_path / "again" / "model.safetensors", "pt") as f, \
+            safe_open(ouro_folders["single"] / "model.safetensors", "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in g.keys())
+    back = dasspec.load_model(tmp_path / "again", device="cpu")
+    assert back.config == m.config
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"drop": ("model.layers.1.self_attn.v_proj.weight",)},
+     r"lacks 1 tensor\(s\) of the ouro layout, e.g. model.layers.1.self_attn.v_proj.weight"),
+    ({"edit": {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}},
+     "1 tensor.s. the ouro layout does not use, e.g. model.layers.0.self_attn.q_proj.bias"),
+    ({"edit": {"model.layers.2.self_attn.k_proj.weight": torch.zeros(64, 64)}},
+     r"shape mismatch for model.layers.2.self_attn.k_proj.weight: checkpoint \[64, 64\], config implies \[32, 64\]"),
+    ({"edit": {"model.early_exit_gate.bias": torch.zeros(2)}},
+     r"shape mismatch for model.early_exit_gate.bias: checkpoint \[2\], config implies \[1\]"),
+    ({"config_edits": {"num_hidden_layers": 10**6}},
+     r"num_hidden_layers=1000000, but the checkpoint's model.layers.\* layers number 3"),
+    ({"config_edits": {"vocab_size": 200}},
+     r"model.embed_tokens.weight: checkpoint \[128, 64\], config implies \[200, 64\]"),
+    ({"config_edits": {"intermediate_size": 10**9}}, "intermediate_size=1000000000, but the checkpoint's MLP"),
+    ({"config_edits": {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}},
+     "sliding-window attention layers"),
+    ({"config_edits": {"use_sliding_window": True, "layer_types": None, "max_window_layers": 1}},
+     "sliding-window attention layers"),
+    ({"config_edits": {"hidden_act": "gelu"}}, "hidden_act must be 'silu'"),
+    ({"config_edits": {"total_ut_steps": 0}}, "total_ut_steps must be >= 1, got 0"),
+    ({"config_edits": {"hidden_size": None}}, "missing required field hidden_size"),
+    ({"config_edits": {"tie_word_embeddings": True}}, "lm_head.weight differs from model.embed_tokens.weight"),
+])
+def test_ouro_checks_name_the_problem_before_reading(tmp_path, no_weight_reads, change, message):
+    folder = write_ouro_checkpoint(tmp_path / "m", **change)
+    with deadline(20):                    # unguarded, a claim of 10^6 layers builds them
+        expect_clean_failure(folder, (ConfigError, CheckpointError), message, no_weight_reads)
+
+
+def test_ouro_tied_head(tmp_path):
+    folder = write_ouro_checkpoint(tmp_path / "m", drop=("lm_head.weight",), config_edits={"tie_word_embeddings": True})
+    m = dasspec.load_model(folder, device="cpu")
+    assert m.lm_head.weight is m.transformer.wte.weight

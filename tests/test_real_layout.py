@@ -5,6 +5,9 @@ and the ``freqs_cis`` buffer, and every method is lossless on it.
 
 The repository files (everything but the weights) come from ``$DASSPEC_HUGINN_FILES``, by default
 ``../shared/checkpoints/huginn-0125`` beside the repository; without them these tests are skipped.
+
+Ouro-1.4B likewise (``$DASSPEC_OURO_FILES``, default ``../shared/checkpoints/ouro-1.4b``: config.json, the SmolLM2
+tokenizer, the ChatML template; no index, so the builder writes one model.safetensors in the config's bfloat16).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dasspec.testing import SMALL_WIDTHS, build_real_checkpoint, real_config, re
 
 HUGINN_FILES = Path(os.environ.get("DASSPEC_HUGINN_FILES")
                     or Path(__file__).resolve().parents[2] / "shared" / "checkpoints" / "huginn-0125")
+OURO_FILES = Path(os.environ.get("DASSPEC_OURO_FILES")
+                  or Path(__file__).resolve().parents[2] / "shared" / "checkpoints" / "ouro-1.4b")
 INDEX = "model.safetensors.index.json"
 
 
@@ -113,3 +118,45 @@ def test_every_method_is_lossless(model):
             continue
         out = dasspec.generate(model, ids, method, max_new_tokens=8, num_steps=4)
         assert out.tokens == ar, method
+
+
+# --- Ouro-1.4B ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ouro_src() -> Path:
+    missing = [f for f in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (OURO_FILES / f).is_file()]
+    if missing:
+        pytest.skip(f"Ouro-1.4B repository files: {OURO_FILES} lacks {', '.join(missing)} (set DASSPEC_OURO_FILES)")
+    return OURO_FILES
+
+
+@pytest.fixture(scope="module")
+def ouro(ouro_src, tmp_path_factory):
+    return dasspec.load_model(build_real_checkpoint(ouro_src, tmp_path_factory.mktemp("ouro") / "small"), device="cpu")
+
+
+def test_ouro_full_size_plan_is_the_published_model(ouro_src):
+    """At full size: 24 layers of 11 tensors + embedding, final norm, gate weight and bias, head = 269 tensors
+    holding the published 1,434,652,673 parameters."""
+    specs = real_tensor_specs(real_config(ouro_src, "full"))
+    assert len(specs) == 269 and sum(math.prod(s) for s in specs.values()) == 1_434_652_673
+    assert specs["model.layers.23.mlp.gate_proj.weight"] == (5632, 2048)
+    assert specs["model.early_exit_gate.weight"] == (1, 2048) and specs["model.early_exit_gate.bias"] == (1,)
+
+
+def test_ouro_small_loads_with_the_real_tokenizer_and_chat_template(ouro):
+    cfg = ouro.config
+    assert (cfg.family, cfg.n_core, cfg.mean_recurrence, cfg.vocab_size, cfg.n_embd) == ("ouro", 24, 4, 49152, 64)
+    with safe_open(Path(ouro.source) / "model.safetensors", "pt") as f:
+        assert f.get_slice("model.norm.weight").get_dtype() == "BF16"         # the published files' dtype
+    tok = ouro.tokenizer
+    assert (tok.bos_id, tok.eos_ids, tok.pad_id) == (1, [2], 0)           # <|im_start|>, <|im_end|>, <|endoftext|>
+    assert tok.encode("Hello")[0] != tok.bos_id                           # no BOS added: the template starts turns
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    out = dasspec.generate(ouro, ids, "ar", max_new_tokens=4, eos=False).tokens
+    seq = list(ids)
+    for _ in range(4):
+        seq.append(int(ouro(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(ids):]

@@ -78,7 +78,26 @@ class Batch:
     def readout(self, h: Tensor, rows: slice | Tensor | None = None) -> Tensor:
         return self.net.readout(h, self.span, self.cache, rows=rows)
 
+    def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
+        """What the first core step reads (the model's hook: h0, or the prelude output for Ouro)."""
+        return self.net.start_state(h0, inj)
+
     def full_depth(self, R: int, rows: slice | Tensor | None = None) -> Tensor:
         """The target on every row: prelude, R aligned core steps from the target's initial states, readout ->
-        float32 logits [T', V] (``rows`` of the T)."""
-        return self.net.full_depth(self.ids(), self.initial(), self.span, self.cache, R, rows)[0]
+        float32 logits [T', V] (``rows`` of the T), each request's rows read out from the step its exit rule picks
+        (``Request.exit``; None: the last)."""
+        exits = [r.exit for r in self.reqs]
+        if all(x is None for x in exits) or all(x == exits[0] for x in exits):
+            return self.net.full_depth(self.ids(), self.initial(), self.span, self.cache, R, rows, exit=exits[0])[0]
+        # requests with different exit rules: every step's state kept, each request's rows picked by its own rule
+        net = self.net
+        inj = net.prelude(self.ids(), self.span, self.cache)
+        h = net.start_state(self.initial(), inj)
+        states = []
+        for r in range(1, R + 1):
+            h = net.core_step(h, inj, self.span, self.cache, read=(r, r))
+            states.append(h)
+        parts = [list(self.split(s, dim=1)) for s in states]
+        picked = [h_last if rule is None else rule.select([p[i] for p in parts], net.exit_logits)
+                  for i, (rule, h_last) in enumerate(zip(exits, parts[-1]))]
+        return net.readout(self._cat(picked), self.span, self.cache, rows)[0]

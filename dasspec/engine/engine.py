@@ -135,12 +135,15 @@ class Engine:
             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
             stopping_criteria: Iterable[Criterion] | None = None, streamer=None, prefix_cache=None,
             method: str | None = None, knobs: dict | None = None, drafter: Drafter | None = None,
-            timeout: float | None = None, trace: bool = False, tokenizer=None) -> int:
+            timeout: float | None = None, trace: bool = False, tokenizer=None,
+            exit_threshold: float | None = None, exit_at_step: int | None = None) -> int:
         """Queue a request; returns its id.  Every option is checked here (a request that can never run - longer
-        than the context, larger than the pool - is refused now, not when it would start)."""
+        than the context, larger than the pool - is refused now, not when it would start).  ``exit_threshold`` /
+        ``exit_at_step``: the target's early exit (Ouro; ``dasspec/model/exit.py``)."""
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         sampling = sampling_options(do_sample, temperature, top_k, top_p, min_p, seed)
+        exit = self.model.exit_rule(exit_threshold, exit_at_step, self.R)
         tok = tokenizer or self.tokenizer
         ids = as_token_list(self.model, prompt, tok)
         if drafter is None:
@@ -174,7 +177,8 @@ class Engine:
                 f"{self.pool.describe()}; lower max_new_tokens or raise kv_budget")
         e = Entry(next(self._ids), ids, rule, drafter,
                   dict(num_steps=self.R, init_scale=init_scale, seed=seed, width=drafter.width, method=drafter.name,
-                       streamer=streamer, prefix_cache=prefix_cache, runtime=self.runtime, choose=sampling or greedy),
+                       streamer=streamer, prefix_cache=prefix_cache, runtime=self.runtime, choose=sampling or greedy,
+                       exit=exit),
                   rows, None if timeout is None else time.monotonic() + timeout, trace,
                   decode_text=tok.decode if tok is not None else None)
         self._table[e.id] = e

@@ -36,7 +36,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
              top_p: float | None = None, min_p: float | None = None, streamer=None, tokenizer=None, eos: bool = True,
              prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
              drafter: Drafter | None = None, runtime: Runtime | None = None, trace: bool = False,
-             **knobs) -> GenerationResult:
+             exit_threshold: float | None = None, exit_at_step: int | None = None, **knobs) -> GenerationResult:
     """Decoding with ``method``, greedy or (``do_sample=True``) sampled; every speculative method is verified by
     the same full-depth target, so its tokens equal ``method="ar"``'s - for sampling, AR's at the same ``seed``
     (``dasspec.engine.sampling``).  ``seed``: the per-position initial states and the sampling noise.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
@@ -49,7 +49,9 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
     ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses.
     ``drafter``: a drafter from ``dasspec.build_drafter`` (instead of ``method`` and knobs), kept by the caller
-    across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block."""
+    across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block.
+    ``exit_threshold`` / ``exit_at_step`` (0-based): the target's early exit, for models with an exit gate (Ouro);
+    every method is lossless with respect to it."""
     from ..methods import build_drafter
 
     drop_hf_options(knobs)
@@ -71,7 +73,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         rid = engine.add(prompt, max_new_tokens=max_new_tokens, stop=stop, eos=eos, seed=seed, init_scale=init_scale,
                          do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          stopping_criteria=stopping_criteria, streamer=streamer, prefix_cache=prefix_cache,
-                         drafter=drafter, trace=trace, tokenizer=tokenizer)
+                         drafter=drafter, trace=trace, tokenizer=tokenizer, exit_threshold=exit_threshold,
+                         exit_at_step=exit_at_step)
         while engine.has_work:
             engine.step()
     return engine.result(rid)
@@ -138,7 +141,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                    tokenizer=None, eos: bool = True, prefix_cache: "PrefixCache | None" = None,
                    stopping_criteria: Iterable[Criterion] | None = None, drafter: Drafter | None = None,
                    runtime: Runtime | None = None, trace: bool = False, max_batch: int = 8,
-                   kv_budget: int | None = None, policy=None, **knobs) -> list[GenerationResult]:
+                   kv_budget: int | None = None, policy=None, exit_threshold: float | None = None,
+                   exit_at_step: int | None = None, **knobs) -> list[GenerationResult]:
     """Decode ``prompts`` together (up to ``max_batch`` at a time) with ``method``; one result per prompt, in input
     order, each equal to ``generate(model, prompt, method, ...)`` of that prompt alone (greedy, or sampled with the
     same seed).  Every option of ``generate``; ``max_new_tokens`` and ``seed`` may be one value or one per prompt,
@@ -177,7 +181,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, init_scale=init_scale, do_sample=do_sample,
                            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            stopping_criteria=stopping_criteria, prefix_cache=prefix_cache, drafter=drafter,
-                           trace=trace, tokenizer=tokenizer)
+                           trace=trace, tokenizer=tokenizer, exit_threshold=exit_threshold, exit_at_step=exit_at_step)
                 for p, c, s, sd in zip(ids, caps, stops, seeds)]
         while engine.has_work:
             engine.step()

@@ -100,6 +100,8 @@ def split_stop(stop, vocab_size: int) -> tuple[list[int], list[str]]:
         items = list(stop)
     for s in items:
         if isinstance(s, str):
+            if not s:       # the server's rule too: it would match before any text, so it can only be a mistake
+                raise ValueError("stop strings must not be empty")
             strings.append(s)
         elif is_token_id(s):
             if not 0 <= int(s) < vocab_size:

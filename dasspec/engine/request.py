@@ -33,6 +33,7 @@ from .stats import GenerationStats, PhaseTimer
 from .stopping import StopRule
 
 if TYPE_CHECKING:
+    from ..model.exit import ExitRule
     from .prefix_cache import PrefixCache
 
 # (logits [W, V], positions: the first row's position or a tensor of every row's) -> chosen tokens [W]
@@ -57,7 +58,7 @@ class Request:
     def __init__(self, model: LoopedLM, prompt: list[int], stop: StopRule, num_steps: int | None = None,
                  init_scale: float = 1.0, seed: int = 0, width: int = 1, method: str = "ar",
                  streamer=None, prefix_cache: "PrefixCache | None" = None, runtime: Runtime = DEFAULT,
-                 choose: TokenChoice = greedy, cache: DepthCache | None = None):
+                 choose: TokenChoice = greedy, cache: DepthCache | None = None, exit: "ExitRule | None" = None):
         cfg = model.config
         self.model = model
         self.R = model.depth(num_steps)
@@ -100,6 +101,7 @@ class Request:
         self.deadline: float | None = None  # time.monotonic() after which the request stops ("timeout")
         self.streamer = streamer
         self.trace: list | None = None      # (Draft, Verdict) per block, when asked for
+        self.exit = exit                    # the target's exit rule (Ouro's early exit; None: the last step)
         self.stats = GenerationStats(method=method, prompt_tokens=P, cache_bytes=cache.bytes_per_token * self.capacity)
         self.timer = PhaseTimer(self.stats, device)
         self._t0 = time.perf_counter()
@@ -198,7 +200,8 @@ class Request:
         self.stats.count(phase, self.R, self.R * W)
         span = self.span(start, W, positions=positions, mask=mask)
         ids = self.tokens[start: start + W].unsqueeze(0)
-        return self.net.full_depth(ids, self.initial(start, W, positions), span, self.cache, self.R, logit_rows)[0]
+        return self.net.full_depth(ids, self.initial(start, W, positions), span, self.cache, self.R, logit_rows,
+                                   exit=self.exit)[0]
 
     def load_prefix(self) -> int:
         """Copy the prompt's longest common prefix with the prefix cache (if any) into this cache: the rows a

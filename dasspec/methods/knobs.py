@@ -1,17 +1,19 @@
 """Method knobs, declared once: one frozen dataclass per method, whose fields carry their help text, their CLI
-spelling and their per-family defaults.  Everything else is derived from it - the ``generate(**knobs)`` check,
+spelling and their defaults.  Everything else is derived from it - the ``generate(**knobs)`` check,
 ``dasspec generate`` / ``bench`` / ``probe`` flags, ``--set`` / ``--knobs`` parsing, tune_wave.py's grids and the
 ``generation_config.json`` overrides.
 
     @dataclass(frozen=True)
     class SequentialKnobs(Knobs):
-        draft_depth: int = knob({"huginn": 8, "raven-llama": 4, "raven-olmo": 4}, "draft depth d", short="-d")
+        draft_depth: int = knob(FAMILY, "draft depth d", short="-d")
         block: int = knob(8, "draft block length b", short="-b")
 
-A default is a value, or a dict family -> value (paper Table 5); a family missing from such a dict is an error,
-never another family's schedule.  Resolution: family defaults <- the model folder's generation_config.json
-(``"dasspec": {"<method>": {...}}``) <- the caller's knobs; then ``fit`` lowers defaulted values that conflict with
-explicit ones or with the call's depth R, and ``validate`` checks every value and returns normalised knobs.
+A default is a value; ``FAMILY``, the model family's (``Family.knob_defaults[method][knob]``: the built-in methods'
+per-family schedules, paper Table 5 for Huginn and Raven, live with the families); or a dict family -> value (a
+method's own per-family defaults, for a method written outside dasspec).  A family without one is an error, never
+another family's schedule.  Resolution: family defaults <- the model folder's generation_config.json
+(``"dasspec": {"<method>": {...}}``) <- the caller's knobs; then ``fit`` lowers defaulted values that conflict
+with explicit ones or with the call's depth R, and ``validate`` checks every value and returns normalised knobs.
 
 Every number knob has a ceiling that follows from the model and the call (``most=Most(...)``: the model's context,
 the depth R, the vocabulary, the other knobs), shown in its help and checked for every source alike - the API, the
@@ -33,6 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, ClassVar
 
 SAMPLED = ":sampled"          # generation_config.json section suffix: a method's defaults for sampled decoding
+FAMILY = object()             # a knob default that is the model family's (``Family.knob_defaults``)
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,14 @@ class Most:
 
 def knob(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
          choices: tuple | None = None, most: Most | None = None, path: bool = False) -> Any:
-    """A knob field: ``default`` (a value or {family: value}), ``help`` for the CLI, an optional short flag, a parser
-    for text values (default: by the field's type), the allowed values, its ceiling (``most``, added to the help)
-    and whether it names a file (``path``: a checkpoint may name only files inside itself)."""
+    """A knob field: ``default`` (a value, ``FAMILY`` or {family: value}), ``help`` for the CLI, an optional short
+    flag, a parser for text values (default: by the field's type), the allowed values, its ceiling (``most``, added
+    to the help) and whether it names a file (``path``: a checkpoint may name only files inside itself)."""
     if most is not None:
         help = f"{help} (at most {most.text})"
     meta = {"help": help, "short": short, "parse": parse, "choices": choices, "most": most, "path": path}
-    if isinstance(default, dict):
-        meta["by_family"] = dict(default)
+    if default is FAMILY or isinstance(default, dict):
+        meta["by_family"] = FAMILY if default is FAMILY else dict(default)
         return field(default=None, metadata=meta)
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: default, metadata=meta)
@@ -123,12 +126,20 @@ class Knobs:
                 continue
             if by_family is None:
                 out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            elif family in by_family:
-                out[f.name] = by_family[family]
-            else:
+                continue
+            table = cls.family_table(f.name) if by_family is FAMILY else by_family
+            if family not in table:
                 raise ValueError(f"method {cls.method!r} has no default {f.name} for model family {family!r} (known: "
-                                 f"{', '.join(by_family)}); give {f.name} explicitly")
+                                 f"{', '.join(table) or 'none'}); give {f.name} explicitly")
+            out[f.name] = table[family]
         return out
+
+    @classmethod
+    def family_table(cls, name: str) -> dict[str, Any]:
+        """family -> its default for knob ``name`` of this method, from every family that declares one."""
+        from ..model.families import FAMILIES        # (here: the CLI reads knobs without loading torch)
+        return {fam: spec.knob_defaults[cls.method][name] for fam, spec in FAMILIES.items()
+                if name in spec.knob_defaults.get(cls.method, {})}
 
     @classmethod
     def resolve(cls, family: str, model_defaults: dict | None, user: dict[str, Any], R: int,

@@ -19,18 +19,15 @@ from ..engine.draft import Draft, Drafter, Session
 from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, Most, knob, positive_int
+from .knobs import FAMILY, Knobs, Most, knob, positive_int
 
 DRAFT_DEPTH = Most("R - 1", "a draft as deep as the target would be the target itself", lambda kn, s: s.R - 1)
-
-RAVEN = ("raven-llama", "raven-olmo")
 
 
 @dataclass(frozen=True)
 class SequentialKnobs(Knobs):
-    draft_depth: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 4)}, "sequential draft depth d", short="-d",
-                            most=DRAFT_DEPTH)
-    block: int = knob({"huginn": 8, **dict.fromkeys(RAVEN, 16)}, "sequential draft block length b", short="-b",
+    draft_depth: int = knob(FAMILY, "sequential draft depth d", short="-d", most=DRAFT_DEPTH)
+    block: int = knob(FAMILY, "sequential draft block length b", short="-b",
                       most=Most("the context - 1", "a block and its anchor are verified in one pass",
                                 lambda kn, s: s.context - 1))
     policy: str | ReadPolicy = knob("aligned", "prefix read policy: aligned | deep-v (mature-v) | deep-k | "
@@ -80,7 +77,7 @@ def propose_sequential(reqs: list[Request], d: int, blocks: list[int], policy: R
         group = [reqs[q] for q in live]
         batch = Batch(group, [r.n + i for r in group], [1] * len(group))
         inj = batch.prelude(batch.ids())
-        h = batch.initial()
+        h = batch.start_state(batch.initial(), inj)
         for j, read in enumerate(reads, 1):
             h = batch.core_step(h, inj, read, own=(j, j))
         logits = batch.readout(h)[0]

@@ -51,7 +51,7 @@ from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
 from ..engine.request import Request, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
-from .knobs import Knobs, Most, boolean, knob, one_of, positive_int
+from .knobs import FAMILY, Knobs, Most, boolean, knob, one_of, positive_int
 from .pld import MAX_NGRAM, PromptLookup, find_copy, find_draft
 
 # guesses knob -> how a block's window is seeded (None: repeat the anchor, the paper's)
@@ -61,7 +61,6 @@ SEEDERS = {"anchor": None, "lookup": find_draft, "copy": find_copy}
 SEED_AGREE, SEED_PROBE = 2, 4
 # copy_run: seeds of a copy run are this many times the usual seed length.
 COPY_RUN_GROWTH = 6
-RAVEN = ("raven-llama", "raven-olmo")
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class WaveKnobs(Knobs):
         "target's R core updates: more rounds only repeat work", lambda kn, s: kn.gamma + -(-s.R // kn.k)))
     w_init: int = knob(2, "DAS-Wave: initial active width W_init", most=Most(
         "gamma", "the window starts no wider than it may grow", lambda kn, s: kn.gamma))
-    k: int = knob({"huginn": 2, **dict.fromkeys(RAVEN, 1)}, "DAS-Wave: core updates per round", short="-k",
+    k: int = knob(FAMILY, "DAS-Wave: core updates per round", short="-k",
                   most=Most("R", "one round then already gives every state the target's depth",
                             lambda kn, s: s.R))
     policy: str | ReadPolicy = knob("deep-kv", "prefix read policy: aligned | deep-v (mature-v) | deep-k | deep-kv | "
@@ -156,7 +155,6 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         if seed is not None and len(seed):
             m = min(len(seed), w)
             z[1: m + 1] = torch.from_numpy(seed[:m]).to(z.device)
-        s.H.copy_(req.initial(n, w))              # inactive positions hold their init until they join
         Z.append(z)
     incremental = sessions[0].inj is not None
     reads = sessions[0].reads
@@ -170,11 +168,9 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         if not live:
             break
         W = min(kn.gamma, kn.w_init + j)
+        joined = 0 if j == 0 or not kn.carry else min(kn.gamma, kn.w_init + j - 1)   # rows starting this round
         last = j == J - 1
         group = [reqs[i] for i in live]
-        if not kn.carry and j:
-            for i in live:
-                sessions[i].H[:, :W] = reqs[i].initial(reqs[i].n, W)
         batch = Batch(group, [r.n for r in group], [W] * len(group))
         if incremental:
             pre = [i for i in live if fresh[i] < W]
@@ -185,6 +181,10 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
             e = _cat([sessions[i].inj[:, :W] for i in live])
         else:
             e = batch.prelude(batch.ids())
+        for i, e_i in zip(live, batch.split(e, dim=1)):          # new rows (all, without carry) start here
+            if joined < W:
+                r = reqs[i]
+                sessions[i].H[:, joined:W] = r.net.start_state(r.initial(r.n + joined, W - joined), e_i[:, joined:W])
         h = _cat([sessions[i].H[:, :W] for i in live])
         clock = j * k if kn.carry else 0
         for u in range(k):

@@ -196,54 +196,53 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
         cfg = LoopedConfig.from_hf(hf_cfg, shapes.keys())
     except ConfigError as err:
         raise ConfigError(f"{config_path}: {err}") from None
+    family = cfg.spec
     _check_sizes(cfg, shapes, config_path, device)
 
     with torch.device("meta"):
         model = LoopedLM(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in shapes]
+    params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    slots = family.tensor_map(cfg, params)          # checkpoint name -> where it goes (a tied head is left out)
+    missing = [k for k in slots if k not in shapes]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) of the {cfg.family} layout, e.g. "
                               f"{', '.join(missing[:4])}")
-    allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unexpected = [k for k in shapes if k not in expected and k not in allowed_extra and not _ignored(k)]
+    allowed_extra = {family.head} if cfg.tie_embeddings else set()
+    unexpected = [k for k in shapes if k not in slots and k not in allowed_extra and not _ignored(k)]
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} tensor(s) the {cfg.family} layout does not use, "
                               f"e.g. {', '.join(unexpected[:4])}")
-    for k, shape in expected.items():
-        if shapes[k] != shape:
+    for k, slot in slots.items():
+        if shapes[k] != slot.shape:
             raise CheckpointError(f"shape mismatch for {k}: checkpoint {list(shapes[k])}, config implies "
-                                  f"{list(shape)}")
+                                  f"{list(slot.shape)}")
         path, entry = located[k]
         if entry.code not in FLOAT_CODES:
             raise CheckpointError(f"tensor {k} in {path} has dtype {entry.code}; a float parameter must be stored "
                                   f"as {', '.join(sorted(FLOAT_CODES))}")
-    if cfg.tie_embeddings and "lm_head.weight" in shapes:
-        _check_tied_copy(located)
+    if cfg.tie_embeddings and family.head in shapes:
+        _check_tied_copy(located, family.embedding, family.head)
 
     # Everything that can fail cheaply fails before the (possibly many GB of) weights are read.
     tokenizer = _load_tokenizer(folder, cfg)
     gen = folder / "generation_config.json"
     generation_defaults = read_json(gen, within=root) if os.path.lexists(gen) else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weight_bytes = sum(math.prod(shape) for shape in expected.values()) * itemsize
+    weight_bytes = sum(math.prod(slot.shape) for slot in slots.values()) * itemsize
     _check_memory(weight_bytes + _rope_bytes(cfg), device,
                   f"the weights in {str(dtype).removeprefix('torch.')} and the RoPE table")
 
-    # Each tensor goes straight from its file into its final dtype and layout, so no second copy of the model
-    # exists at any point (the transient memory is one read chunk).
+    # Each tensor goes straight from its file into its final dtype and layout (a part of a fused weight into its
+    # rows), so no second copy of the model exists at any point (the transient memory is one read chunk).
     in_major = set(model.linear_weight_names()) if in_major_pays(device, dtype) else set()
     state: dict[str, torch.Tensor] = {}
-    for name in sorted(expected, key=lambda k: (str(located[k][0]), located[k][1].begin)):
+    for param in dict.fromkeys(slot.param for slot in slots.values()):
+        shape = params[param]
+        state[param] = (torch.empty(shape[::-1], device=device, dtype=dtype).t() if param in in_major
+                        else torch.empty(shape, device=device, dtype=dtype))
+    for name in sorted(slots, key=lambda k: (str(located[k][0]), located[k][1].begin)):
         path, entry = located[name]
-        if name in in_major:
-            out = torch.empty(entry.shape[::-1], device=device, dtype=dtype).t()
-        else:
-            out = torch.empty(entry.shape, device=device, dtype=dtype)
-        read_into(path, entry, out)
-        state[name] = out
+        read_into(path, entry, slots[name].view(state[slots[name].param]))
     model.load_state_dict(state, strict=False, assign=True)
     del state
     if cfg.tie_embeddings:
@@ -265,38 +264,37 @@ def _rope_bytes(cfg: LoopedConfig) -> int:
     return 2 * cfg.block_size * (cfg.head_dim // 2) * 4
 
 
-_GROUPS = (("prelude", "n_layers_in_prelude", "n_prelude"), ("core_block", "n_layers_in_recurrent_block", "n_core"),
-           ("coda", "n_layers_in_coda", "n_coda"))
-
-
 def _check_sizes(cfg: LoopedConfig, shapes: dict[str, tuple[int, ...]], config_path: Path,
                  device: torch.device) -> None:
     """Pin every size the module build allocates or loops over to the tensors present (their shapes come from the
     file headers, which were checked against the files' lengths), before anything is built: a config.json that
     claims 10^6 layers, a 10^9 width or a 10^10-position context is refused here, instead of minutes of module
-    construction, an overflow inside torch or a RoPE table of terabytes."""
-    wte = shapes.get("transformer.wte.weight")
+    construction, an overflow inside torch or a RoPE table of terabytes.  The names checked are the family's."""
+    family = cfg.spec
+    wte = shapes.get(family.embedding)
     if wte is None:
-        raise CheckpointError("checkpoint lacks transformer.wte.weight, the token embedding")
+        raise CheckpointError(f"checkpoint lacks {family.embedding}, the token embedding")
     if wte != (cfg.vocab_size, cfg.n_embd):
-        raise CheckpointError(f"shape mismatch for transformer.wte.weight: checkpoint {list(wte)}, config implies "
+        raise CheckpointError(f"shape mismatch for {family.embedding}: checkpoint {list(wte)}, config implies "
                               f"{[cfg.vocab_size, cfg.n_embd]} (vocabulary rows x n_embd={cfg.n_embd}) in "
                               f"{config_path}")
-    for group, field, attr in _GROUPS:
+    for group in family.layer_groups:
         found = set()
         for name in shapes:
-            m = re.match(rf"transformer\.{group}\.(\d+)\.", name)
+            m = re.match(rf"{re.escape(group.prefix)}\.(\d+)\.", name)
             if m:
                 found.add(int(m.group(1)))
-        n = getattr(cfg, attr)
+        n = getattr(cfg, group.attr)
         if found != set(range(n)):
-            held = (f"{len(found)} ({group} {min(found)}..{max(found)})" if found else "none")
-            raise CheckpointError(f"{config_path}: {field}={n}, but the checkpoint's transformer.{group}.* "
+            short = group.prefix.rsplit(".", 1)[-1]
+            held = (f"{len(found)} ({short} {min(found)}..{max(found)})" if found else "none")
+            raise CheckpointError(f"{config_path}: {group.field}={n}, but the checkpoint's {group.prefix}.* "
                                   f"layers number {held}")
-    fc = next((shape for name, shape in shapes.items() if name.endswith(".mlp.fc.weight")), None)
-    if fc is not None and fc[0] != 2 * cfg.intermediate_size:
+    suffix, per_unit = family.mlp_probe
+    mlp = next((shape for name, shape in shapes.items() if name.endswith(suffix)), None)
+    if mlp is not None and mlp[0] != per_unit * cfg.intermediate_size:
         raise CheckpointError(f"{config_path}: intermediate_size={cfg.intermediate_size}, but the checkpoint's MLP "
-                              f"weights ({list(fc)}) hold {fc[0] // 2}")
+                              f"weights ({list(mlp)}) hold {mlp[0] // per_unit}")
     table = shapes.get("freqs_cis")
     if table is not None and math.prod(table) != cfg.block_size * cfg.head_dim:
         raise CheckpointError(f"{config_path}: block_size={cfg.block_size}, but the checkpoint's RoPE table "
@@ -328,26 +326,27 @@ def _load_tokenizer(folder: Path, cfg: LoopedConfig):
     top = max(ids, default=-1)
     if top >= cfg.vocab_size:
         raise CheckpointError(f"{folder / 'tokenizer.json'} has token ids up to {top}, but the model's embedding "
-                              f"(transformer.wte.weight) has {cfg.vocab_size} rows: the tokenizer belongs to "
+                              f"({cfg.spec.embedding}) has {cfg.vocab_size} rows: the tokenizer belongs to "
                               "another model")
     return tokenizer
 
 
-def _check_tied_copy(located: dict[str, Located]) -> None:
-    """A tied checkpoint may also store lm_head.weight (Huginn does); it must be the embedding's copy, or the config's
-    tie_embeddings is wrong and tying would silently replace a trained head.  A few rows are compared (cheap)."""
-    wte, head = "transformer.wte.weight", "lm_head.weight"
+def _check_tied_copy(located: dict[str, Located], wte: str, head: str) -> None:
+    """A tied checkpoint may also store its head (Huginn stores lm_head.weight); it must be the embedding's copy, or
+    the config's tying is wrong and tying would silently replace a trained head.  A few rows are compared (cheap)."""
     (wte_path, wte_entry), (head_path, head_entry) = located[wte], located[head]
     if head_entry.shape != wte_entry.shape:
         raise CheckpointError(f"config.json ties the head to the embedding, but {head} {list(head_entry.shape)} has "
-                              f"another shape than {wte} {list(wte_entry.shape)}; is tie_embeddings wrong?")
+                              f"another shape than {wte} {list(wte_entry.shape)}; is tie_embeddings (or "
+                              "tie_word_embeddings) wrong?")
     V = wte_entry.shape[0]
     rows = sorted({0, 1, V // 2, V - 2, V - 1} & set(range(V)))
     a = read_rows(wte_path, wte_entry, rows).float()
     b = read_rows(head_path, head_entry, rows).float()
     if not torch.equal(a, b):
-        raise CheckpointError(f"config.json ties the head to the embedding (tie_embeddings), but the checkpoint's "
-                              f"{head} differs from {wte}; set tie_embeddings to false to use the stored head")
+        raise CheckpointError(f"config.json ties the head to the embedding (tie_embeddings / tie_word_embeddings), "
+                              f"but the checkpoint's {head} differs from {wte}; set it to false to use the stored "
+                              "head")
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -368,9 +367,11 @@ def save_checkpoint(model: LoopedLM, folder: str | os.PathLike, shard_bytes: int
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
+    params = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    slots = cfg.spec.tensor_map(cfg, {k: tuple(v.shape) for k, v in params.items()})
+    # under the checkpoint's names; a part of a fused weight is cloned (safetensors refuses shared storage)
+    state = {name: params[s.param] if s.start is None else s.view(params[s.param]).clone()
+             for name, s in slots.items()}
     state.update(extra_tensors or {})
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     for stale in list(folder.glob("model*.safetensors")) + [folder / "model.safetensors.index.json"]:

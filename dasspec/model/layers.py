@@ -1,5 +1,5 @@
-"""Building blocks shared by the three looped families: RMSNorm, RoPE, the attention layer, gated MLP and the three
-block styles (sandwich / pre-norm / post-norm).
+"""Building blocks shared by the looped families: RMSNorm, RoPE, the attention layer and the gated MLP.  Each family
+stacks them into its own block (``dasspec/model/families``: the norm placement is the family's).
 
 The attention layer projects and rotates; what it attends to is ``attention.attend`` (the paper's eq. 2-3).  It
 never decides depths: it receives a ``LayerKV`` (views of the depth cache picked by the caller) and a ``Span``
@@ -137,30 +137,3 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    """One transformer layer in the family's norm placement.
-
-    sandwich (Huginn): x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))
-    pre (Raven-Llama): x = x + attn(n1 x);     x = x + mlp(n2 x)
-    post (Raven-OLMo): x = x + n1(attn(x));    x = x + n2(mlp(x))"""
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.style = cfg.block_style
-        n_norms = 4 if self.style == "sandwich" else 2
-        for i in range(1, n_norms + 1):
-            setattr(self, f"norm_{i}", RMSNorm(cfg.n_embd, cfg.norm_eps))
-        self.attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg)
-
-    def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
-        if self.style == "sandwich":
-            x = self.norm_2(x + self.attn(self.norm_1(x), span, kv))
-            return self.norm_4(x + self.mlp(self.norm_3(x)))
-        if self.style == "pre":
-            x = x + self.attn(self.norm_1(x), span, kv)
-            return x + self.mlp(self.norm_2(x))
-        x = x + self.norm_1(self.attn(x, span, kv))
-        return x + self.norm_2(self.mlp(x))

@@ -1,12 +1,15 @@
 """LoopedLM: prelude P, shared core F applied R times, coda H (paper eq. 1), exposed as three primitives.
 
     inj = model.prelude(ids, span, cache)                         # e = P(x), the injected prelude output
-    h   = model.core_step(h, inj, span, cache, read=(kappa, nu))  # h <- F(h, e): adapter + core layers
-    z   = model.readout(h, span, cache)                           # H(h): (ln_f) + coda + ln_f + head, float32
+    h   = model.start_state(h0, inj)                              # what step 1 reads (h0, or e for Ouro)
+    h   = model.core_step(h, inj, span, cache, read=(kappa, nu))  # h <- F(h, e): (adapter) + core layers (+ ln_f)
+    z   = model.readout(h, span, cache)                           # H(h): (ln_f) + coda + (ln_f) + head, float32
 
 Every decoder composes these; none reaches into layers.  ``read`` is the verified-prefix read policy of eq. (2)-(3):
 keys from depth kappa, values from depth nu.  The draft-side rows of the call are stored at ``own`` depths
 (default: the read depths), which is where verification and AR materialise depth r (``read = own = (r, r)``).
+What differs between families (injection, where ln_f sits, the initial state, an exit gate) is the family's
+(``dasspec/model/families``); the parentheses above mark those parts.
 
 The adapter acts on concat[h, e] in one matmul per step, exactly as the upstream modeling files do.  Hoisting its
 e-half out of the loop would save ~1% of the core FLOPs but changes fp32 rounding at every step, and a recurrence
@@ -23,7 +26,8 @@ from torch import Tensor, nn
 from .cache import DepthCache
 from .config import LoopedConfig
 from .attention import Span
-from .layers import Block, RMSNorm, rope_operands, rope_tables
+from .exit import ExitRule
+from .layers import RMSNorm, rope_operands, rope_tables
 from .noise import position_noise
 
 
@@ -37,9 +41,17 @@ def in_major_pays(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
-    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``)."""
+    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``), and the model's two
+    hooks ``start_state`` and ``exit_logits``, which a wrapper holding the model as ``model`` takes from it."""
 
     R: int
+    model: "LoopedLM"
+
+    def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
+        return self.model.start_state(h0, inj)
+
+    def exit_logits(self, h: Tensor) -> Tensor:
+        return self.model.exit_logits(h)
 
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
               depths: range | None = None) -> Tensor:
@@ -50,26 +62,41 @@ class Recurrence:
         return h
 
     def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
-                   rows: slice | None = None) -> Tensor:
-        """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d], readout: float32
-        logits [B, W', V] (``rows`` of the W positions).  With a cache, the span's K/V are written at every depth."""
+                   rows: slice | None = None, exit: ExitRule | None = None) -> Tensor:
+        """Prelude of ``ids`` [B, W], R aligned core steps from the initial states ``h`` [B, W, d] (through
+        ``start_state``), readout: float32 logits [B, W', V] (``rows`` of the W positions).  With a cache, the
+        span's K/V are written at every depth.  ``exit`` (validated by ``LoopedLM.exit_rule``): every step still
+        runs, and each position is read out from the step the rule picks; None reads the last step."""
         inj = self.prelude(ids, span, cache)
-        return self.readout(self.recur(h, inj, span, cache, range(1, (R or self.R) + 1)), span, cache, rows)
+        h = self.start_state(h, inj)
+        steps = range(1, (R or self.R) + 1)
+        if exit is None:
+            h = self.recur(h, inj, span, cache, steps)
+        else:
+            states = []
+            for r in steps:
+                h = self.core_step(h, inj, span, cache, read=(r, r))
+                states.append(h)
+            h = exit.select(states, self.exit_logits)
+        return self.readout(h, span, cache, rows)
 
 
 class LoopedLM(Recurrence, nn.Module):
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
         self.config = cfg.validate()
-        d = cfg.n_embd
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, d),
-            prelude=nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude)),
-            adapter=nn.Linear(2 * d, d, bias=False),
-            core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
-            coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
-            ln_f=RMSNorm(d, cfg.norm_eps),
-        ))
+        self.family = family = cfg.spec
+        d, Block = cfg.n_embd, family.block
+        parts = dict(wte=nn.Embedding(cfg.vocab_size, d),
+                     prelude=nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude)))
+        if family.injection:
+            parts["adapter"] = nn.Linear(2 * d, d, bias=False)
+        parts.update(core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
+                     coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
+                     ln_f=RMSNorm(d, cfg.norm_eps))
+        if family.exit_gate:
+            parts["exit_gate"] = nn.Linear(d, 1, bias=True)
+        self.transformer = nn.ModuleDict(parts)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -166,40 +193,68 @@ class LoopedLM(Recurrence, nn.Module):
 
     def core_step(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
                   read: tuple[int, int] = (1, 1), own: tuple[int, int] | None = None) -> Tensor:
-        """One recurrence: h <- core(adapter(concat[h, e])).  Prefix keys are read at depth read[0] (kappa) and
-        values at read[1] (nu); the span's own K/V are stored at ``own`` (default ``read``)."""
+        """One recurrence: h <- core(adapter(concat[h, e])) (without injection: core(h); a family that norms every
+        step: ln_f(core(...))).  Prefix keys are read at depth read[0] (kappa) and values at read[1] (nu); the
+        span's own K/V are stored at ``own`` (default ``read``)."""
         t = self.transformer
-        x = t.adapter(torch.cat(torch.broadcast_tensors(h, inj), dim=-1))
+        x = t.adapter(torch.cat(torch.broadcast_tensors(h, inj), dim=-1)) if self.family.injection else h
         own = read if own is None else own
         for i, block in enumerate(t.core_block):
             x = block(x, span, cache.core_kv(i, read, own) if cache is not None else None)
-        return x
+        return t.ln_f(x) if self.family.norm_every_step else x
 
     def readout(self, h: Tensor, span: Span, cache: DepthCache | None = None,
                 rows: slice | None = None) -> Tensor:
         """State [B, W, d] -> float32 logits [B, W, V] through (ln_f), the coda, ln_f and the head (only for
-        ``rows`` of the W positions when given).  The coda reads the prefix's full-depth coda K/V (the only coda
-        K/V that is materialised) and writes the span's own."""
+        ``rows`` of the W positions when given; a family whose steps end in ln_f skips the last one, since the state
+        is already normed).  The coda reads the prefix's full-depth coda K/V (the only coda K/V that is
+        materialised) and writes the span's own."""
         t = self.transformer
-        x = t.ln_f(h) if self.config.norm_after_loop else h
+        x = t.ln_f(h) if self.family.norm_after_loop else h
         for i, block in enumerate(t.coda):
             x = block(x, span, cache.coda_kv(i) if cache is not None else None)
         if rows is not None:
             x = x[:, rows]
-        return self.lm_head(t.ln_f(x)).float()
+        return self.lm_head(x if self.family.norm_every_step else t.ln_f(x)).float()
+
+    # --- the family's hooks ---------------------------------------------------------------------------------
+    def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
+        """The state the first core step reads, from a position's initial state ``h0`` and its prelude output
+        ``inj``: h0 (Huginn, Raven), or the embedding itself (Ouro).  Every path into the recurrence takes it."""
+        return self.family.start_state(h0, inj)
+
+    def exit_logits(self, h: Tensor) -> Tensor:
+        """The early-exit gate's logit of each position of a step's state h [B, W, d] -> [B, W], model dtype."""
+        if not self.family.exit_gate:
+            raise ValueError(f"the {self.family.name} family has no early-exit gate")
+        return self.transformer.exit_gate(h).squeeze(-1)
+
+    def exit_rule(self, exit_threshold: float | None = None, exit_at_step: int | None = None,
+                  num_steps: int | None = None) -> ExitRule | None:
+        """The target's exit rule for the two options (None: the last step), checked against this model's family
+        and the call's depth.  Families without an exit gate refuse both options."""
+        rule = ExitRule.of(exit_threshold, exit_at_step)
+        if rule is None:
+            return None
+        if not self.family.exit_gate:
+            raise ValueError(f"exit_threshold / exit_at_step need a model with an early-exit gate (Ouro); a "
+                             f"{self.family.name} model has none and always reads its last recurrence step")
+        return rule.check_depth(self.depth(num_steps))
 
     # --- full forward (no cache) -------------------------------------------------------------------------
     def forward(self, input_ids: Tensor, num_steps: int | None = None, init_scale: float = 1.0,
-                seed: int = 0) -> Tensor:
-        """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache."""
+                seed: int = 0, exit_threshold: float | None = None, exit_at_step: int | None = None) -> Tensor:
+        """Logits [B, T, V] (float32) of a full forward at depth ``num_steps`` (default R), no cache.
+        ``exit_threshold`` / ``exit_at_step`` (0-based): Ouro's early-exit targets (``dasspec/model/exit.py``)."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("empty input")
         R = self.depth(num_steps)
+        exit = self.exit_rule(exit_threshold, exit_at_step, R)
         h = self.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1)
-        return self.full_depth(input_ids, h, self.span(0, 0, T), None, R)
+        return self.full_depth(input_ids, h, self.span(0, 0, T), None, R, exit=exit)
 
     def linear_weight_names(self) -> list[str]:
         """State-dict names of the Linear weights (a tied head's shared weight under its embedding name)."""

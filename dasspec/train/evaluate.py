@@ -31,7 +31,8 @@ def depth_readouts(model: LoopedLM, ids: Tensor, depths, init_scale: float = 1.0
     B, T = ids.shape
     span = model.span(0, 0, T)
     inj = model.prelude(ids, span)
-    h = model.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1).to(inj.dtype)
+    h0 = model.initial_state(torch.arange(T), init_scale, seed).expand(B, T, -1).to(inj.dtype)
+    h = model.start_state(h0, inj)
     out, done = {}, 0
     for d in sorted(set(depths)):
         h = model.recur(h, inj, span, None, range(done + 1, d + 1))

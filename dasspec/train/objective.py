@@ -65,7 +65,7 @@ def looped_loss(model: LoopedLM, x: Tensor, y: Tensor, n: int, k: int, init_scal
     B, T = x.shape
     span = model.span(0, 0, T)
     inj = model.prelude(x, span)
-    h = initial_states(model, B, T, init_scale, seed).to(inj.dtype)
+    h = model.start_state(initial_states(model, B, T, init_scale, seed).to(inj.dtype), inj)
     with torch.no_grad():
         h = model.recur(h, inj, span, None, range(1, n + 1))
     h = model.recur(h, inj, span, None, range(n + 1, n + k + 1))

@@ -49,7 +49,7 @@ class TeacherForced:
         self.span0 = model.span(0, 0, T)
         with torch.inference_mode():
             inj = model.prelude(self.tokens.unsqueeze(0), self.span0, self.cache)
-            h = self.h0
+            h = model.start_state(self.h0, inj)
             # The synchronous state after each depth (for the depth-d coda of coda="aligned").
             self.states = torch.empty(self.R, T, cfg.n_embd, device=model.device, dtype=model.dtype)
             for r in range(1, self.R + 1):
@@ -99,7 +99,7 @@ class TeacherForced:
                 mask = torch.cat((self._visible[a:b], eye[:W, :W]), dim=1)          # [W, T + W]
                 span = model.span(T, T, W, positions=torch.arange(a, b, device=model.device), mask=mask)
                 inj = model.prelude(self.tokens[a:b].unsqueeze(0), span, cache)
-                h = self.h0[:, a:b]
+                h = model.start_state(self.h0[:, a:b], inj)
                 for j, read in enumerate(reads, 1):
                     h = model.core_step(h, inj, span, cache, read=read, own=(j, j))
                 out[a - rows.start: b - rows.start] = model.readout(h, span, coda_cache)[0]

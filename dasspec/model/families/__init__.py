@@ -1,0 +1,141 @@
+"""Model families: everything that differs between the looped checkpoints dasspec runs, one entry each.
+
+A family says how to recognise its checkpoints, how to read (and write) their ``config.json``, where each of its
+checkpoint tensors goes in ``LoopedLM``, which block it stacks, the specifics of the three primitives (input
+injection, where the final norm sits, the initial state, an early-exit gate) and its default knobs per decoding
+method.  ``LoopedLM``, the loader and the methods ask the family; none of them switch on a family's name.
+
+    huginn.py   Huginn-0125 (and the huginn_raven config format the Raven files share)
+    raven.py    Raven-Llama (Raven-Llama-3.2, Raven-TinyLlama) and Raven-OLMo
+    ouro.py     ByteDance Ouro (Ouro-1.4B / 2.6B and their -Thinking variants)
+
+A new family is one new module here that subclasses ``Family`` and calls ``register`` (imported below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config import LoopedConfig
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: a ``LoopedLM`` state-dict entry, or rows ``[start, start + shape[0])``
+    of one when the family stores parts of a fused weight apart (Ouro's q/k/v and gate/up projections)."""
+
+    param: str
+    shape: tuple[int, ...]
+    start: int | None = None
+
+    def view(self, tensor: Tensor) -> Tensor:
+        """The part of the parameter ``tensor`` this checkpoint tensor fills."""
+        return tensor if self.start is None else tensor[self.start: self.start + self.shape[0]]
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """A stack of layers as the checkpoint names it: tensors ``{prefix}.{i}.*``, counted by config field
+    ``field`` and by the LoopedConfig attribute ``attr``."""
+
+    prefix: str
+    field: str
+    attr: str
+
+
+class Family:
+    """One looped layout.  Class attributes describe it; the methods read and write its files."""
+
+    name: str = ""
+    model_type: str = ""                # config.json's model_type for this family's checkpoints
+    block: "type[nn.Module]"            # one layer: block(cfg) -> module(x, span, kv) -> x, with a ``style`` name
+    rope_style: str = "half"            # "interleaved" (pairs 2j, 2j+1) or "half" (HF rotate_half)
+
+    # --- the three primitives' specifics ---------------------------------------------------------------------
+    injection: bool = True              # a core step reads adapter(cat[h, e]); False: h alone
+    norm_after_loop: bool = False       # ln_f on the last state before the coda
+    norm_every_step: bool = False       # ln_f closes every core step (the next step reads the normed state), so
+                                        # the head reads the state as is
+    exit_gate: bool = False             # a per-step early-exit gate, Linear(d -> 1) on the state
+
+    # --- checkpoint names the loader checks sizes against ---------------------------------------------------
+    embedding: str = "transformer.wte.weight"
+    head: str = "lm_head.weight"
+    layer_groups: tuple[LayerGroup, ...] = ()
+    mlp_probe: tuple[str, int] = (".mlp.fc.weight", 2)   # (a name suffix, its rows per intermediate unit)
+
+    # --- decoding methods -----------------------------------------------------------------------------------
+    knob_defaults: dict[str, dict[str, Any]] = {}     # method -> {knob: default} for knobs declared per family
+
+    def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
+        """The family (of those sharing this ``model_type``) a config.json and its tensor names describe."""
+        return self.name
+
+    def read_config(self, cfg: dict[str, Any]) -> "LoopedConfig":
+        """LoopedConfig from a config.json dict, every field read type- and range-checked."""
+        raise NotImplementedError
+
+    def write_config(self, cfg: "LoopedConfig") -> dict[str, Any]:
+        """The config.json this family's checkpoints carry (the inverse of ``read_config``)."""
+        raise NotImplementedError
+
+    def tensor_map(self, cfg: "LoopedConfig", params: dict[str, tuple[int, ...]]) -> dict[str, Slot]:
+        """Checkpoint tensor name -> where it goes, for a model whose state dict has ``params`` (name -> shape).
+        A tied head is left out (it is the embedding).  Default: the state-dict names themselves."""
+        tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+        return {name: Slot(name, shape) for name, shape in params.items() if name not in tied}
+
+    def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
+        """The state the first core step reads: the position's initial state ``h0`` (Huginn, Raven)."""
+        return h0
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.name in FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> Family:
+    from ..config import ConfigError
+
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ConfigError(f"unknown family {name!r}; expected one of {tuple(FAMILIES)}")
+    return family
+
+
+def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> str:
+    """The family of a config.json dict and (when given) the checkpoint's tensor names.  ``model_type`` picks the
+    families that read such files; their format decides between them (Huginn and Raven share one)."""
+    from ..config import ConfigError
+
+    model_type = cfg.get("model_type")
+    candidates = [f for f in FAMILIES.values() if f.model_type == model_type]
+    if "dasspec_family" in cfg:         # written only by dasspec's own tools: a choice among those candidates
+        name = cfg["dasspec_family"]
+        if name not in [f.name for f in candidates]:
+            raise ConfigError(f"unknown dasspec_family {name!r} for model_type {model_type!r}; expected one of "
+                              f"{tuple(f.name for f in candidates)}")
+        return name
+    if not candidates:
+        known = ", ".join(sorted({repr(f.model_type) for f in FAMILIES.values()}))
+        raise ConfigError(f"unsupported model_type {model_type!r}: dasspec loads looped checkpoints of model_type "
+                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro)")
+    return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
+
+
+from . import huginn, raven, ouro  # noqa: E402,F401  (each registers its families)

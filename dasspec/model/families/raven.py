@@ -1,0 +1,63 @@
+"""The Raven retrofits (McLeish et al. 2025): pretrained models cut into prelude / core / coda, in Huginn's file
+format (``huginn.HuginnRavenFamily``) with Huginn's stale ids and ``rope_base`` left in config.json.
+
+* ``raven-llama``  Raven-Llama-3.2 / Raven-TinyLlama: pre-norm blocks, GQA, HF rotate_half RoPE (+ llama3
+  scaling), no ``ln_f`` after the loop, untied head.
+* ``raven-olmo``   Raven-OLMo-2: post-norm blocks, RMSNorm over the whole q and k projections.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..attention import LayerKV, Span
+from ..config import LoopedConfig
+from ..layers import Attention, GatedMLP, RMSNorm
+from . import register
+from .huginn import HuginnRavenFamily
+
+RAVEN_KNOBS = {"self-spec": {"draft_depth": 4, "block": 16}, "mature-spec": {"block": 16},
+               "das-wave": {"k": 1}}                                         # the paper's Table 5
+
+
+class PreNormBlock(nn.Module):
+    """Llama's layer: x = x + attn(n1 x); x = x + mlp(n2 x)."""
+
+    style = "pre"
+
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        self.norm_1, self.norm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps), RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        x = x + self.attn(self.norm_1(x), span, kv)
+        return x + self.mlp(self.norm_2(x))
+
+
+class PostNormBlock(PreNormBlock):
+    """OLMo-2's layer: x = x + n1(attn(x)); x = x + n2(mlp(x))."""
+
+    style = "post"
+
+    def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        x = x + self.norm_1(self.attn(x, span, kv))
+        return x + self.norm_2(self.mlp(x))
+
+
+class RavenLlama(HuginnRavenFamily):
+    name = "raven-llama"
+    block = PreNormBlock
+    knob_defaults = RAVEN_KNOBS
+
+
+class RavenOlmo(HuginnRavenFamily):
+    name = "raven-olmo"
+    block = PostNormBlock
+    qk_norm = True
+    knob_defaults = RAVEN_KNOBS
+
+
+register(RavenLlama())
+register(RavenOlmo())
