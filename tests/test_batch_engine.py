@@ -208,3 +208,63 @@ def test_speculation_policy_changes_speed_never_tokens():
         assert [o.tokens for o in outs] == ref, name
         proposed[name] = sum(sum(o.stats.proposed) for o in outs)
     assert proposed["always"] > proposed["narrow"] > 0 and proposed["off"] < proposed["narrow"]
+
+
+def test_union_and_per_sequence_attention_agree():
+    """A ragged call's attention runs per sequence or as one call over the union of the pool rows (a cost rule
+    picks, attention.union_pays): both give the same rows to float rounding and the same tokens - also for the
+    two-source calls of Deep K/V drafts and the tree masks of Token Recycling."""
+    import dasspec.model.attention as attention
+
+    model = random_model("raven-llama", seed=8, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 6, seed=6)
+    ref = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False).tokens for p in prompts]
+    real = attention.union_pays
+    used = {}
+    for forced in (True, False):
+        def pays(*args, forced=forced):
+            used[forced] = used.get(forced, 0) + 1
+            return forced
+        attention.union_pays = pays
+        try:
+            for method, knobs in (("ar", {}), ("mature-spec", {"draft_depth": 2, "block": 3}),
+                                  ("das-wave", {"gamma": 6, "rounds": 3, "k": 1}), ("token-recycling", {})):
+                outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=6,
+                                              **knobs)
+                assert [o.tokens for o in outs] == ref, (forced, method)
+        finally:
+            attention.union_pays = real
+    assert used[True] and used[False]
+
+
+def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
+    """A request cancelled (or out of time) while DAS-Wave refines its window stops at the next round - the
+    other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps."""
+    from dasspec.engine.request import Request
+
+    model = random_model("huginn", seed=3, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    engine = Engine(model, "das-wave", {"gamma": 8, "rounds": 10, "w_init": 8, "k": 1}, max_batch=2)
+    a = engine.add([5, 6, 7], max_new_tokens=30, eos=False)
+    b = engine.add([8, 9, 4], max_new_tokens=30, eos=False)
+    engine.step()                                        # both prefilled
+    asked = {}
+    real = Request.stopping
+
+    def stopping(req):
+        asked[id(req)] = asked.get(id(req), 0) + 1
+        # asked at the step's start, then before every round: a's client hangs up during its 4th round
+        if req.prompt == [5, 6, 7] and asked[id(req)] > 5:
+            req.cancelled = True
+        return real(req)
+
+    monkeypatch.setattr(Request, "stopping", stopping)
+    events = engine.step()
+    monkeypatch.setattr(Request, "stopping", real)
+    assert [(e.id, e.reason) for e in events if e.finished] == [(a, "cancelled")]
+    res_a = engine.result(a)
+    assert res_a.stats.draft_passes == 4 and res_a.stats.verify_events == 0       # 4 rounds, never verified
+    while engine.has_work:
+        engine.step()
+    res_b = engine.result(b)
+    assert res_b.tokens == dasspec.generate(model, [8, 9, 4], max_new_tokens=30, eos=False).tokens
+    assert res_b.stats.draft_passes >= 10                                         # its rounds ran on

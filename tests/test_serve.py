@@ -37,6 +37,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|begin_header|>{{ m['ro
 CONTEXT = 512
 LONG = 400                  # tokens of the request kept running while the queue is probed (stopped by a disconnect)
 QUEUE = 8                   # the server's --max-queue
+BATCH = 4                   # the server's --max-batch
 PROMPT = "The quick brown fox"
 
 
@@ -140,8 +141,8 @@ def start_server(folder: Path, log: Path, *args: str) -> Server:
 def server(checkpoint, tmp_path_factory):
     # A short DAS-Wave schedule (the paper's gamma 32 x 24 rounds costs seconds per request on a random model)
     srv = start_server(checkpoint, tmp_path_factory.mktemp("serve-log") / "server.log", "--method", "das-wave",
-                       "--set", "gamma=8", "--set", "rounds=4", "--max-queue", str(QUEUE), "--served-model-name",
-                       "tiny")
+                       "--set", "gamma=8", "--set", "rounds=4", "--max-queue", str(QUEUE), "--max-batch", str(BATCH),
+                       "--served-model-name", "tiny")
     yield srv
     srv.proc.terminate()
     try:
@@ -271,13 +272,15 @@ def test_metrics(server, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8)
     text = server.get("/metrics")[1]
     for name in ("dasspec_requests_total", "dasspec_prompt_tokens_total", "dasspec_generated_tokens_total",
-                 "dasspec_queue_length", "dasspec_accepted_tokens_per_verification",
+                 "dasspec_queue_length", "dasspec_running_requests", "dasspec_batch_size", "dasspec_step_seconds",
+                 "dasspec_generation_tokens_per_second", "dasspec_accepted_tokens_per_verification",
                  "dasspec_committed_tokens_per_verification", "dasspec_time_to_first_token_seconds",
                  "dasspec_time_per_token_seconds"):
         assert f"# TYPE {name} " in text
     assert server.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}') >= 1
     assert server.metric('dasspec_committed_tokens_per_verification_count{method="das-wave"}') >= 1
     assert server.metric("dasspec_queue_length") == 0
+    assert server.metric("dasspec_batch_size_count") >= 1 and server.metric("dasspec_generation_tokens_per_second") > 0
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------
@@ -298,6 +301,8 @@ BAD = [   # (path, body, status, param, words the message must contain)
     (C, {"prompt": "x", "dasspec": {"method": "das-wave", "knobs": {"gamma": -1}}}, 400, "dasspec.knobs", "gamma"),
     (C, {"prompt": "x", "dasspec": {"method": "sam", "knobs": {"static_corpus": "/etc/passwd"}}}, 400,
      "dasspec.knobs.static_corpus", "--set"),
+    (C, {"prompt": "x", "dasspec": {"exit_threshold": 0.5}}, 400, "dasspec.exit_threshold", "early-exit gate"),
+    (C, {"prompt": "x", "dasspec": {"exit_at_step": 1}}, 400, "dasspec.exit_at_step", "early-exit gate"),
     (C, {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens", "integer"),
     (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     (C, {"prompt": "x", "temperature": -1}, 400, "temperature", "greater than"),
@@ -417,16 +422,18 @@ def wait_for(check, what: str, timeout: float = 20.0) -> None:
 
 
 def test_queue_bound_and_disconnects(server, client, model):
-    """A long stream decodes; waiting requests fill the queue's slots; the next is refused with 429 at once.  The
-    waiting clients hang up: their slots free while the stream still decodes.  The streaming client hangs up: its
-    generation stops early.  The request queued behind it is answered correctly."""
+    """Long streams fill the batch (decoded together); waiting requests fill the queue's slots; the next is refused
+    with 429 at once.  The waiting clients hang up: their slots free while the streams still decode.  The streaming
+    clients hang up: their generations stop early.  The request queued behind them is answered correctly."""
     cancelled = 'dasspec_requests_total{endpoint="completions",outcome="cancelled"}'
     ar_tokens = 'dasspec_generated_tokens_total{method="ar"}'
     before_cancelled, before_ar = server.metric(cancelled), server.metric(ar_tokens)
     long = {"prompt": PROMPT, "max_tokens": LONG, "dasspec": {"method": "ar"}}
-    streaming = server.send(C, {**long, "stream": True})
-    streaming_sock = streaming.sock
-    read_first_event(streaming)                          # decoding has started
+    streams = [server.send(C, {**long, "stream": True}) for _ in range(BATCH)]
+    stream_socks = [conn.sock for conn in streams]
+    for conn in streams:
+        read_first_event(conn)                           # every stream is decoding
+    assert server.health()["running"] == BATCH
     waiting = [server.send(C, long).sock for _ in range(QUEUE)]
     wait_for(lambda: server.health()["queue_length"] == QUEUE, "a full queue")
     status, answer, headers = server.post(C, {"prompt": PROMPT, "max_tokens": 4})
@@ -434,7 +441,8 @@ def test_queue_bound_and_disconnects(server, client, model):
     for sock in waiting:
         hang_up(sock)
     wait_for(lambda: server.health()["queue_length"] == 0, "the hung-up requests to leave the queue")
-    assert server.health()["running"] == 1, f"the {LONG}-token stream ended before the test could hang up"
+    assert server.health()["running"] == BATCH, f"a {LONG}-token stream ended before the test could hang up"
+    assert server.metric("dasspec_batch_size_count") > server.metric('dasspec_batch_size_bucket{le="2"}')
 
     ids = model.tokenizer.encode("Two plus two")
     result = {}
@@ -442,12 +450,13 @@ def test_queue_bound_and_disconnects(server, client, model):
         out=client.completions.create(model="tiny", prompt="Two plus two", max_tokens=8)))
     behind.start()
     wait_for(lambda: server.health()["queue_length"] == 1, "the next request to queue")
-    hang_up(streaming_sock)
+    for sock in stream_socks:
+        hang_up(sock)
     behind.join(60)
     assert result["out"].choices[0].text == ar(model, ids, 8).text
-    wait_for(lambda: server.metric(cancelled) == before_cancelled + QUEUE + 1, "the cancelled requests in /metrics")
+    wait_for(lambda: server.metric(cancelled) == before_cancelled + QUEUE + BATCH, "the cancelled requests in /metrics")
     generated = server.metric(ar_tokens) - before_ar
-    assert 1 <= generated < LONG, generated              # the hung-up stream stopped early
+    assert BATCH <= generated < BATCH * LONG, generated   # the hung-up streams stopped early
     wait_for(lambda: server.health()["running"] == 0, "the worker to go idle")
     assert server.health()["status"] == "ok" and server.health()["queue_length"] == 0
 
@@ -466,7 +475,7 @@ def test_incremental_text_holds_back_split_characters_and_stop_prefixes(model):
     assert feed("ab") == ""
     assert feed("cz") == ""             # "abc" arrived: nothing from it on is text
     assert chars.finish("xabd") == ""
-    assert IncrementalText(lambda ids: "x\ufffd\ufffd").feed([1]) == "x"
+    assert IncrementalText(lambda ids: "x\ufffd\ufffd" if ids else "").feed([1]) == "x"
 
 
 def test_a_request_without_max_tokens_reserves_a_bounded_cache():

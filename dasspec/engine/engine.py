@@ -52,6 +52,20 @@ from .stopping import Criterion, StopRule
 from .verify import PrefillChunk
 
 PREFILL_CHUNK = 512        # prompt rows per request per pass (chunk boundaries at multiples of it)
+MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
+
+
+def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int) -> int:
+    """``max_batch`` requests of the whole context, or as many positions as ``MEMORY_SHARE`` of the free memory
+    holds, whichever is less (a larger request is then refused with a message naming kv_budget)."""
+    from ..model.cache import bytes_per_token
+    from .memory import available_memory
+
+    want = max_batch * rows_needed(model.config.block_size, 0, model.config.block_size, width)
+    free = available_memory(model.device)
+    if free is None:
+        return want
+    return max(1, min(want, int(MEMORY_SHARE * free // bytes_per_token(model.config, R, model.dtype))))
 
 
 @dataclass
@@ -63,6 +77,7 @@ class StepEvent:
     tokens: list[int]
     finished: bool = False
     reason: str | None = None
+    started: bool = False          # admitted this step (it has a batch slot and its cache rows)
 
 
 @dataclass(eq=False)
@@ -102,14 +117,13 @@ class Engine:
         self.method, self.knobs = method, dict(knobs or {})
         self._drafters: dict[tuple, Drafter] = {}
         self.drafter(method, self.knobs)                      # the default method's knobs fail here, not later
-        if kv_budget is None:                                 # max_batch requests of the whole context
-            kv_budget = max_batch * rows_needed(model.config.block_size, 0, model.config.block_size,
-                                                self.drafter(method, self.knobs).width)
+        if kv_budget is None:
+            kv_budget = default_kv_budget(model, self.R, max_batch, self.drafter(method, self.knobs).width)
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
-        # Batched calls may read every row between two requests' ranges (masked): rows never written must hold
-        # finite values, since a masked weight of 0 times a NaN is still NaN.  A table of one never does.
-        self.pool = KVPool(model, self.R, kv_budget, zeroed=self.runtime.static_shapes or max_batch > 1)
+        # Batched calls may read rows between requests' ranges (masked): they must be finite (pool.py).  A table of
+        # one never does; static shapes read every row.
+        self.pool = KVPool(model, self.R, kv_budget, finite=max_batch > 1, zeroed=self.runtime.static_shapes)
         self.runtime.prepare_cache(self.pool.tensors())
         self._ids = itertools.count()
         self._table: dict[int, Entry] = {}
@@ -221,7 +235,7 @@ class Engine:
             if reason is not None:
                 e.req.end(reason)
                 events.append(self._retire(e))
-        self._admit()
+        events += [StepEvent(e.id, [], started=True) for e in self._admit()]
         if not self.running:
             return events
         self.steps += 1
@@ -257,12 +271,13 @@ class Engine:
         C = self.prefill_chunk
         return min(req.P, (req.prefilled // C + 1) * C) - req.prefilled
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Entry]:
+        admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             e = self.waiting[0]
             view = self.pool.allocate(e.rows)
             if view is None:                               # first in, first served: the head waits for rows
-                return
+                break
             self.waiting.pop(0)
             try:
                 e.req = Request(self.model, e.prompt, e.rule, cache=view, **e.options)
@@ -276,6 +291,18 @@ class Engine:
                 self.pool.release(view)
                 raise
             self.running.append(e)
+            admitted.append(e)
+        return admitted
+
+    def abort_running(self, reason: str = "error") -> list[int]:
+        """End every running request now (after a step failed: their states cannot be trusted); returns their ids.
+        Their rows go back to the pool; waiting requests stay queued."""
+        ids = []
+        for e in list(self.running):
+            e.req.end(reason)
+            self._retire(e)
+            ids.append(e.id)
+        return ids
 
     def _retire(self, e: Entry) -> StepEvent:
         req = e.req

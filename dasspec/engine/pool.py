@@ -9,6 +9,9 @@ the free list (merged with its free neighbours) when the sequence ends.  A reque
 never run and is refused when it is added; one that does not fit now waits until enough rows are free.
 
 The storage never moves, so CUDA-graph replays read and write the same addresses for the pool's whole life.
+A batched call may read every row between two requests' ranges under a mask, and a masked weight of 0 times a NaN
+is still NaN, so ``finite`` pools hold finite values in every row a call can reach: rows are zeroed once, the first
+time a range reaches them (first fit hands out low rows first, so only the rows in use are ever touched).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from .memory import check_cache_fits, format_bytes
 
 
 class KVPool:
-    def __init__(self, model: LoopedLM, R: int, rows: int, zeroed: bool = False):
+    def __init__(self, model: LoopedLM, R: int, rows: int, finite: bool = False, zeroed: bool = False):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"kv_budget must be a whole number of positions >= 1, got {rows!r}")
         check_cache_fits(model, R, rows, "lower kv_budget (positions kept for running requests) or use bfloat16")
         self.R, self.rows = R, rows
         self.cache = DepthCache(model.config, R, rows, model.device, model.dtype, zeroed=zeroed)
         self._free: list[tuple[int, int]] = [(0, rows)]      # (start, length), sorted by start, never adjacent
+        self._finite_to = rows if zeroed or not finite else 0   # rows [0, _finite_to) hold finite values
 
     @staticmethod
     def rows_for_bytes(model: LoopedLM, R: int, nbytes: int) -> int:
@@ -55,6 +59,10 @@ class KVPool:
                     del self._free[i]
                 else:
                     self._free[i] = (start + rows, n - rows)
+                if start + rows > self._finite_to:
+                    for t in self.cache.tensors():
+                        t[..., self._finite_to: start + rows, :].zero_()
+                    self._finite_to = start + rows
                 return self.cache.view(start, rows)
         return None
 

@@ -195,12 +195,19 @@ class UnionRows:
         return self._split
 
 
-# When to run a ragged call as one attention over the union of its sequences' rows rather than one call per
-# sequence: the union computes T x (hi - lo) scores, most of them masked, but costs one kernel call instead of B.
-# It is taken when its scores are at most UNION_FACTOR times the per-sequence scores plus UNION_CALL_SCORES per
-# saved call (docs/performance.md, "Batched attention").
-UNION_FACTOR = 4
-UNION_CALL_SCORES = 4096
+# When a ragged call's attention runs as one call over the union of its sequences' rows rather than one call per
+# sequence (``union_pays``): the union computes T x (hi - lo) scores, most of them masked, for one kernel call
+# instead of B.  On a GPU a call's launch outweighs masked scores at any size a batch reaches; on a CPU a call costs
+# about as much as UNION_CALL_FLOPS multiply-adds of scores (docs/performance.md, "Batched attention").
+UNION_CALL_FLOPS = 140_000
+
+
+def union_pays(device: torch.device, width: int, union_scores: int, own_scores: int, calls_saved: int) -> bool:
+    """Whether one attention over the union of the sequences' rows costs less than one call per sequence;
+    ``width``: heads x head dim of the queries (the multiply-adds per score)."""
+    if device.type != "cpu":
+        return True
+    return (union_scores - own_scores) * width <= calls_saved * UNION_CALL_FLOPS
 
 
 @dataclass
@@ -216,11 +223,11 @@ class RaggedSpan:
     union: UnionRows | None = None
 
     @classmethod
-    def of(cls, parts: list[Span], bases: list[int] | None = None, storage_rows: int | None = None,
+    def of(cls, parts: list[Span], bases: list[int] | None = None, width: int | None = None,
            force_union: bool | None = None) -> "RaggedSpan":
-        """``bases``: the storage row where each sequence's cache starts, when all are ranges of one storage of
-        ``storage_rows`` rows (then the call may run as one attention over them: ``force_union`` or the cost
-        rule above)."""
+        """``bases``: the storage row where each sequence's cache starts, when all are ranges of one storage (then
+        the call may run as one attention over them: ``force_union``, or ``union_pays`` for queries of ``width``
+        = heads x head dim)."""
         offsets = [0]
         for p in parts:
             offsets.append(offsets[-1] + p.W)
@@ -234,10 +241,9 @@ class RaggedSpan:
             lo = min(bases)
             hi = max(b + p.end for b, p in zip(bases, parts))
             T = offsets[-1]
-            union_scores = T * (hi - lo)
             own_scores = sum(p.W * p.end for p in parts)
-            if force_union or (force_union is None and
-                               union_scores <= UNION_FACTOR * own_scores + UNION_CALL_SCORES * (len(parts) - 1)):
+            if force_union or (force_union is None and union_pays(
+                    _device(rot), width or 1, T * (hi - lo), own_scores, len(parts) - 1)):
                 span.union = _union(parts, offsets, bases, lo, hi)
         return span
 

@@ -4,8 +4,9 @@
     dasspec serve --model /path/to/huginn-0125 --device cuda --dtype bfloat16 --port 8000
     dasspec serve --method das-wave --set gamma=16 --set rounds=8 --max-queue 32 --max-tokens-cap 1024
 
-One decode worker per process (batch 1); run one replica per device behind any HTTP load balancer for more
-streams at once.  docs/serving.md has the endpoints, the request options and the metrics.
+One process holds one model and decodes up to --max-batch requests together (continuous batching, every answer
+equal to that request's own AR decode); run one replica per device behind any HTTP load balancer for more.
+docs/serving.md has the endpoints, the request options and the metrics.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from ..host import THREADS_HELP
 
 # ServeOptions fields whose flags are derived from the dataclass (type, default and help in one place).
-DERIVED = ("max_body", "template_timeout")
+DERIVED = ("max_batch", "kv_budget", "request_timeout", "max_body", "template_timeout")
 
 
 def _server_knobs(method: str, items: list[str]) -> dict:
@@ -56,7 +57,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the most tokens one request may ask for (default: the model's context); bounds the "
                         "memory of a request's depth cache")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--speculate-up-to", type=int, default=None, metavar="N",
+                   help="with more than N requests decoding, a step drafts nothing (plain AR steps; the same "
+                        "answers) - speculation pays less as the batch grows (default: the engine's policy)")
     _add_option_flags(p)
+    from ..cli import add_exec_flags
+    add_exec_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (warning: no access log)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -128,13 +134,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (Path(args.model).name if args.model else "dasspec-tiny")
+    from ..cli import runtime_from_args
+    from ..engine.policy import SpeculationPolicy
+    policy = None if args.speculate_up_to is None else SpeculationPolicy(off_above=args.speculate_up_to)
     service = Service(model, ServeOptions(model_name=name, method=args.method, knobs=knobs, max_queue=args.max_queue,
-                                          max_tokens_cap=args.max_tokens_cap, **options))
+                                          max_tokens_cap=args.max_tokens_cap, runtime=runtime_from_args(args),
+                                          policy=policy, **options))
     if args.warmup:       # first-call costs (allocator, kernels) before the first client, not in its latency
-        dasspec.generate(model, model.tokenizer.encode("Hello"), drafter=service.drafter(service.method, {}),
-                         max_new_tokens=4)
+        service.warmup()
     print(f"dasspec serve: {name} ({model.config.family}, R={service.depth}, context {service.context}) with "
-          f"{service.method} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"{service.method}, up to {service.engine.max_batch} requests at once in a pool of "
+          f"{service.engine.pool.describe()}, on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

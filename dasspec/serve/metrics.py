@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Callable, Iterable
 
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+RATE_WINDOW = 10.0           # seconds over which the generation rate gauge is measured
 SECOND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -137,6 +140,8 @@ class ServerMetrics:
     tokens per verification, time to first token and time per generated token - per method where it matters."""
 
     def __init__(self, queue_length: Callable[[], int], running: Callable[[], int]):
+        self._lock = threading.Lock()
+        self._recent: list[tuple[float, int]] = []      # (time, tokens) committed within the last RATE_WINDOW
         r = self.registry = Registry()
         self.requests = Counter(r, "dasspec_requests_total", "Requests by endpoint and outcome (ok, cancelled: the "
                                 "client went away; invalid: 4xx; rejected: 429 queue full; error: 5xx)",
@@ -144,7 +149,12 @@ class ServerMetrics:
         self.prompt_tokens = Counter(r, "dasspec_prompt_tokens_total", "Prompt tokens of decoded requests")
         self.generated_tokens = Counter(r, "dasspec_generated_tokens_total", "Tokens generated", ("method",))
         Gauge(r, "dasspec_queue_length", "Requests waiting for the decode worker", queue_length)
-        Gauge(r, "dasspec_running_requests", "Requests being decoded (0 or 1: one worker, batch 1)", running)
+        Gauge(r, "dasspec_running_requests", "Requests being decoded together (the engine's batch)", running)
+        Gauge(r, "dasspec_generation_tokens_per_second", f"Tokens committed per second over the last "
+              f"{RATE_WINDOW:g} s, every request together", self.rate)
+        self.batch_size = Histogram(r, "dasspec_batch_size", "Requests in each decode step (drafted and verified "
+                                    "together in one pass, prefilling ones included)", BATCH_BUCKETS)
+        self.step_seconds = Histogram(r, "dasspec_step_seconds", "Wall time of each decode step", SECOND_BUCKETS)
         self.accepted = Histogram(r, "dasspec_accepted_tokens_per_verification", "Draft tokens accepted per "
                                   "verification (A is its mean)", TOKEN_BUCKETS, ("method",))
         self.committed = Histogram(r, "dasspec_committed_tokens_per_verification", "Tokens committed per "
@@ -155,6 +165,22 @@ class ServerMetrics:
         self.time_per_token = Histogram(r, "dasspec_time_per_token_seconds", "Decoding time per generated token "
                                         "of a request, from its first token to its last", SECOND_BUCKETS,
                                         ("method",))
+
+    def step(self, requests: int, tokens: int, seconds: float) -> None:
+        """One engine step: its batch size, the tokens it committed and its wall time."""
+        self.batch_size.observe(requests)
+        self.step_seconds.observe(seconds)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, tokens))
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+                self._recent.pop(0)
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            tokens = sum(n for t, n in self._recent if t >= now - RATE_WINDOW)
+        return tokens / RATE_WINDOW
 
     def render(self) -> str:
         return self.registry.render()

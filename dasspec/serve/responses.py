@@ -12,7 +12,9 @@ from typing import Any
 from ..engine.draft import Drafter
 from ..engine.generate import GenerationResult
 
-FINISH = {"max_new_tokens": "length"}          # every other stop (EOS, a stop string, ...) is OpenAI's "stop"
+# every other stop (EOS, a stop string, ...) is OpenAI's "stop"; a request out of time (--request-timeout) ran out of
+# its budget like one out of tokens
+FINISH = {"max_new_tokens": "length", "timeout": "length"}
 
 
 def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue_time: float) -> dict[str, Any]:

@@ -31,9 +31,12 @@ class _Strict(BaseModel):
 
 
 class DasspecOptions(_Strict):
-    """The ``dasspec`` extension object: the decoding method and its knobs (``dasspec generate``'s flags)."""
+    """The ``dasspec`` extension object: the decoding method and its knobs (``dasspec generate``'s flags), and the
+    target's early exit for models with an exit gate (Ouro: ``exit_threshold`` or ``exit_at_step``, 0-based)."""
     method: str | None = None
     knobs: dict[str, Any] = Field(default_factory=dict)
+    exit_threshold: float | None = None
+    exit_at_step: int | None = None
 
 
 class StreamOptions(_Strict):

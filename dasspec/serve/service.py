@@ -10,9 +10,13 @@ OpenAI semantics, mapped to ``dasspec.generate``:
   requests get equal answers.
 * ``max_tokens``: default 16 for completions (OpenAI's), the rest of the context for chat; never above
   ``--max-tokens-cap``, and prompt + max_tokens must fit the model's context.
-* ``dasspec``: ``{"method": ..., "knobs": {...}}``; knobs given to the server (``--set``) apply to its default
-  method, under the request's.  One drafter is kept per (method, knobs) - the benchmark's hot start: Token
-  Recycling's table and SAM's corpus automaton persist across requests; outputs never depend on it (lossless).
+* ``dasspec``: ``{"method": ..., "knobs": {...}, "exit_threshold": ..., "exit_at_step": ...}``; knobs given to
+  the server (``--set``) apply to its default method, under the request's.  One drafter is kept per (method,
+  knobs) - the benchmark's hot start: Token Recycling's table and SAM's corpus automaton persist across requests
+  (and are shared by the requests decoding together); outputs never depend on it (lossless).
+
+Requests are decoded together by one ``Engine`` (continuous batching, ``max_batch`` at a time, their depth caches
+in one pool of ``kv_budget`` positions), each answer exactly what that request decoded alone would give.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.draft import Drafter
+from ..engine.engine import Engine
+from ..engine.policy import SpeculationPolicy
+from ..engine.runtime import Runtime
 from ..engine.sampling import Sampling
 from ..methods import build_drafter, get_method
 from ..model.chat_template import TemplateLimit, TemplateSandbox
@@ -53,6 +60,8 @@ class ServeOptions:
     knobs: dict[str, Any] = field(default_factory=dict)     # the default method's knobs (--set)
     max_queue: int = 64
     max_tokens_cap: int | None = None                        # None: the model's context
+    runtime: Runtime | None = None                           # execution options (--compile, --cuda-graphs)
+    policy: SpeculationPolicy | None = None                  # how much to speculate as the batch grows
     # Options below carry their flag's help (dasspec serve derives --max-body, --template-timeout from them).
     max_body: int | None = field(default=None, metadata={"help": (
         "the largest request body in bytes; a larger one is answered 413 before it is read (default: what the "
@@ -60,6 +69,16 @@ class ServeOptions:
     template_timeout: float = field(default=1.0, metadata={"help": (
         "seconds a chat template may take to render one conversation; it renders in a separate process with "
         "bounded output and memory, and one that takes longer is stopped and the request answered 400")})
+    max_batch: int = field(default=8, metadata={"help": (
+        "requests decoded together (continuous batching: one verification pass per step for all of them); "
+        "more wait in the queue")})
+    kv_budget: int | None = field(default=None, metadata={"help": (
+        "depth-cache positions of the pool the running requests share, allocated once; a request needs prompt + "
+        "max_tokens + its drafter's width positions, one that can never fit is answered 400, one that fits later "
+        "waits (default: max-batch requests of the whole context, at most half the free memory)")})
+    request_timeout: float | None = field(default=None, metadata={"help": (
+        "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
+        "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
 
 
 class Service:
@@ -91,11 +110,20 @@ class Service:
                 raise ValueError(f"--method {self.method} --set: {err.message}"
                                  + (" (with the model's sampled defaults)" if sampled else "")) from None
         self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running)
-        self.worker = DecodeWorker(model, options.max_queue, self.metrics)
+        self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
+                             max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy)
+        self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
 
     @property
     def model_name(self) -> str:
         return self.options.model_name
+
+    def warmup(self) -> None:
+        """A short generation before the first client (allocator, kernels), on an engine of its own (the worker's
+        is idle: nothing is listening yet)."""
+        from ..engine.generate import generate
+        generate(self.model, self.tok.encode("Hello"), drafter=self.drafter(self.method, {}), max_new_tokens=4,
+                 runtime=self.options.runtime)
 
     # --- prompts --------------------------------------------------------------------------------------------
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -151,6 +179,14 @@ class Service:
             params["stop"] = stops
         params.update(self._sampling(req))
         opts = req.dasspec
+        if opts is not None and (opts.exit_threshold is not None or opts.exit_at_step is not None):
+            try:
+                self.model.exit_rule(opts.exit_threshold, opts.exit_at_step)
+            except ValueError as err:
+                param = "dasspec.exit_at_step" if "exit_at_step" in str(err) and opts.exit_threshold is None \
+                    else "dasspec.exit_threshold"
+                raise APIError(400, f"'{param}': {err}", param=param) from None
+            params.update(exit_threshold=opts.exit_threshold, exit_at_step=opts.exit_at_step)
         method = opts.method if opts is not None and opts.method is not None else self.method
         drafter = self.drafter(method, dict(opts.knobs) if opts is not None else {},
                                sampled=params.get("do_sample", False))

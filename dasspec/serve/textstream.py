@@ -36,29 +36,60 @@ def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
 
 
 class IncrementalText:
-    """``feed(ids) -> new text`` for each committed chunk, ``finish(final_text) -> the rest``."""
+    """``feed(ids) -> new text`` for each committed chunk, ``finish(final_text) -> the rest``.
+
+    The text is decoded incrementally, as vLLM's detokenizer does: each chunk decodes only a window - the tokens
+    since the last complete character boundary, after the chunk before them as context (a SentencePiece-style
+    decoder treats a leading space specially) - and appends what the window adds, so a stream costs O(tokens)
+    decoding, not O(tokens^2).  For byte-level BPE tokenizers (every family dasspec reads) the appended pieces concatenate
+    to the full decoding; ``finish`` checks it against the final text and refuses to continue a stream that
+    differs."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop_strings: Iterable[str] = ()):
         self.decode = decode
         self.stops = tuple(s for s in stop_strings if s)
+        self._longest = max((len(s) for s in self.stops), default=0)
         self.ids: list[int] = []
+        self.text = ""                # the decoded text of ids[:read] (complete characters only)
+        self._prefix = self._read = 0  # the window: ids[prefix:read] decodes to the end of ``text``
+        self._appended = 0            # text appended from tokens after ``read`` (before an incomplete character)
         self.sent = ""
+        self._cut: int | None = None  # where a stop string begins in ``text``, once one has appeared
 
-    def _safe_text(self) -> str:
-        text = self.decode(self.ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts:
-            return text[: min(cuts)]        # generation ends at this token; nothing after the stop string is text
-        text = text.rstrip("\ufffd")          # an incomplete multi-byte character: wait for its last byte
-        return text[: len(text) - _stop_prefix_len(text, self.stops)]
+    def _advance(self) -> None:
+        """Append the text of the tokens after ``read``; the window moves on once they end on a complete
+        character (until then, what precedes the incomplete one is appended and the rest waits for its bytes)."""
+        window = self.decode(self.ids[self._prefix:])
+        head = self.decode(self.ids[self._prefix: self._read])
+        complete = not window.endswith("\ufffd")      # else: an incomplete multi-byte character at the end
+        stable = window if complete else window.rstrip("\ufffd")
+        done = len(head) + self._appended             # window text already in ``text``
+        if len(stable) > done:
+            self.text += stable[done:]
+            self._appended += len(stable) - done
+        if complete:
+            self._prefix, self._read, self._appended = self._read, len(self.ids), 0   # both on character boundaries
+
+    def _safe_len(self, before: int) -> int:
+        """How much of ``text`` can no longer change: up to a stop string, or short of a possible stop prefix."""
+        if self._cut is None and self.stops:
+            start = max(0, before - self._longest + 1)          # a stop string ending in the new text
+            cuts = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if cuts:
+                self._cut = min(cuts)
+        if self._cut is not None:
+            return self._cut                # generation ends at this token; nothing after the stop string is text
+        return len(self.text) - _stop_prefix_len(self.text[-self._longest:] if self._longest else "", self.stops)
 
     def feed(self, ids: Iterable[int]) -> str:
         self.ids.extend(int(i) for i in ids)
-        text = self._safe_text()
-        if len(text) <= len(self.sent):
+        before = len(self.text)
+        self._advance()
+        safe = self._safe_len(before)
+        if safe <= len(self.sent):
             return ""
-        delta = text[len(self.sent):]
-        self.sent = text
+        delta = self.text[len(self.sent): safe]
+        self.sent += delta
         return delta
 
     def finish(self, final_text: str) -> str:

@@ -1,16 +1,16 @@
-"""One decode worker per loaded model: a thread that runs ``dasspec.generate`` for one request at a time (batch 1:
-DAS-Wave is a latency method) from a bounded FIFO queue.
+"""One decode worker per loaded model: a thread that steps the batched ``Engine`` - every running request verified
+in one pass per step, requests joining and leaving between steps (continuous batching) - fed from a bounded queue.
 
-    job = Job(loop, prompt, drafter, params, stop_strings, endpoint)
-    worker.submit(job)          # QueueFull when max_queue requests already wait -> 429 at once
+    job = Job(loop, prompt, drafter, params, endpoint)
+    worker.submit(job)          # QueueFull when max_batch requests run and max_queue wait -> 429 at once
     event = await job.events.get()   # Started, Delta(text, tokens)..., then Done(result, tail) or Failed(error)
                                      # (or Cancelled, when cancelled before it started)
-    worker.cancel(job)          # the client went away: a waiting job leaves the queue (its slot is free at once),
-                                # the running one stops at its next verification step
+    worker.cancel(job)          # the client went away: the engine drops it at the next step (or drafting round)
 
 The worker hands events to the event loop with ``call_soon_threadsafe``; the text in them is released
 incrementally (``textstream.IncrementalText``), so the concatenated deltas plus ``Done.tail`` equal the
-non-streamed text.  A failing request fails alone: the worker catches it, reports it on the job, and goes on.
+non-streamed text.  A request the engine refuses fails alone (a 400); a step that raises fails the requests that
+were running in it (their states cannot be trusted), and the worker goes on with the others.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..engine.draft import Drafter
-from ..engine.generate import GenerationResult, generate
+from ..engine.engine import Engine, StepEvent
+from ..engine.generate import GenerationResult
 from ..model.cache import CacheCapacityError
-from ..model.looped import LoopedLM
 from .metrics import ServerMetrics
 from .textstream import IncrementalText
 
@@ -36,7 +34,7 @@ log = logging.getLogger("dasspec.serve")
 
 
 class QueueFull(Exception):
-    """Every queue slot is taken."""
+    """Every batch slot and queue slot is taken."""
 
 
 @dataclass
@@ -64,7 +62,7 @@ class Failed:
 
 @dataclass
 class Cancelled:
-    """Cancelled while waiting in the queue: it never started."""
+    """Cancelled before it started: it never decoded."""
 
 
 def is_client_error(err: Exception) -> bool:
@@ -78,13 +76,18 @@ class Job:
     loop: asyncio.AbstractEventLoop
     prompt: list[int]
     drafter: Drafter
-    params: dict[str, Any]           # generate() options: max_new_tokens, stop, seed, sampling
+    params: dict[str, Any]           # Engine.add options: max_new_tokens, stop, seed, sampling
     endpoint: str                    # for the metrics: "completions" or "chat"
     stream: bool = True              # False: no incremental text (the reply is the result's text)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    finished: bool = False           # Done / Failed posted (or cancelled while waiting)
+    finished: bool = False           # Done / Failed / Cancelled posted
+    rid: int | None = None           # the engine's id, once added
+    started: bool = False            # admitted by the engine (a batch slot and cache rows)
+    text: IncrementalText | None = None
+    first_token: float | None = None
+    last_token: float | None = None
 
     def post(self, event) -> None:
         """Hand ``event`` to the event loop (from any thread)."""
@@ -95,46 +98,22 @@ class Job:
         except RuntimeError:            # the loop is closed: the server is shutting down, nobody is listening
             pass
 
-    def stop_requested(self, input_ids, scores) -> bool:
-        """A stopping criterion (asked after every committed token): true once the job is cancelled."""
-        return self.cancelled.is_set()
-
-
-class _Streamer:
-    """Hugging Face's streamer protocol for one job: the first ``put`` is the prompt (decoding has started), then
-    one per committed chunk."""
-
-    def __init__(self, job: Job, text: IncrementalText | None):
-        self.job, self.text = job, text
-        self.started = False
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-
-    def put(self, chunk: torch.Tensor) -> None:
-        if not self.started:
-            self.started = True
-            self.job.post(Started(time.perf_counter() - self.job.submitted))
-            return
-        ids = chunk.reshape(-1).tolist()
-        now = time.perf_counter()
-        self.first_token = self.first_token or now
-        self.last_token = now
-        self.job.post(Delta(self.text.feed(ids) if self.text is not None else "", len(ids)))
-
-    def end(self) -> None:
-        pass
-
 
 class DecodeWorker:
-    """The model's single decode thread and its bounded FIFO queue of waiting jobs."""
+    """The model's single decode thread stepping one ``Engine``, and its bounded queue."""
 
-    def __init__(self, model: LoopedLM, max_queue: int, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, max_queue: int, metrics: ServerMetrics | None = None,
+                 request_timeout: float | None = None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-        self.model, self.max_queue = model, max_queue
+        self.engine, self.max_queue = engine, max_queue
         self.metrics = metrics
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self.request_timeout = request_timeout
+        self._incoming: deque[Job] = deque()          # submitted, not yet handed to the engine
+        self._cancels: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}               # engine id -> job
+        self._pending = 0                             # submitted and not finished
+        self._running = 0                             # admitted by the engine and not finished
         self._cv = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="dasspec-decode", daemon=True)
@@ -145,28 +124,37 @@ class DecodeWorker:
         with self._cv:
             if self._closing:
                 raise QueueFull("the server is shutting down")
-            # max_queue jobs may wait while one decodes (a job not yet picked up counts as waiting)
-            if len(self._waiting) + (self._running is not None) > self.max_queue:
-                raise QueueFull(f"all {self.max_queue} queue slots are taken")
-            self._waiting.append(job)
+            if self._pending >= self.engine.max_batch + self.max_queue:
+                raise QueueFull(f"all {self.engine.max_batch} batch slots and {self.max_queue} queue slots are "
+                                "taken")
+            self._pending += 1
+            self._incoming.append(job)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop ``job``: out of the queue if it is waiting, else at its next verification step."""
+        """Stop ``job``: out of the queue if the engine has not got it, else at the engine's next step."""
         with self._cv:
+            if job.cancelled.is_set() or job.finished:
+                return
             job.cancelled.set()
-            if job in self._waiting:
-                self._waiting.remove(job)
+            if job in self._incoming:
+                self._incoming.remove(job)
+                self._pending -= 1
                 job.post(Cancelled())
                 self._count(job.endpoint, "cancelled")
+            else:
+                self._cancels.append(job)
+                self._cv.notify()
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiting)
+        """Requests accepted and not yet decoding."""
+        return self._pending - self._running
 
     @property
     def running(self) -> int:
-        return int(self._running is not None)
+        """Requests being decoded (the engine's batch, prefilling ones included)."""
+        return self._running
 
     @property
     def alive(self) -> bool:
@@ -176,60 +164,122 @@ class DecodeWorker:
         """Cancel every job and stop the thread (server shutdown)."""
         with self._cv:
             self._closing = True
-            for job in list(self._waiting):
-                self.cancel(job)
-            if self._running is not None:
-                self._running.cancelled.set()
+            for job in list(self._incoming):
+                job.cancelled.set()
+                job.post(Cancelled())
+            self._incoming.clear()
+            for job in self._jobs.values():
+                job.cancelled.set()
             self._cv.notify_all()
         self._thread.join(timeout)
 
     # --- the worker thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        engine = self.engine
         while True:
             with self._cv:
-                while not self._waiting and not self._closing:
+                while not (self._incoming or self._cancels or engine.has_work or self._closing):
                     self._cv.wait()
                 if self._closing:
-                    return
-                job = self._running = self._waiting.popleft()
-            if job.cancelled.is_set():           # cancelled between leaving the queue and starting
-                with self._cv:
-                    self._running = None
-                job.post(Cancelled())
-                self._count(job.endpoint, "cancelled")
+                    break
+                new, cancels = list(self._incoming), list(self._cancels)
+                self._incoming.clear()
+                self._cancels.clear()
+            for job in new:
+                self._add(job)
+            for job in cancels:
+                if job.rid is not None and job.rid in self._jobs:
+                    engine.cancel(job.rid)
+            if not engine.has_work:
                 continue
+            t = time.perf_counter()
+            batch = len(engine.running)
             try:
-                self._execute(job)
-            finally:
-                with self._cv:
-                    self._running = None
+                events = engine.step()
+            except Exception as err:                    # the requests of this step fail; the others go on
+                log.exception("a decode step failed")
+                for rid in engine.abort_running():
+                    engine.result(rid)
+                    self._fail(self._jobs.pop(rid), err)
+                continue
+            for ev in events:
+                self._dispatch(ev)
+            if self.metrics is not None:
+                self.metrics.step(max(batch, len(engine.running)), sum(len(ev.tokens) for ev in events),
+                                  time.perf_counter() - t)
+        for job in self._jobs.values():                 # shutdown: nobody is listening any more
+            job.post(Cancelled())
 
-    def _execute(self, job: Job) -> None:
-        tok = self.model.tokenizer
-        stops = [s for s in job.params.get("stop") or [] if isinstance(s, str)]
-        # (re-decoding the text per chunk costs O(n^2) in tokens: only for a stream)
-        streamer = _Streamer(job, IncrementalText(tok.decode, stops) if job.stream else None)
+    def _add(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            with self._cv:
+                self._pending -= 1
+            job.post(Cancelled())
+            self._count(job.endpoint, "cancelled")
+            return
         try:
-            result = generate(self.model, job.prompt, drafter=job.drafter, streamer=streamer,
-                              stopping_criteria=[job.stop_requested], **job.params)
-            tail = streamer.text.finish(result.text or "") if streamer.text is not None else ""
-        except Exception as err:                # this request fails alone; the worker goes on
-            client = is_client_error(err)
-            if not client:
-                log.exception("request failed")
-            self._count(job.endpoint, "invalid" if client else "error")
+            job.rid = self.engine.add(job.prompt, drafter=job.drafter, timeout=self.request_timeout, **job.params)
+        except Exception as err:
+            self._fail(job, err)
+            return
+        stops = [s for s in job.params.get("stop") or [] if isinstance(s, str)]
+        if job.stream:
+            job.text = IncrementalText(self.engine.model.tokenizer.decode, stops)
+        self._jobs[job.rid] = job
+
+    def _dispatch(self, ev: StepEvent) -> None:
+        job = self._jobs.get(ev.id)
+        if job is None:
+            return
+        now = time.perf_counter()
+        if ev.started:
+            job.started = True
+            with self._cv:
+                self._running += 1
+            job.post(Started(now - job.submitted))
+        if ev.tokens:
+            job.first_token = job.first_token or now
+            job.last_token = now
+            job.post(Delta(job.text.feed(ev.tokens) if job.text is not None else "", len(ev.tokens)))
+        if not ev.finished:
+            return
+        del self._jobs[ev.id]
+        result = self.engine.result(ev.id)
+        self._leave(job)
+        cancelled = ev.reason == "cancelled"
+        if cancelled and not job.started:                 # cancelled while it waited for a slot: never decoded
+            job.post(Cancelled())
+            self._count(job.endpoint, "cancelled")
+            return
+        try:
+            tail = job.text.finish(result.text or "") if job.text is not None else ""
+        except RuntimeError as err:
+            self._count(job.endpoint, "error")
             job.post(Failed(err))
             return
-        cancelled = job.cancelled.is_set() and result.stop_reason == "stopping_criteria"
-        self._record(job, result, streamer, cancelled)
+        self._record(job, result, cancelled)
         job.post(Done(result, tail, cancelled))
+
+    def _leave(self, job: Job) -> None:
+        with self._cv:
+            self._pending -= 1
+            if job.started:
+                self._running -= 1
+
+    def _fail(self, job: Job, err: Exception) -> None:
+        client = is_client_error(err)
+        if not client:
+            log.error("request failed: %s: %s", type(err).__name__, err)
+        self._leave(job)
+        self._count(job.endpoint, "invalid" if client else "error")
+        job.post(Failed(err))
 
     # --- metrics --------------------------------------------------------------------------------------------
     def _count(self, endpoint: str, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.requests.inc(endpoint=endpoint, outcome=outcome)
 
-    def _record(self, job: Job, result: GenerationResult, streamer: _Streamer, cancelled: bool) -> None:
+    def _record(self, job: Job, result: GenerationResult, cancelled: bool) -> None:
         m = self.metrics
         if m is None:
             return
@@ -239,8 +289,7 @@ class DecodeWorker:
         m.generated_tokens.inc(s.new_tokens, method=s.method)
         m.accepted.observe_many(s.accepted, method=s.method)
         m.committed.observe_many([a + u for a, u in zip(s.accepted, s.target_tokens)], method=s.method)
-        if streamer.first_token is not None:
-            m.ttft.observe(streamer.first_token - job.submitted, method=s.method)
+        if job.first_token is not None:
+            m.ttft.observe(job.first_token - job.submitted, method=s.method)
             if s.new_tokens > 1:
-                m.time_per_token.observe((streamer.last_token - streamer.first_token) / (s.new_tokens - 1),
-                                         method=s.method)
+                m.time_per_token.observe((job.last_token - job.first_token) / (s.new_tokens - 1), method=s.method)
