@@ -17,6 +17,7 @@ import torch
 import dasspec
 from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.testing import random_model
+from batched import decode_together
 
 METHODS = ["pld", "lookahead", "token-recycling", "sam"]
 
@@ -46,9 +47,11 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 def _check(model, prompts, cases, max_new: int) -> dict[str, int]:
     """Every case on every prompt equals AR (init_scale alternating 0 / 1 by prompt, per-prompt seeds, a stop
     token inside the generation on every 4th prompt); returns accepted draft tokens per method.  Each case keeps
-    one drafter across the prompts (Token Recycling's table stays hot, as in the benchmark)."""
+    one drafter across the prompts (Token Recycling's table stays hot, as in the benchmark): the prompts of a case
+    are decoded one at a time, then again all together (the batched engine; the table shared by all)."""
     accepted = {m: 0 for m, _ in cases}
     drafters = [dasspec.build_drafter(model, method, knobs) for method, knobs in cases]
+    options, refs = [], []
     for i, prompt in enumerate(prompts):
         init = float(i % 2)
         ref = dasspec.generate(model, prompt, "ar", max_new_tokens=max_new, init_scale=init, seed=i, eos=False)
@@ -61,10 +64,18 @@ def _check(model, prompts, cases, max_new: int) -> dict[str, int]:
                 ref = dasspec.generate(model, prompt, "ar", max_new_tokens=max_new, init_scale=init, seed=i,
                                        eos=False, stop=stop)
                 assert len(ref.tokens) == j + 1 and ref.stop_reason == "eos"
-        for (method, knobs), drafter in zip(cases, drafters):
-            out = dasspec.generate(model, prompt, max_new_tokens=max_new, init_scale=init, seed=i, eos=False,
-                                   stop=stop, drafter=drafter)
-            assert out.tokens == ref.tokens, (model.config.family, init, i, method, knobs)
+        options.append(dict(prompt=prompt, max_new_tokens=max_new, init_scale=init, seed=i, eos=False, stop=stop))
+        refs.append(ref)
+    for (method, knobs), drafter in zip(cases, drafters):
+        for i, (o, ref) in enumerate(zip(options, refs)):
+            if i < 4:                                  # the plain batch-1 path, the table warming up
+                out = dasspec.generate(model, o["prompt"], drafter=drafter,
+                                       **{k: v for k, v in o.items() if k != "prompt"})
+                assert out.tokens == ref.tokens, (model.config.family, i, method, knobs)
+                assert out.stop_reason == ref.stop_reason
+                accepted[method] += sum(out.stats.accepted)
+        for i, (out, ref) in enumerate(zip(decode_together(model, options, drafter=drafter), refs)):
+            assert out.tokens == ref.tokens, (model.config.family, i, method, knobs)
             assert out.stop_reason == ref.stop_reason
             accepted[method] += sum(out.stats.accepted)
     return accepted
@@ -146,13 +157,13 @@ def test_bundled_model_matches_ar() -> None:
     if len(prompts) < 20:
         pytest.skip(f"evaluation data not found under {_data_dir()} (set DASSPEC_DATA)")
     accepted = {m: 0 for m, _ in BUNDLED_CASES}
-    drafters = [dasspec.build_drafter(model, method, knobs) for method, knobs in BUNDLED_CASES]
-    for i, text in enumerate(prompts):
-        ids = model.tokenizer.encode(text)[-64:]   # the prompt's end (where generation starts) keeps CPU time low
-        init = float(i % 2)                        # zero and seeded-random initial states, alternating
-        ref = dasspec.generate(model, ids, "ar", max_new_tokens=10, init_scale=init, seed=i)
-        for (method, knobs), drafter in zip(BUNDLED_CASES, drafters):
-            out = dasspec.generate(model, ids, max_new_tokens=10, init_scale=init, seed=i, drafter=drafter)
-            assert out.tokens == ref.tokens, (i, method, knobs)
+    # the prompt's end (where generation starts) keeps CPU time low; zero and seeded-random initial states alternate
+    options = [dict(prompt=model.tokenizer.encode(text)[-64:], max_new_tokens=10, init_scale=float(i % 2), seed=i)
+               for i, text in enumerate(prompts)]
+    refs = [dasspec.generate(model, o["prompt"], "ar", **{k: v for k, v in o.items() if k != "prompt"}).tokens
+            for o in options]
+    for method, knobs in BUNDLED_CASES:                # all 20 together, one drafter (Token Recycling's table)
+        for i, (out, ref) in enumerate(zip(decode_together(model, options, method, knobs), refs)):
+            assert out.tokens == ref, (i, method, knobs)
             accepted[method] += sum(out.stats.accepted)
     assert all(accepted.values()), f"a drafter never had a draft accepted: {accepted}"

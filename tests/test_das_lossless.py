@@ -12,6 +12,7 @@ import torch
 import dasspec
 from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.testing import random_model
+from batched import decode_together
 
 POLICIES = ["aligned", "deep-v", "deep-k", "deep-kv"]
 
@@ -51,20 +52,24 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 def test_random_checkpoints_match_ar(family: str, init_scale: float) -> None:
     # One layer per stage keeps 40 prompts x every case fast; the family's quirks (GQA, llama3 RoPE, q/k norm,
     # sandwich norms) are all in that one layer.  Zero and seeded-random initial states take alternate prompts
-    # (20 each), one test each so that the test workers share the six halves evenly.
+    # (20 each), one test each so that the test workers share the six halves evenly.  Each case decodes its 20
+    # prompts together (the batched engine: each must equal its own batch-1 AR decode) and two of them alone.
     model = random_model(family, seed=3, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
-    prompts = _prompts(model.config.vocab_size, 40, seed=11)
+    prompts = [(i, p) for i, p in enumerate(_prompts(model.config.vocab_size, 40, seed=11)) if i % 2 == int(init_scale)]
+    options = [dict(prompt=p, max_new_tokens=10, init_scale=init_scale, seed=i, eos=False) for i, p in prompts]
+    refs = [dasspec.generate(model, o["prompt"], "ar", **{k: v for k, v in o.items() if k != "prompt"}).tokens
+            for o in options]
+    assert all(len(r) == 10 for r in refs)
     accepted = 0
-    for i, prompt in enumerate(prompts):
-        if i % 2 != int(init_scale):
-            continue
-        ref = dasspec.generate(model, prompt, "ar", max_new_tokens=10, init_scale=init_scale, seed=i, eos=False)
-        assert len(ref.tokens) == 10
-        for method, knobs in RANDOM_CASES:
-            out = dasspec.generate(model, prompt, method, max_new_tokens=10, init_scale=init_scale, seed=i,
-                                   eos=False, **knobs)
-            assert out.tokens == ref.tokens, (family, init_scale, i, method, knobs)
+    for method, knobs in RANDOM_CASES:
+        outs = decode_together(model, options, method, knobs)
+        for (i, _), out, ref in zip(prompts, outs, refs):
+            assert out.tokens == ref, (family, init_scale, i, method, knobs)
             accepted += sum(out.stats.accepted)
+        for o, ref in list(zip(options, refs))[:2]:                    # the plain batch-1 path too
+            out = dasspec.generate(model, o["prompt"], method, **{k: v for k, v in o.items() if k != "prompt"},
+                                   **knobs)
+            assert out.tokens == ref, (family, init_scale, method, knobs)
     assert accepted > 0, "no draft was ever accepted: the acceptance path went untested"
 
 
@@ -122,15 +127,17 @@ def _bundled():
 
 
 def test_bundled_model_every_policy_matches_ar() -> None:
+    """Each case decodes the 20 prompts together (the batched engine), every one equal to its batch-1 AR decode;
+    zero and seeded-random initial states alternate (each request has its own)."""
     model = _bundled()
     prompts = [model.tokenizer.encode(t) for t in _bundled_prompts(20)]
     assert len(prompts) == 20
-    for i, ids in enumerate(prompts):
-        init = float(i % 2)                        # zero and seeded-random initial states, alternating
-        ref = dasspec.generate(model, ids, "ar", max_new_tokens=10, num_steps=8, init_scale=init, seed=i)
-        for method, knobs in BUNDLED_CASES:
-            out = dasspec.generate(model, ids, method, max_new_tokens=10, num_steps=8, init_scale=init, seed=i,
-                                   **knobs)
+    options = [dict(prompt=ids, max_new_tokens=10, init_scale=float(i % 2), seed=i) for i, ids in enumerate(prompts)]
+    refs = [dasspec.generate(model, o["prompt"], "ar", num_steps=8, **{k: v for k, v in o.items() if k != "prompt"})
+            for o in options]
+    for method, knobs in BUNDLED_CASES:
+        outs = decode_together(model, options, method, knobs, num_steps=8)
+        for i, (out, ref) in enumerate(zip(outs, refs)):
             assert out.tokens == ref.tokens, (i, method, knobs)
 
 
@@ -138,14 +145,16 @@ def test_bundled_model_default_decoders_match_full_depth_ar() -> None:
     """The shipped configuration: R = 32 and each decoder's defaults for this model."""
     model = _bundled()
     prompts = [model.tokenizer.encode(t) for t in _bundled_prompts(20)]
+    options = [dict(prompt=ids, max_new_tokens=12, init_scale=float(i % 2), seed=i) for i, ids in enumerate(prompts)]
+    refs = [dasspec.generate(model, o["prompt"], "ar", **{k: v for k, v in o.items() if k != "prompt"}).tokens
+            for o in options]
     accepted = 0
-    for i, ids in enumerate(prompts):
-        init = float(i % 2)
-        ref = dasspec.generate(model, ids, "ar", max_new_tokens=12, init_scale=init, seed=i)
-        for method in ("self-spec", "mature-spec", "das-wave"):
-            out = dasspec.generate(model, ids, method, max_new_tokens=12, init_scale=init, seed=i)
-            assert out.tokens == ref.tokens, (i, method)
+    for method in ("self-spec", "mature-spec", "das-wave"):
+        for i, (out, ref) in enumerate(zip(decode_together(model, options, method), refs)):
+            assert out.tokens == ref, (i, method)
             accepted += sum(out.stats.accepted)
+        out = dasspec.generate(model, prompts[0], method, max_new_tokens=12, init_scale=0.0, seed=0)   # alone
+        assert out.tokens == refs[0], method
     assert accepted > 0
 
 

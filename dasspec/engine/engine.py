@@ -221,6 +221,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # --- the step ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """Admit, draft, verify every running request in one pass, commit; the events of this step."""
         events: list[StepEvent] = []
