@@ -268,3 +268,18 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     res_b = engine.result(b)
     assert res_b.tokens == dasspec.generate(model, [8, 9, 4], max_new_tokens=30, eos=False).tokens
     assert res_b.stats.draft_passes >= 10                                         # its rounds ran on
+
+
+def test_static_shapes_and_a_prefix_cache_in_a_batch():
+    """A batched engine with fixed-shape calls (every request's range one size, attention over the whole range
+    under a mask) and requests sharing a prefix cache: the same tokens as each request alone."""
+    model = random_model("huginn", seed=9, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    shared = list(range(10, 40))
+    prompts = [shared + p for p in _prompts(model.config.vocab_size, 4, seed=12)]
+    pc = dasspec.PrefixCache(model, shared)
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=8, eos=False, prefix_cache=pc).tokens for p in prompts]
+    for runtime in (dasspec.Runtime(static_shapes=True), None):
+        outs = dasspec.generate_batch(model, prompts, "das-wave", max_new_tokens=8, eos=False, prefix_cache=pc,
+                                      runtime=runtime, max_batch=4, gamma=4, rounds=3)
+        assert [o.tokens for o in outs] == refs, runtime
+        assert all(o.stats.cached_tokens == len(shared) for o in outs)

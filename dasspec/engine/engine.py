@@ -117,8 +117,10 @@ class Engine:
         self.method, self.knobs = method, dict(knobs or {})
         self._drafters: dict[tuple, Drafter] = {}
         self.drafter(method, self.knobs)                      # the default method's knobs fail here, not later
+        width = self.drafter(method, self.knobs).width
+        self.slot_rows = rows_needed(model.config.block_size, 0, model.config.block_size, width)
         if kv_budget is None:
-            kv_budget = default_kv_budget(model, self.R, max_batch, self.drafter(method, self.knobs).width)
+            kv_budget = default_kv_budget(model, self.R, max_batch, width)
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
         # Batched calls may read rows between requests' ranges (masked): they must be finite (pool.py).  A table of
@@ -184,6 +186,8 @@ class Engine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         rows = rows_needed(ctx, P, rule.max_new_tokens, drafter.width)
+        if self.runtime.static_shapes and self.max_batch > 1:    # every range one size: compiled calls keep shapes
+            rows = max(rows, self.slot_rows)
         if rows > self.pool.rows:
             raise CacheCapacityError(
                 f"the request needs {rows} cache positions (prompt {P} + max_new_tokens {rule.max_new_tokens} + "

@@ -171,8 +171,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         check_kept(model, drafter, R)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
-    if kv_budget is None:
-        ctx = model.config.block_size
+    if kv_budget is None and not (runtime is not None and runtime.static_shapes and max_batch > 1):
+        ctx = model.config.block_size        # (static shapes: the engine's default, ranges of one size)
         need = sorted((rows_needed(ctx, len(p), c, drafter.width) for p, c in zip(ids, caps)), reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
