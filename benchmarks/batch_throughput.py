@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-steps", type=int, default=None)
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill each task's shared few-shot prefix with every request (default: once, before "
+                        "timing, as dasspec bench --prefix-cache: the exemplars' prefill is the same for every arm)")
     args = p.parse_args(argv)
 
     import torch
@@ -94,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no prompts: check --tasks / --data")
     ids = [pr.ids for pr in prompts]
     caps = [pr.task.cap for pr in prompts]
+    prefixes = [None] * len(prompts)
+    if args.prefix_cache:
+        from dasspec.eval.bench.setup import BenchPlan
+        from dasspec.eval.bench.work import task_prefix_caches
+        plan = BenchPlan(tasks=list({pr.task.name: pr.task for pr in prompts}.values()), methods=["ar"],
+                         num_steps=args.num_steps)
+        caches = task_prefix_caches(model, prompts, model.depth(args.num_steps), plan)
+        prefixes = [caches.get(pr.task.name) for pr in prompts]
     stops = [list(pr.task.stop) or None for pr in prompts]
     batches = [int(b) for b in args.batches.split(",")]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         method, policy = parse_arm(arm)
         t = time.perf_counter()
         res = dasspec.generate_batch(model, ids, method, max_new_tokens=caps, stop=stops, max_batch=B,
-                                     policy=policy, num_steps=args.num_steps)
+                                     policy=policy, num_steps=args.num_steps, prefix_cache=prefixes)
         return time.perf_counter() - t, res
 
     dasspec.generate_batch(model, ids[:2], "das-wave", max_new_tokens=8, max_batch=2)      # warm-up
@@ -154,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                             "x_AR": vsar[0], "x_AR_lo": vsar[1], "x_AR_hi": vsar[2],
                             "A": statistics.fmean(x["A"] for x in mine),
                             "equal_to_ar": min(x["equal_to_ar"] for x in mine), "prompts": len(ids)})
-    lines = [f"{len(ids)} prompts ({args.tasks}, cap {args.max_new_tokens}), {args.rounds} round(s), "
+    cached = sum(r.stats.cached_tokens for r in run("ar", 1)[1])
+    lines = [f"{len(ids)} prompts ({args.tasks}, cap {args.max_new_tokens}; {sum(len(i) for i in ids)} prompt tokens, "
+             f"{cached} of them from task prefix caches), {args.rounds} round(s), "
              f"{torch.get_num_threads()} thread(s), {model.dtype}, {model.device}", "",
              "| arm | B | tok/s | x B=1 [range] | x AR at B [range] | A | = AR |", "|---|---|---|---|---|---|---|"]
     for s in summary:

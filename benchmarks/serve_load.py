@@ -1,8 +1,9 @@
-"""Serving benchmark (issue 21): ``dasspec serve`` under concurrent streaming clients, one method against another.
+"""Serving benchmark (issues 21, 28): ``dasspec serve`` under concurrent streaming clients, one arm against another.
 
-For each method, a server (``dasspec serve --method M``, a subprocess on a free port) is started and loaded by
-C closed-loop clients (C = 1, 4, 16), each sending streamed completions back to back until the level's requests are
-done.  Per (method, C):
+An arm is a method and server flags, and optionally another checkout of dasspec to run the server from (the
+"before" of a change: ``--arm before=das-wave@../wt-old --max-batch 1``).  For each arm a server (a subprocess on a
+free port) is started and loaded by C closed-loop clients (C = 1, 4, 16), each sending streamed completions back to
+back until the level's requests are done.  Per (arm, C):
 
     requests/s | tokens/s | time to first token p50 / p99 | per-token latency p50 / p99 | equal to the first method
 
@@ -14,6 +15,8 @@ done.  Per (method, C):
 
     python benchmarks/serve_load.py --out runs/serve-load                       # bundled model, das-wave vs ar
     python benchmarks/serve_load.py --methods das-wave,ar --concurrency 1,4,16 --requests 8 --threads 2 --out DIR
+    python benchmarks/serve_load.py --arm "serial=das-wave@/path/to/old/checkout" \
+        --arm "batched=das-wave --max-batch 16" --arm "ar=ar --max-batch 16" --out DIR
 
 Prompts: the first evaluation prompts of GSM8K (2-shot) and MBPP (the data folder: --data or $DASSPEC_DATA), with
 their stop strings and a cap of --max-tokens.  Writes results.json and results.md into --out.  This is a
@@ -41,10 +44,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(method: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
+def parse_arm(text: str) -> tuple[str, str, str | None, list[str]]:
+    """``LABEL=METHOD[@CHECKOUT] [FLAGS...]`` (or just ``METHOD``) -> (label, method, checkout or None, flags)."""
+    label, eq, rest = text.partition("=")
+    if not eq:
+        label, rest = text.split()[0], text
+    head, *flags = rest.split()
+    method, _, checkout = head.partition("@")
+    return label.strip(), method, checkout or None, flags
+
+
+def start_server(method: str, args: argparse.Namespace, log: Path, checkout: str | None = None,
+                 flags: list[str] = ()) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "dasspec.cli", "serve", "--method", method, "--port", str(port),
-           "--log-level", "warning", "--max-queue", "256"]
+           "--log-level", "warning", "--max-queue", "256", *flags]
     if args.model:
         cmd += ["--model", args.model]
     if args.threads:
@@ -52,7 +66,12 @@ def start_server(method: str, args: argparse.Namespace, log: Path) -> tuple[subp
     if args.device:
         cmd += ["--device", args.device]
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    env = None
+    if checkout:             # that checkout's dasspec package first on the path (this venv's dependencies)
+        import os
+        env = dict(os.environ, PYTHONPATH=str(Path(checkout).resolve()))
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            cwd=str(Path(checkout).resolve()) if checkout else None)
     out.close()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -148,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     p.add_argument("--methods", default="das-wave,ar", help="comma-separated; the first is the reference for "
                                                            "'equal' (any lossless method gives AR's text)")
+    p.add_argument("--arm", action="append", default=[], metavar="LABEL=METHOD[@CHECKOUT] [FLAGS]",
+                   help="instead of --methods: a labelled server (repeatable; the first is the reference)")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
     p.add_argument("--tasks", default="gsm8k,mbpp")
@@ -161,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args)
     levels = [int(c) for c in args.concurrency.split(",")]
-    methods = [m.strip() for m in args.methods.split(",")]
+    arms = [parse_arm(a) for a in args.arm] or [(m.strip(), m.strip(), None, []) for m in args.methods.split(",")]
+    methods = [a[0] for a in arms]
     rows, texts = [], {}
-    for method in methods:
-        proc, port = start_server(method, args, out / f"server-{method}.log")
+    for method, served, checkout, flags in arms:
+        proc, port = start_server(served, args, out / f"server-{method}.log", checkout, flags)
         try:
             for prompt, stop in prompts[:2]:                       # warm-up, untimed
                 stream_one(port, prompt, stop, 8)
@@ -192,13 +214,22 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     ref = methods[0]
-    lines = [f"| method | C | requests | req/s | tok/s | mean tokens | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) "
+    lines = [f"| arm | C | requests | req/s | tok/s | mean tokens | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) "
              f"| = {ref} |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['mean_tokens']:.1f} | {r['ttft_p50_ms']:.0f} / "
                      f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
                      f"{r['equal_to_' + ref]} |")
+    lines += ["", "Arms: " + "; ".join(f"{label} = {m}{'@' + c if c else ''} {' '.join(f)}".strip()
+                                       for label, m, c, f in arms)]
+    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == ref}
+    lines += ["", f"| arm | C | tok/s x {ref} at the same C | tok/s x its own C = 1 |", "|---|---|---|---|"]
+    for r in rows:
+        own1 = next((x["tokens_per_s"] for x in rows if x["method"] == r["method"] and x["concurrency"] == levels[0]),
+                    float("nan"))
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s'] / base.get(r['concurrency'], float('nan')):.2f} "
+                     f"| {r['tokens_per_s'] / own1:.2f} |")
     table = "\n".join(lines)
     (out / "results.md").write_text(table + "\n")
     print(table)

@@ -145,8 +145,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                    exit_at_step: int | None = None, **knobs) -> list[GenerationResult]:
     """Decode ``prompts`` together (up to ``max_batch`` at a time) with ``method``; one result per prompt, in input
     order, each equal to ``generate(model, prompt, method, ...)`` of that prompt alone (greedy, or sampled with the
-    same seed).  Every option of ``generate``; ``max_new_tokens`` and ``seed`` may be one value or one per prompt,
-    and ``stop`` one prompt's stop items or a list of them per prompt (``[["\n"], None, [7]]``).
+    same seed).  Every option of ``generate``; ``max_new_tokens``, ``seed`` and ``prefix_cache`` may be one value
+    or one per prompt, and ``stop`` one prompt's stop items or a list of them per prompt (``[["\n"], None, [7]]``).
     ``kv_budget``: depth-cache positions for the running requests (default: room for the ``max_batch`` largest
     at once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
     token)."""
@@ -159,6 +159,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     count = len(ids)
     caps = [check_max_new_tokens(c) for c in _per_prompt("max_new_tokens", max_new_tokens, count, lambda v: False)]
     seeds = _per_prompt("seed", seed, count, lambda v: False)
+    prefixes = _per_prompt("prefix_cache", prefix_cache, count, lambda v: False)
     stops = _per_prompt("stop", stop, count, _stop_is_one)
     R = model.depth(num_steps)
     sampled = do_sample is True
@@ -180,9 +181,9 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, init_scale=init_scale, do_sample=do_sample,
                            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                           stopping_criteria=stopping_criteria, prefix_cache=prefix_cache, drafter=drafter,
+                           stopping_criteria=stopping_criteria, prefix_cache=pc, drafter=drafter,
                            trace=trace, tokenizer=tokenizer, exit_threshold=exit_threshold, exit_at_step=exit_at_step)
-                for p, c, s, sd in zip(ids, caps, stops, seeds)]
+                for p, c, s, sd, pc in zip(ids, caps, stops, seeds, prefixes)]
         while engine.has_work:
             engine.step()
     return [engine.result(r) for r in rids]
