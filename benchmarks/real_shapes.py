@@ -7,8 +7,9 @@ four float32 shards, 15.6 GB; Ouro-1.4B, one bfloat16 model.safetensors, 2.9 GB)
 user with the real folder would (``load_model(folder, dtype=...)``):
 
 * load time and peak resident memory, in float32 and bfloat16, each in a fresh process;
-* tokens/s of AR, Mature-Spec and DAS-Wave at R = 32 (a few tokens each; the family's default knobs) in bfloat16
-  and float32, and whether each speculative method's tokens equal AR's (in float32 they must);
+* tokens/s of AR and the speculative methods (Huginn: Mature-Spec and DAS-Wave at R = 32; Ouro: SAM-Decoding and
+  DAS-Wave at its T = 4; a few tokens each, the family's default knobs) in bfloat16 and float32, and whether each
+  speculative method's tokens equal AR's (in float32 they must);
 * the depth cache's bytes per token at R = 32 in bfloat16, computed and allocated, against the README's 2.7 MB.
 
 Random weights decide nothing about acceptance (a speculative method accepts almost nothing on them, so its
@@ -18,7 +19,7 @@ losslessness.
     python benchmarks/real_shapes.py --huginn-files ../shared/checkpoints/huginn-0125 \\
         --ckpt /tmp/dasspec-big/huginn-0125-random --out runs/real_shapes --tokens 4 --threads 2
 
-    python benchmarks/real_shapes.py --layout ouro --out runs/real_shapes_ouro      # build + load (the default phases)
+    python benchmarks/real_shapes.py --layout ouro --out runs/real_shapes_ouro      # build, load, bf16 decode
 
 Heavy: the float32 load holds 15.6 GB; run it on a quiet machine.  ``--scale small`` runs everything on the
 scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32);
@@ -39,9 +40,9 @@ README_BYTES_PER_TOKEN = 2.7e6          # Huginn-0125's depth cache per token in
 # --layout: the repository files, where the checkpoint goes, the default phases and depth, the report's title
 LAYOUTS = {
     "huginn": dict(files="../shared/checkpoints/huginn-0125", ckpt="/tmp/dasspec-big/huginn-0125-random",
-                   phases="build,load,bf16,fp32", R=32, title="Huginn-0125"),
+                   phases="build,load,bf16,fp32", R=32, methods="ar,mature-spec,das-wave", title="Huginn-0125"),
     "ouro": dict(files="../shared/checkpoints/ouro-1.4b", ckpt="/tmp/dasspec-big/ouro-1.4b-random",
-                 phases="build,load", R=4, title="Ouro-1.4B"),
+                 phases="build,load,bf16", R=4, methods="ar,sam,das-wave", title="Ouro-1.4B"),
 }
 
 
@@ -148,7 +149,7 @@ def main() -> None:
     p.add_argument("--R", type=int, default=None, help="recurrence depth (default: the layout's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--phases", default=None, help="build, load, bf16, fp32 (default: the layout's)")
-    p.add_argument("--methods", default="ar,mature-spec,das-wave", help="decoded methods, AR first")
+    p.add_argument("--methods", default=None, help="decoded methods, AR first (default: the layout's)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -179,7 +180,7 @@ def main() -> None:
     for phase, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
         if phase in phases:
             results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(R),
-                                                 args.methods)
+                                                 args.methods or layout["methods"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -69,6 +69,28 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     return {"do_sample": True, "temperature": t, **filters}
 
 
+def add_exit_flags(p) -> None:
+    """The target's early exit, for models with an exit gate (Ouro); every method stays lossless against it."""
+    p.add_argument("--exit-threshold", dest="exit_threshold", type=float, default=None, metavar="TAU",
+                   help="read each position from the first recurrence step whose cumulative exit probability "
+                        "reaches TAU in [0, 1] (Ouro's early exit; default: the last step)")
+    p.add_argument("--exit-at-step", dest="exit_at_step", type=int, default=None, metavar="S",
+                   help="read every position from recurrence step S (0-based, as Ouro's exit_at_step)")
+
+
+def exit_from_args(args: argparse.Namespace) -> dict:
+    """generate()'s exit options from the flags, their values checked before any model loads (whether the model
+    has an exit gate, and S against its depth, once it has loaded)."""
+    from .model.exit import ExitRule
+
+    given = {k: getattr(args, k) for k in ("exit_threshold", "exit_at_step") if getattr(args, k, None) is not None}
+    try:
+        ExitRule.of(**given)
+    except ValueError as err:
+        raise ValueError(f"{err} (--exit-threshold / --exit-at-step)") from None
+    return given
+
+
 def add_exec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution (GPU options; see dasspec.Runtime)")
     g.add_argument("--static-shapes", action="store_true", help="fixed-shape attention over the whole cache")
@@ -160,19 +182,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = read_prompt(args)                  # every input check before the model loads
     stops = [utf8_text(s, "--stop") for s in args.stop]
+    target = exit_from_args(args)
     if args.stats_json:
         check_out_file(args.stats_json, "--stats-json")
     set_threads(args.threads)
     model = load_for_args(args)
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: no tokenizer.json next to the weights; cannot encode the prompt")
-    ids = model.tokenizer.encode(prompt)
-    streamer = None if args.quiet else TextStreamer(model.tokenizer, prompt=prompt)
+    if args.chat:               # one user turn in the checkpoint's template, which places its own special tokens
+        text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = model.tokenizer.encode(prompt)
+    streamer = None if args.quiet else TextStreamer(model.tokenizer, prompt="" if args.chat else prompt)
     try:
         res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
                                num_steps=args.num_steps, init_scale=args.init_scale, stop=stops or None,
                                seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
-                               **sampling_from_args(args), **knobs_from_args(args))
+                               **target, **sampling_from_args(args), **knobs_from_args(args))
     except KeyboardInterrupt:
         if streamer is not None and streamer.prompt_seen:
             print(flush=True)                   # end the streamed line: the message goes on a line of its own
@@ -198,6 +225,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="checkpoint folder or HF repo id in the local cache "
                                                   "(default: the bundled model)")
     g.add_argument("--prompt", default=None, help="prompt text (default: read stdin); UTF-8")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user turn in the checkpoint's chat template (a plain 'role: "
+                        "content' one when it has none) and print only the reply")
     g.add_argument("--method", default="ar", choices=method_names(), metavar="METHOD",
                    help=f"decoding method: {', '.join(method_names())} (default: %(default)s, full-depth "
                         "autoregressive; every method emits its tokens)")
@@ -209,6 +239,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the per-position initial states and of sampling (default: %(default)s)")
     add_sampling_flags(g)
+    add_exit_flags(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); EOS always stops")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available, else CPU)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

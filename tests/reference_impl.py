@@ -409,16 +409,19 @@ SPECIALS = {
     "huginn": ("<|begin_text|>", "<|end_text|>", "<|pad|>", ["<|begin_header|>", "<|end_header|>", "<|end_turn|>"]),
     "raven-llama": ("<|begin_of_text|>", "<|end_of_text|>", None, []),
     "raven-olmo": (None, "<|endoftext|>", "<|pad|>", []),
+    # Ouro's published base files: EOS <|endoftext|> (id 0), then the ChatML tokens <|im_start|> 1, <|im_end|> 2
+    "ouro": (None, "<|endoftext|>", None, ["<|im_start|>", "<|im_end|>"]),
 }
 
 
-def write_tokenizer(kind: str = "raven-llama", vocab_size: int = 300) -> dict[str, str]:
-    """A byte-level BPE trained on a few sentences; the special tokens and BOS template of ``kind``'s tokenizer.
-    Returns {file name: text} for tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+def write_tokenizer(kind: str = "raven-llama", vocab_size: int = 300, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """A byte-level BPE trained on a few sentences; the special tokens and BOS template of ``kind``'s tokenizer
+    (and ``extra`` special tokens after them).  Returns {file name: text} for tokenizer.json,
+    tokenizer_config.json and special_tokens_map.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    bos, eos, pad, extra = SPECIALS[kind]
-    specials = [t for t in (bos, eos, pad) if t] + extra
+    bos, eos, pad, more = SPECIALS[kind]
+    specials = [t for t in (bos, eos, pad) if t] + more + list(extra)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -638,8 +641,9 @@ def ouro_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def write_ouro_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, seed: int = 0, n_shards: int = 1,
                           config_edits: dict | None = None, drop: tuple[str, ...] = (),
-                          edit: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a random HF Ouro folder; ``edit`` replaces or adds tensors."""
+                          edit: dict[str, torch.Tensor] | None = None, tokenizer: dict | None = None) -> Path:
+    """Write a random HF Ouro folder; ``edit`` replaces or adds tensors; ``tokenizer``: files from
+    ``write_tokenizer`` (name -> text)."""
     folder = Path(folder)
     cfg = ouro_config(vocab_size)
     tensors = ouro_tensors(cfg, seed)
@@ -649,4 +653,6 @@ def write_ouro_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, s
     cfg.update(config_edits or {})
     save_tensors(folder, tensors, n_shards)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name, text in (tokenizer or {}).items():
+        (folder / name).write_text(text)
     return folder

@@ -640,3 +640,31 @@ def test_a_sampled_benchmark_uses_the_models_sampled_defaults(model, tmp_path, m
     assert sampled["w_init"] == 3 and greedy["w_init"] != 3
     assert [d.knobs.w_init for d in built.values() if hasattr(d, "knobs") and hasattr(d.knobs, "w_init")] == \
         [3, greedy["w_init"]]
+
+
+def test_an_exit_target_reaches_every_arm_and_is_pinned(tmp_path):
+    """--exit-threshold / --exit-at-step (Ouro): every arm, AR included, decodes the early-exit target, so every
+    output equals AR's at that target; the target is in run.json (a resume with another is refused) and the report;
+    a model without an exit gate is refused before any run."""
+    import dasspec
+
+    ouro = random_model("ouro", seed=3)
+    target = {"exit_at_step": 1}
+    bench(ouro, tmp_path, plan(["self-spec", "das-wave"], knobs={}, exit=target))
+    recs = load_records(tmp_path / "records.jsonl")
+    s, text = write_report(tmp_path)
+    assert not s.mismatches and "R = 4 (target: exit_at_step 1)" in text
+    task, tok = toy_task(), CharTokenizer()
+    by_id = {ex.id: ex for ex in task.examples(3, "eval", 0, None)}
+    moved = 0
+    for r in (r for r in recs if r["method"] == "ar"):
+        ids = tok.encode(by_id[r["prompt_id"]].prompt)
+        opts = dict(max_new_tokens=CAP, stop=list(task.stop), tokenizer=tok)
+        assert r["tokens"] == dasspec.generate(ouro, ids, **opts, **target).tokens
+        moved += r["tokens"] != dasspec.generate(ouro, ids, **opts).tokens
+    assert moved, "the target changes no AR output here, so nothing shows that it was applied"
+    with pytest.raises(ValueError, match="exit"):
+        bench(ouro, tmp_path, plan(["self-spec"], knobs={}, exit={"exit_threshold": 0.5}))
+    with pytest.raises(ValueError, match=r"need a model with an early-exit gate \(Ouro\); a huginn model has none"):
+        bench(random_model("huginn"), tmp_path / "h", plan(["ar"], exit=target))
+    assert not (tmp_path / "h" / "records.jsonl").exists()

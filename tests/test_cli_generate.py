@@ -186,3 +186,45 @@ def test_every_generate_flag_has_help_and_shows_its_default(capsys):
                         ("--threads THREADS", "(default: torch's, lowered to the cores")]:
         help_text = text.split(f" {flag} ", 1)[1].split(" --", 1)[0]
         assert shown in help_text, flag
+
+
+def test_exit_options_on_ouro_and_refused_elsewhere(folder, capsys, tmp_path):
+    """--exit-threshold / --exit-at-step reach the target (the printed text is the API's at that target), a bad
+    value is named before the model loads, and a model without an exit gate refuses both with a message."""
+    from reference_impl import write_ouro_checkpoint
+
+    ouro_folder = write_ouro_checkpoint(tmp_path / "ouro", vocab_size=320, seed=3, tokenizer=write_tokenizer("ouro"))
+    ouro = dasspec.load_model(ouro_folder, device="cpu")
+    last = dasspec.generate(ouro, TEXT, max_new_tokens=6).text
+    for flag, value, target in (("--exit-at-step", "1", {"exit_at_step": 1}),
+                                ("--exit-threshold", "0.6", {"exit_threshold": 0.6})):
+        want = dasspec.generate(ouro, TEXT, max_new_tokens=6, **target).text
+        assert want != last, f"{flag} {value} reads the last step's tokens here: the test could not see it ignored"
+        assert main(["generate", "--model", str(ouro_folder), "--prompt", TEXT, "--max-new-tokens", "6",
+                     "--method", "self-spec", flag, value]) == 0
+        assert capsys.readouterr().out == TEXT + want + "\n"
+    assert main(["generate", "--model", str(ouro_folder), "--prompt", TEXT, "--exit-threshold", "1.5"]) == 2
+    assert capsys.readouterr().err == ("dasspec: error: exit_threshold must be a number in [0, 1], got 1.5 "
+                                       "(--exit-threshold / --exit-at-step)\n")
+    assert main(["generate", "--model", str(ouro_folder), "--prompt", TEXT, "--exit-at-step", "4"]) == 2
+    assert "exit_at_step=4 is beyond the 4 recurrence steps" in capsys.readouterr().err
+    assert main(["generate", "--model", str(folder), "--prompt", TEXT, "--exit-at-step", "0"]) == 2
+    assert capsys.readouterr().err.startswith("dasspec: error: exit_threshold / exit_at_step need a model with an "
+                                              "early-exit gate (Ouro); a raven-llama model has none")
+
+
+def test_chat_sends_one_user_turn_in_the_template_and_prints_the_reply(tmp_path, capsys):
+    from reference_impl import write_ouro_checkpoint
+
+    ouro_folder = write_ouro_checkpoint(tmp_path / "ouro", vocab_size=320, seed=3, tokenizer=write_tokenizer("ouro"))
+    (ouro_folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    ouro = dasspec.load_model(ouro_folder, device="cpu")
+    tok = ouro.tokenizer
+    ids = tok.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert ids[0] == tok.token_to_id("<|im_start|>")
+    want = dasspec.generate(ouro, ids, max_new_tokens=6)
+    assert main(["generate", "--model", str(ouro_folder), "--prompt", "Hi there", "--chat",
+                 "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"

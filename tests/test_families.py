@@ -73,17 +73,31 @@ def test_detection_by_model_type():
 
 
 @pytest.mark.parametrize("method,knob,values", [
-    ("self-spec", "draft_depth", {"huginn": 8, "raven-llama": 4, "raven-olmo": 4}),
-    ("self-spec", "block", {"huginn": 8, "raven-llama": 16, "raven-olmo": 16}),
-    ("mature-spec", "block", {"huginn": 8, "raven-llama": 16, "raven-olmo": 16}),
-    ("das-wave", "k", {"huginn": 2, "raven-llama": 1, "raven-olmo": 1}),
+    ("self-spec", "draft_depth", {"huginn": 8, "raven-llama": 4, "raven-olmo": 4, "ouro": 1}),
+    ("self-spec", "block", {"huginn": 8, "raven-llama": 16, "raven-olmo": 16, "ouro": 2}),
+    ("mature-spec", "block", {"huginn": 8, "raven-llama": 16, "raven-olmo": 16, "ouro": 2}),
+    ("das-wave", "k", {"huginn": 2, "raven-llama": 1, "raven-olmo": 1, "ouro": 1}),
 ])
 def test_family_knob_defaults_reach_the_methods(method, knob, values, monkeypatch):
     knobs = get_method(method).knobs
-    for family, value in values.items():                 # the paper's Table 5
+    for family, value in values.items():                 # the paper's Table 5; Ouro's from its dev prompts
         assert knobs.defaults(family)[knob] == value, family
     assert knob not in knobs.defaults("huginn", given={knob})
     monkeypatch.setattr(FAMILIES["raven-olmo"], "knob_defaults", {})      # a family without a schedule
     with pytest.raises(ValueError, match=f"method '{method}' has no default {knob} for model family 'raven-olmo' "
                                          rf"\(known: huginn, raven-llama[^)]*\); give {knob} explicitly"):
         knobs.defaults("raven-olmo", given=set(knobs.names()) - {knob})
+
+
+def test_family_schedules_name_real_knobs_and_replace_the_methods_defaults():
+    """Every family's knob_defaults names registered methods and knobs they take (a typo would be silently unused);
+    a family's value replaces even a knob the method declares with one default for all (Ouro's few, aligned DAS-Wave
+    rounds), and the other families keep the method's own."""
+    for family in FAMILIES.values():
+        for method, values in family.knob_defaults.items():
+            names = get_method(method).knobs.names()
+            assert set(values) <= set(names), (family.name, method, sorted(set(values) - set(names)))
+    wave = get_method("das-wave").knobs
+    assert (wave.defaults("ouro")["rounds"], wave.defaults("ouro")["policy"]) == (3, "aligned")
+    assert (wave.defaults("huginn")["rounds"], wave.defaults("raven-llama")["policy"]) == (24, "deep-kv")
+    assert "rounds" not in wave.defaults("ouro", given={"rounds"})

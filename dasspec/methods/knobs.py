@@ -8,10 +8,11 @@ spelling and their defaults.  Everything else is derived from it - the ``generat
         draft_depth: int = knob(FAMILY, "draft depth d", short="-d")
         block: int = knob(8, "draft block length b", short="-b")
 
-A default is a value; ``FAMILY``, the model family's (``Family.knob_defaults[method][knob]``: the built-in methods'
-per-family schedules, paper Table 5 for Huginn and Raven, live with the families); or a dict family -> value (a
-method's own per-family defaults, for a method written outside dasspec).  A family without one is an error, never
-another family's schedule.  Resolution: family defaults <- the model folder's generation_config.json
+A default is a value, which a family may replace with its own (``Family.knob_defaults[method][knob]``: Ouro's
+four-step schedule); ``FAMILY``, the model family's (the built-in methods' per-family schedules, paper Table 5 for
+Huginn and Raven, live with the families); or a dict family -> value (a method's own per-family defaults, for a
+method written outside dasspec).  A ``FAMILY`` knob without the family's value is an error, never another family's
+schedule.  Resolution: family defaults <- the model folder's generation_config.json
 (``"dasspec": {"<method>": {...}}``) <- the caller's knobs; then ``fit`` lowers defaulted values that conflict
 with explicit ones or with the call's depth R, and ``validate`` checks every value and returns normalised knobs.
 
@@ -119,10 +120,15 @@ class Knobs:
     @classmethod
     def defaults(cls, family: str, given: set[str] = frozenset()) -> dict[str, Any]:
         """Every knob's default for ``family``; knobs in ``given`` need none (the caller sets them)."""
+        from ..model.families import FAMILIES        # (here: the CLI reads knobs without loading torch)
+        own = FAMILIES[family].knob_defaults.get(cls.method, {}) if family in FAMILIES else {}
         out = {}
         for f in dataclasses.fields(cls):
             by_family = f.metadata.get("by_family")
             if f.name in given:
+                continue
+            if f.name in own:                           # the family's schedule replaces the method's default
+                out[f.name] = own[f.name]
                 continue
             if by_family is None:
                 out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()

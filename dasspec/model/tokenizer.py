@@ -1,7 +1,9 @@
 """Tokenizer: a thin wrapper over a Hugging Face ``tokenizer.json`` (the format Huginn and Raven ship).
 
 Special ids come from the tokenizer files (``tokenizer_config.json`` / ``special_tokens_map.json`` / known token
-names), never from a Raven ``config.json``, which carries Huginn's ids (65504/65505/65509) by mistake.
+names), never from a Raven ``config.json``, which carries Huginn's ids (65504/65505/65509) by mistake.  The model
+family named by the folder's ``config.json`` may add stop tokens (``Family.stop_tokens``: Ouro's ``<|im_end|>``,
+which ends a ChatML turn although the base files name ``<|endoftext|>`` as EOS).
 
 Chat: ``apply_chat_template(messages)`` renders the checkpoint's Jinja chat template (``chat_template.jinja``, or
 ``tokenizer_config.json``'s ``chat_template``) as Hugging Face does - a sandboxed environment with ``trim_blocks``
@@ -105,6 +107,16 @@ def _read_chat_template(folder: Path, meta: dict) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+def _family_stops(folder: Path, root: Path) -> tuple[str, ...]:
+    """The stop tokens the family of the folder's config.json adds (none without a config.json)."""
+    path = folder / "config.json"
+    if not os.path.lexists(path):
+        return ()
+    from .checkpoint import read_json
+    from .families import stop_tokens
+    return stop_tokens(read_json(path, within=root).get("model_type"))
+
+
 def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     """Tokenizer of a checkpoint folder (or HF cache repo id); None -> the bundled model's."""
     from .checkpoint import CheckpointError, read_json, resolve_source
@@ -138,6 +150,10 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     for name in _EOS_NAMES + _EXTRA_STOPS:
         i = tid(name)
         if i is not None and i not in eos and (not eos or name in _EXTRA_STOPS):
+            eos.append(i)
+    for name in _family_stops(Path(folder), root):
+        i = tid(name)
+        if i is not None and i not in eos:
             eos.append(i)
     bos = tid(_token_text(meta.get("bos_token")))
     if bos is None:

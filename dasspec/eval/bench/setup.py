@@ -39,6 +39,7 @@ class BenchPlan:
     prefix_cache: bool = False    # reuse each task's shared prompt prefix (few-shot exemplars) across requests
     runtime: Runtime = field(default_factory=lambda: Runtime(track_memory=True))   # execution options
     sampling: dict | None = None  # generate()'s sampling options (temperature, top_k, top_p, min_p); None: greedy
+    exit: dict | None = None      # the target's early exit (exit_threshold or exit_at_step: Ouro); None: last step
 
 
 @dataclass
@@ -200,14 +201,14 @@ def run_info(model: LoopedLM, model_name: str, plan: BenchPlan, R: int, knobs: d
         "context": model.config.block_size,
         "device": model.device.type, "dtype": str(model.dtype).replace("torch.", ""), "num_steps": R,
         "init_scale": plan.init_scale, "gen_seed": plan.gen_seed, "split": plan.split, "select_seed": plan.seed,
-        "prefix_cache": plan.prefix_cache, "sampling": plan.sampling,
+        "prefix_cache": plan.prefix_cache, "sampling": plan.sampling, "exit": plan.exit,
         "tasks": {t.name: {"cap": t.cap, "shots": t.shots, "stop": list(t.stop)} for t in plan.tasks},
         "methods": {m: {"knobs": knobs[m], "stateful": get_method(m).stateful} for m in knobs},
     }
 
 
 PINNED = ("model", "parameters", "weights", "device", "dtype", "num_steps", "init_scale", "gen_seed", "split",
-          "select_seed", "prefix_cache", "sampling")
+          "select_seed", "prefix_cache", "sampling", "exit")
 
 
 def merge_run_info(path: Path, new: dict) -> dict:
@@ -217,6 +218,7 @@ def merge_run_info(path: Path, new: dict) -> dict:
     old = json.loads(path.read_text())
     old.setdefault("prefix_cache", False)             # folders from before the options existed
     old.setdefault("sampling", None)
+    old.setdefault("exit", None)
     diffs = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in PINNED if old.get(k) != new[k]]
     for kind in ("tasks", "methods"):
         for name, spec in new[kind].items():

@@ -56,6 +56,7 @@ class Bench:
                              "weights, or tokenizer=)")
         self.methods = canonical_methods(plan.methods)
         self.R = model.depth(plan.num_steps)
+        model.exit_rule(num_steps=self.R, **(plan.exit or {}))     # refused here (no exit gate) before any timing
         self.knobs = resolved_knobs(model, self.methods, plan.knobs, self.R, sampled=bool(plan.sampling))
         self.prompts, self.skipped = prepare_prompts(plan, self.tokenizer, model.config.block_size)
         self.info = run_info(model, model_name, plan, self.R, self.knobs)
@@ -71,7 +72,8 @@ class Bench:
         return generate(self.model, p.ids, max_new_tokens=cap, num_steps=self.R, init_scale=plan.init_scale,
                         stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=self.tokenizer,
                         prefix_cache=(self.prefixes or {}).get(p.task.name), drafter=self.drafters[method],
-                        runtime=plan.runtime, **({"do_sample": True, **plan.sampling} if plan.sampling else {}))
+                        runtime=plan.runtime, **(plan.exit or {}),
+                        **({"do_sample": True, **plan.sampling} if plan.sampling else {}))
 
     def run(self, prompts: list[Prompt], pending: Callable[[Prompt, str], bool], session: str, warmup: bool,
             on_start: Callable[[Prompt, str], None] | None = None) -> Iterator[dict]:

@@ -70,8 +70,10 @@ class Family:
     layer_groups: tuple[LayerGroup, ...] = ()
     mlp_probe: tuple[str, int] = (".mlp.fc.weight", 2)   # (a name suffix, its rows per intermediate unit)
 
-    # --- decoding methods -----------------------------------------------------------------------------------
-    knob_defaults: dict[str, dict[str, Any]] = {}     # method -> {knob: default} for knobs declared per family
+    # --- decoding ----------------------------------------------------------------------------------------------
+    knob_defaults: dict[str, dict[str, Any]] = {}     # method -> {knob: default}: required for knobs declared per
+                                                      # family, and replacing the method's default for any other
+    stop_tokens: tuple[str, ...] = ()   # tokens that end a reply besides the tokenizer files' EOS (a chat turn's end)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         """The family (of those sharing this ``model_type``) a config.json and its tensor names describe."""
@@ -116,6 +118,12 @@ def get_family(name: str) -> Family:
     if family is None:
         raise ConfigError(f"unknown family {name!r}; expected one of {tuple(FAMILIES)}")
     return family
+
+
+def stop_tokens(model_type: Any) -> tuple[str, ...]:
+    """The extra stop tokens of the families that read ``model_type`` checkpoints (``Family.stop_tokens``)."""
+    found = (t for f in FAMILIES.values() if f.model_type == model_type for t in f.stop_tokens)
+    return tuple(dict.fromkeys(found))
 
 
 def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> str:

@@ -55,7 +55,19 @@ class Ouro(Family):
     embedding = "model.embed_tokens.weight"
     layer_groups = (LayerGroup("model.layers", "num_hidden_layers", "n_core"),)
     mlp_probe = (".mlp.gate_proj.weight", 1)
-    knob_defaults: dict[str, dict[str, Any]] = {}      # chosen on development prompts in a later change
+    # T = 4 leaves draft depths 1..3 and verifying costs the 4 passes of one AR token, so drafts must stay cheap:
+    # depth-1 drafts in short blocks; DAS-Wave a few one-step rounds over a window seeded from earlier text, read
+    # with aligned depths (deep values did not agree with shallow states).  Chosen on development prompts of a
+    # random-weight Ouro: docs/families.md, "Default knobs"; a trained checkpoint's generation_config.json overrides.
+    knob_defaults: dict[str, dict[str, Any]] = {
+        "self-spec": {"draft_depth": 1, "block": 2},
+        "mature-spec": {"draft_depth": 1, "block": 2},
+        "das-wave": {"k": 1, "rounds": 3, "gamma": 8, "w_init": 8, "policy": "aligned", "guesses": "copy",
+                     "trim": True, "seed_branch": 8, "copy_run": True, "early_stop": True},
+    }
+    # ChatML turns end with <|im_end|>; the published base configs give EOS id 0 (<|endoftext|>), so without this
+    # stop a chat reply would run on into the next turn.
+    stop_tokens = ("<|im_end|>",)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.layers.") for n in names):
