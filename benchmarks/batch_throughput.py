@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import sys
 import time
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default=ARMS)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-steps", type=int, default=None)
-    p.add_argument("--data", default=None)
+    p.add_argument("--data", default=os.environ.get("DASSPEC_DATA") or str(Path(__file__).resolve().parents[2] / "shared" / "data"),
+                   help="data folder (default $DASSPEC_DATA, else ../shared/data beside the repository)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill each task's shared few-shot prefix with every request (default: once, before "

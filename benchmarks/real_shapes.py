@@ -22,7 +22,8 @@ losslessness.
     python benchmarks/real_shapes.py --layout ouro --out runs/real_shapes_ouro      # build, load, bf16 decode
 
 Heavy: the float32 load holds 15.6 GB; run it on a quiet machine.  ``--scale small`` runs everything on the
-scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32);
+scaled-down layout in seconds (a dry run of the script).  ``--phases`` picks a subset (build, load, bf16, fp32,
+batch: AR through the batched engine at ``--batches`` in bfloat16, the wide-bfloat16 shortcut on and off);
 ``--methods`` the decoded methods.
 """
 
@@ -96,6 +97,65 @@ def child_decode(ckpt: str, dtype: str, tokens: int, R: int, methods: tuple[str,
             "cache_allocated_per_token": held / capacity}
 
 
+BATCH_PROMPTS = ("The answer is", "Once upon a time", "def main():", "Question: why", "In 1905,", "The loop",
+                 "Dear reader,", "x = 3; y =")
+
+
+def child_batch(ckpt: str, dtype: str, tokens: int, R: int, batches: tuple[int, ...]) -> dict:
+    """AR through the batched engine at each batch size B (B short prompts, ``tokens`` new tokens each), with the
+    wide-bfloat16 shortcut (``dasspec.model.linear``) on and off: seconds of the prefill step and of each decode
+    step, tokens/s after the prefill (B tokens per decode step), and whether each request's tokens equal its batch-1
+    decode with the shortcut on (in bfloat16 a wider product may round differently: this measures how often)."""
+    import torch
+    import dasspec
+    from dasspec.model import linear as lin
+
+    model = dasspec.load_model(ckpt, device="cpu", dtype=getattr(torch, dtype))
+    tok = model.tokenizer
+    has_units = lin.cpu_has_bf16_units()
+    runs, alone = [], {}
+    for shortcut in (True, False):
+        lin.cpu_has_bf16_units = (lambda: has_units) if shortcut else (lambda: True)
+        for B in batches:
+            engine = dasspec.Engine(model, "ar", num_steps=R, max_batch=B)
+            ids = [engine.add(tok.encode(p), max_new_tokens=tokens) for p in BATCH_PROMPTS[:B]]
+            seconds = []
+            while engine.has_work:
+                t = time.perf_counter()
+                engine.step()
+                seconds.append(time.perf_counter() - t)
+            outs = [engine.result(i).tokens for i in ids]
+            if B == 1 and shortcut:
+                alone[BATCH_PROMPTS[0]] = outs[0]
+            decode = seconds[1:]
+            run = {"B": B, "shortcut": shortcut, "prefill_step_seconds": seconds[0], "decode_step_seconds": decode,
+                   "decode_tokens_per_second": B * len(decode) / sum(decode) if decode else None,
+                   "tokens_per_second": B * tokens / sum(seconds), "tokens": outs}
+            runs.append(run)
+            print(f"  {dtype} B={B} shortcut={shortcut}: prefill step {seconds[0]:.1f} s, decode steps "
+                  f"{', '.join(f'{d:.1f}' for d in decode)} s", file=sys.stderr, flush=True)
+    lin.cpu_has_bf16_units = lambda: has_units
+    return {"dtype": dtype, "R": R, "tokens": tokens, "cpu_has_bf16_units": has_units, "runs": runs,
+            "prompt_tokens": [len(tok.encode(p)) for p in BATCH_PROMPTS[:max(batches)]]}
+
+
+def batch_report(b: dict) -> list[str]:
+    base = {r["shortcut"]: r["decode_tokens_per_second"] for r in b["runs"] if r["B"] == 1}
+    first = {r["shortcut"]: r["tokens"][0] for r in b["runs"] if r["B"] == min(x["B"] for x in b["runs"])}
+    lines = [f"Batched AR through the engine, {b['dtype']}, R = {b['R']}, {b['tokens']} new tokens per request, "
+             f"prompts of {min(b['prompt_tokens'])}-{max(b['prompt_tokens'])} tokens (CPU bfloat16 units: "
+             f"{b['cpu_has_bf16_units']}):", "",
+             "| wide-bf16 shortcut | B | prefill step s | decode step s | tok/s after prefill | x B = 1 | "
+             "request 1 = its B = 1 tokens |", "|---|---|---|---|---|---|---|"]
+    for r in b["runs"]:
+        d = r["decode_step_seconds"]
+        rate = r["decode_tokens_per_second"]
+        lines.append(f"| {'on' if r['shortcut'] else 'off'} | {r['B']} | {r['prefill_step_seconds']:.1f} | "
+                     f"{sum(d) / len(d):.1f} | {rate:.3f} | {rate / base[r['shortcut']]:.2f} | "
+                     f"{r['tokens'][0] == first[True]} |")
+    return lines + [""]
+
+
 def run_child(args: argparse.Namespace, *child_args: str) -> dict:
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", *child_args]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -133,6 +193,8 @@ def report(results: dict) -> str:
                   if results.get("layout", "huginn") == "huginn" else "")
         lines += ["", f"Depth cache at R = {d['R']} in {key}: {d['cache_bytes_per_token'] / 1e6:.2f} MB per token "
                       f"computed, {d['cache_allocated_per_token'] / 1e6:.2f} MB allocated{readme}.", ""]
+    if "batch" in results:
+        lines += batch_report(results["batch"])
     return "\n".join(lines)
 
 
@@ -150,6 +212,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--phases", default=None, help="build, load, bf16, fp32 (default: the layout's)")
     p.add_argument("--methods", default=None, help="decoded methods, AR first (default: the layout's)")
+    p.add_argument("--batches", default="1,4,8", help="batch sizes of the batch phase")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -158,6 +221,8 @@ def main() -> None:
     if args.child:
         kind, ckpt, dtype, *rest = args.child
         out = (child_load(ckpt, dtype) if kind == "load"
+               else child_batch(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(map(int, rest[2].split(","))))
+               if kind == "batch"
                else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(rest[2].split(","))))
         print(json.dumps(out))
         return
@@ -181,6 +246,8 @@ def main() -> None:
         if phase in phases:
             results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(R),
                                                  args.methods or layout["methods"])
+    if "batch" in phases:
+        results["batch"] = run_child(args, "batch", str(ckpt), "bfloat16", str(args.tokens), str(R), args.batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import os
 
 
 def free_port() -> int:
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
     p.add_argument("--tasks", default="gsm8k,mbpp")
     p.add_argument("--prompts", type=int, default=4, help="prompts per task")
-    p.add_argument("--data", default=None, help="data folder (default $DASSPEC_DATA)")
+    p.add_argument("--data", default=os.environ.get("DASSPEC_DATA") or str(Path(__file__).resolve().parents[2] / "shared" / "data"),
+                   help="data folder (default $DASSPEC_DATA, else ../shared/data beside the repository)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     p.add_argument("--device", default=None)

@@ -42,7 +42,8 @@ class Batch:
             shared = self.cache.storage is not None
             cfg = self.reqs[0].model.config
             self.span = RaggedSpan.of(spans, [r.cache.base for r in self.reqs] if shared else None,
-                                      width=cfg.n_heads * cfg.head_dim, force_union=union)
+                                      width=cfg.n_heads * cfg.head_dim, force_union=union,
+                                      dtype=self.reqs[0].model.dtype)
         self.offsets = [0]
         for w in self.widths:
             self.offsets.append(self.offsets[-1] + w)

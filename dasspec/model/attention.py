@@ -198,15 +198,20 @@ class UnionRows:
 # When a ragged call's attention runs as one call over the union of its sequences' rows rather than one call per
 # sequence (``union_pays``): the union computes T x (hi - lo) scores, most of them masked, for one kernel call
 # instead of B.  On a GPU a call's launch outweighs masked scores at any size a batch reaches; on a CPU a call costs
-# about as much as UNION_CALL_FLOPS multiply-adds of scores (docs/performance.md, "Batched attention").
+# about as much as UNION_CALL_FLOPS multiply-adds of scores (docs/performance.md, "Batched attention").  A CPU
+# union in a half dtype would compute its scores as a half-precision GEMM (rounded before the softmax, and no
+# faster without matrix units), where the per-sequence kernel accumulates in float32: per sequence there.
 UNION_CALL_FLOPS = 140_000
 
 
-def union_pays(device: torch.device, width: int, union_scores: int, own_scores: int, calls_saved: int) -> bool:
+def union_pays(device: torch.device, width: int, union_scores: int, own_scores: int, calls_saved: int,
+               dtype: torch.dtype = torch.float32) -> bool:
     """Whether one attention over the union of the sequences' rows costs less than one call per sequence;
     ``width``: heads x head dim of the queries (the multiply-adds per score)."""
     if device.type != "cpu":
         return True
+    if dtype != torch.float32:
+        return False
     return (union_scores - own_scores) * width <= calls_saved * UNION_CALL_FLOPS
 
 
@@ -224,10 +229,10 @@ class RaggedSpan:
 
     @classmethod
     def of(cls, parts: list[Span], bases: list[int] | None = None, width: int | None = None,
-           force_union: bool | None = None) -> "RaggedSpan":
+           force_union: bool | None = None, dtype: torch.dtype = torch.float32) -> "RaggedSpan":
         """``bases``: the storage row where each sequence's cache starts, when all are ranges of one storage (then
         the call may run as one attention over them: ``force_union``, or ``union_pays`` for queries of ``width``
-        = heads x head dim)."""
+        = heads x head dim; ``dtype``: the activations', which a CPU kernel's additive mask must match)."""
         offsets = [0]
         for p in parts:
             offsets.append(offsets[-1] + p.W)
@@ -243,8 +248,8 @@ class RaggedSpan:
             T = offsets[-1]
             own_scores = sum(p.W * p.end for p in parts)
             if force_union or (force_union is None and union_pays(
-                    _device(rot), width or 1, T * (hi - lo), own_scores, len(parts) - 1)):
-                span.union = _union(parts, offsets, bases, lo, hi)
+                    _device(rot), width or 1, T * (hi - lo), own_scores, len(parts) - 1, dtype)):
+                span.union = _union(parts, offsets, bases, lo, hi, dtype)
         return span
 
     @property
@@ -257,7 +262,8 @@ class RaggedSpan:
         return ((i, o[i], o[i + 1], p) for i, p in enumerate(self.parts))
 
 
-def _union(parts: list[Span], offsets: list[int], bases: list[int], lo: int, hi: int) -> UnionRows:
+def _union(parts: list[Span], offsets: list[int], bases: list[int], lo: int, hi: int,
+           dtype: torch.dtype) -> UnionRows:
     """The visibility of every query over storage rows [lo, hi): its own sequence's rows as its span shows them."""
     dev = _device(parts[0].rot)
     T = offsets[-1]
@@ -274,7 +280,6 @@ def _union(parts: list[Span], offsets: list[int], bases: list[int], lo: int, hi:
         rows.append(torch.arange(b + p.start, b + p.end, device=dev))
     bias = None
     if dev.type == "cpu":
-        dtype = parts[0].bias.dtype if parts[0].bias is not None else torch.float32
         bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
     return UnionRows(torch.cat(rows), lo, hi, Span(n=0, start=0, W=T, rot=parts[0].rot, mask=mask, bias=bias), prefix)
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .attention import LayerKV, Span, attend
 from .config import LoopedConfig
+from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -91,8 +92,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.interleaved = cfg.rope_style == "interleaved"
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        self.Wqkv = nn.Linear(cfg.n_embd, qkv_out, bias=False)
-        self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.n_embd, bias=False)
+        self.Wqkv = Linear(cfg.n_embd, qkv_out, bias=False)
+        self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.n_embd, bias=False)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_heads, cfg.head_dim)) if cfg.qk_bias else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
@@ -131,8 +132,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
-        self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+        self.fc = Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
+        self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)

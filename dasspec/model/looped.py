@@ -28,6 +28,7 @@ from .config import LoopedConfig
 from .attention import Span
 from .exit import ExitRule
 from .layers import RMSNorm, rope_operands, rope_tables
+from .linear import Linear
 from .noise import position_noise
 
 
@@ -90,14 +91,14 @@ class LoopedLM(Recurrence, nn.Module):
         parts = dict(wte=nn.Embedding(cfg.vocab_size, d),
                      prelude=nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude)))
         if family.injection:
-            parts["adapter"] = nn.Linear(2 * d, d, bias=False)
+            parts["adapter"] = Linear(2 * d, d, bias=False)
         parts.update(core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
                      coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
                      ln_f=RMSNorm(d, cfg.norm_eps))
         if family.exit_gate:
-            parts["exit_gate"] = nn.Linear(d, 1, bias=True)
+            parts["exit_gate"] = Linear(d, 1, bias=True)
         self.transformer = nn.ModuleDict(parts)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         cos, sin = rope_tables(cfg, cfg.block_size)

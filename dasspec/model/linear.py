@@ -1,0 +1,72 @@
+"""Every Linear layer's matrix product, behind one function (``linear``): the one hardware shortcut in the math.
+
+On a CPU without bfloat16 matrix units (no AMX, no AVX512-BF16: most laptops and many servers) torch multiplies
+bfloat16 matrices at a fixed cost per activation row - a 32-row product costs 32 one-row products - so neither a
+batch of requests nor a speculative draft gets cheaper per token there.  Float32 GEMMs do get cheaper per row as
+rows are added.  So a bfloat16 weight multiplying WIDE_ROWS or more rows is converted to float32 a tile of output rows
+at a time (a tile small enough to stay in cache) and multiplied in float32; the result is cast back to bfloat16.
+Float32 accumulation is what the bfloat16 product does too, so the values agree to bfloat16 rounding; float32
+models, GPUs and CPUs with bfloat16 units always take ``F.linear``.  Figures: docs/performance.md, "Batching".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WIDE_ROWS = 4                 # activation rows from which the tiled float32 product beats bfloat16 (measured)
+TILE_BYTES = 1 << 21          # float32 bytes of one converted weight tile (about an L2 cache)
+MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights: the per-tile loop is not worth it
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16, from /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return True               # unknown: leave torch's own kernels alone
+
+
+def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a bfloat16 weight, computed in float32 one cached tile at a time."""
+    N, K = weight.shape
+    xf = x.reshape(-1, K).float()
+    rows = max(8, TILE_BYTES // (4 * K))
+    out_t = torch.empty(N, xf.shape[0])                          # [N, M]: each tile writes contiguous rows
+    tile = torch.empty(min(rows, N), K)
+    xt = xf.t()
+    for i in range(0, N, rows):
+        n = min(rows, N - i)
+        part = tile[:n]
+        part.copy_(weight[i:i + n])
+        torch.mm(part, xt, out=out_t[i:i + n])
+    out = out_t.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and x.numel() >= WIDE_ROWS * x.shape[-1] and weight.numel() >= MIN_WEIGHT_ELEMENTS
+            and weight.is_contiguous() and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not cpu_has_bf16_units()):
+        return tiled_float32_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is ``linear`` (same parameters, names and checkpoints)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
