@@ -19,7 +19,7 @@ def test_tiled_product_equals_the_bfloat16_product(monkeypatch, shape, tile_byte
     b = torch.randn(N, generator=g).bfloat16()
     got = lin.tiled_float32_linear(x, w, b)
     ref = (x.double() @ w.double().t() + b.double())
-    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], N)
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], N) and got.is_contiguous()
     torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=2 ** -6)
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2 ** -7, atol=2 ** -6)
 
@@ -46,8 +46,27 @@ def test_linear_takes_the_tiled_path_only_where_it_pays(monkeypatch):
     assert calls == [wide.shape]
 
 
-def test_every_linear_layer_of_the_model_goes_through_linear():
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_a_bfloat16_model_decodes_through_the_tiled_products(monkeypatch, tmp_path, family):
+    """Every Linear layer goes through ``linear``; a bf16 model whose every product of four or more rows takes the
+    tiled path computes what the float32 model does and decodes a batch with the first tokens of bf16 AR alone."""
     import dasspec
-    model = dasspec.load_model()
-    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds == {lin.Linear}
+    from dasspec.testing import random_model
+
+    model = random_model(family, mean_recurrence=4)
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {lin.Linear}
+    dasspec.save_checkpoint(model, tmp_path / "ckpt")
+    bf16 = dasspec.load_model(tmp_path / "ckpt", device="cpu", dtype=torch.bfloat16)
+    fp32 = dasspec.load_model(tmp_path / "ckpt", device="cpu")
+    calls = []
+    real = lin.tiled_float32_linear
+    monkeypatch.setattr(lin, "tiled_float32_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(lin, "cpu_has_bf16_units", lambda: False)
+    monkeypatch.setattr(lin, "MIN_WEIGHT_ELEMENTS", 0)
+    ids = torch.tensor([[5, 9, 13, 7, 22, 31] * 3])
+    cos = F.cosine_similarity(bf16(ids, num_steps=4)[0], fp32(ids, num_steps=4)[0], dim=-1)
+    assert calls and cos.min() > 0.98
+    prompts = [[5, 9, 13, 7, 22, 31] * 3, [7, 3, 9] * 5, [4, 8, 15, 16, 23]]
+    alone = [dasspec.generate(bf16, p, "ar", max_new_tokens=4, eos=False).tokens for p in prompts]
+    outs = dasspec.generate_batch(bf16, prompts, "ar", max_new_tokens=4, eos=False, max_batch=3)
+    assert [o.tokens[0] for o in outs] == [a[0] for a in alone]

@@ -498,3 +498,46 @@ def test_a_request_without_max_tokens_reserves_a_bounded_cache():
     assert limit(completion, 10, "completions") == 16
     assert limit(chat, 4090, "chat") == 6                       # the room left
     assert limit(chat, 10, "chat", cap=100) == 100              # the server's cap
+
+
+def test_an_ouro_checkpoint_is_served_with_its_chat_template(tmp_path):
+    """Issue 30: `dasspec serve --model OURO` answers chats in the checkpoint's ChatML template, each reply ending
+    at <|im_end|> and equal to Ouro's own AR decode - for the default target and an exit_threshold target, streamed
+    and not - with the family's default method (DAS-Wave and Ouro's knobs) decoding the batch."""
+    from reference_impl import write_ouro_checkpoint, write_tokenizer
+
+    folder = write_ouro_checkpoint(tmp_path / "ouro", vocab_size=320, seed=3, tokenizer=write_tokenizer("ouro"))
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    model = dasspec.load_model(folder, device="cpu")
+    assert model.tokenizer.token_to_id("<|im_end|>") in model.tokenizer.eos_ids
+    srv = start_server(folder, tmp_path / "server.log", "--max-batch", "4")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [[{"role": "user", "content": text}] for text in ("Hi there", "The loop reads twice", "ok")]
+        targets = ({}, {"exit_threshold": 0.6})
+        jobs = [(m, t, stream) for m in messages for t in targets for stream in (False, True)]
+        got = [None] * len(jobs)
+
+        def ask(i):
+            m, target, stream = jobs[i]
+            extra = {"extra_body": {"dasspec": target}} if target else {}
+            out = client.chat.completions.create(model=folder.name, messages=m, max_tokens=12, stream=stream,
+                                                 **extra)
+            got[i] = stream_text(out, chat=True) if stream else out.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (m, target, _), text in zip(jobs, got):
+            assert text == ar(model, chat_ids(model, m), 12, **target).text, (m, target)
+    finally:
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait()

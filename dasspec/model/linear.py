@@ -52,7 +52,7 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     out = out_t.t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+    return out.to(x.dtype, memory_format=torch.contiguous_format).reshape(*x.shape[:-1], N)   # row-major, as F.linear
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
