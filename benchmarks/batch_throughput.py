@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 new = sum(len(t) for t in tokens)
                 row = {"round": r, "arm": arm, "B": B, "seconds": seconds, "new_tokens": new,
                        "tokens_per_second": new / seconds, "equal_to_ar": equal, "prompts": len(ids),
-                       "A": statistics.fmean(o.stats.A for o in res)}
+                       "A": statistics.fmean(o.stats.A for o in res),
+                       "cached_tokens": sum(o.stats.cached_tokens for o in res)}
                 runs.append(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                             "x_AR": vsar[0], "x_AR_lo": vsar[1], "x_AR_hi": vsar[2],
                             "A": statistics.fmean(x["A"] for x in mine),
                             "equal_to_ar": min(x["equal_to_ar"] for x in mine), "prompts": len(ids)})
-    cached = sum(r.stats.cached_tokens for r in run("ar", 1)[1])
+    cached = runs[0]["cached_tokens"]
     lines = [f"{len(ids)} prompts ({args.tasks}, cap {args.max_new_tokens}; {sum(len(i) for i in ids)} prompt tokens, "
              f"{cached} of them from task prefix caches), {args.rounds} round(s), "
              f"{torch.get_num_threads()} thread(s), {model.dtype}, {model.device}", "",
