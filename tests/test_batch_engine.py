@@ -139,6 +139,8 @@ def test_generate_batch_options_per_prompt_and_order():
         dasspec.generate_batch(model, prompts, max_new_tokens=[3, 4, 2.5, 1, 1])
     with pytest.raises(ValueError, match="list of prompts"):
         dasspec.generate_batch(model, "one prompt")
+    with pytest.raises(ValueError, match="one prompt's token ids: wrap it"):
+        dasspec.generate_batch(model, [5, 6, 7])
     assert dasspec.generate_batch(model, []) == []
 
 
@@ -268,6 +270,57 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     res_b = engine.result(b)
     assert res_b.tokens == dasspec.generate(model, [8, 9, 4], max_new_tokens=30, eos=False).tokens
     assert res_b.stats.draft_passes >= 10                                         # its rounds ran on
+
+
+def test_a_step_that_raises_keeps_what_it_had_done(monkeypatch):
+    """A step fails after it has finished a request (cancelled) and failed to admit another: both keep their
+    result and their event (take_events), the running one is aborted, the pool gets every row back."""
+    import dasspec.engine.engine as engine_mod
+
+    model = random_model("huginn", seed=4, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    engine = Engine(model, "pld", max_batch=2)
+    free = engine.pool.rows
+    a = engine.add([5, 6, 7, 8], max_new_tokens=20, eos=False)
+    b = engine.add([9, 10, 11], max_new_tokens=20, eos=False)
+    engine.step()
+    engine.step()
+
+    class Broken:
+        def put(self, value):
+            raise RuntimeError("streamer broke")
+
+        def end(self):
+            pass
+
+    c = engine.add([3, 4], max_new_tokens=5, eos=False, streamer=Broken())
+    engine.cancel(a)
+    monkeypatch.setattr(engine_mod, "loop_step", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="streamer broke"):
+        engine.step()
+    assert engine.abort_running() == [b]
+    events = {ev.id: ev for ev in engine.take_events()}
+    assert events[a].finished and events[a].reason == "cancelled"
+    assert events[c].finished and events[c].reason == "error"
+    assert engine.result(c).tokens == [] and engine.result(a).stats.stop_reason == "cancelled"
+    assert not engine.has_work and engine.take_events() == []
+    assert engine.pool.allocate(free) is not None                     # every row back, in one range
+
+
+def test_static_shapes_size_ranges_for_the_batch_drafter():
+    """With static shapes every range of a batched engine is one size, the one the drafter of generate_batch
+    needs (not the engine's default AR width)."""
+    from dasspec.engine.request import rows_needed
+
+    model = random_model("huginn", seed=9, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    wave = dasspec.build_drafter(model, "das-wave", {"gamma": 6, "rounds": 2})
+    engine = Engine(model, drafter=wave, runtime=dasspec.Runtime(static_shapes=True), max_batch=2)
+    ctx = model.config.block_size
+    assert engine.method == "das-wave" and wave.width > dasspec.build_drafter(model, "ar", {}).width
+    assert engine.slot_rows == rows_needed(ctx, 0, ctx, wave.width)
+    rid = engine.add([5, 6, 7], max_new_tokens=4, eos=False)
+    assert engine._table[rid].rows == engine.slot_rows
+    with pytest.raises(ValueError, match="either a drafter or a method"):
+        Engine(model, "pld", drafter=wave)
 
 
 def test_static_shapes_and_a_prefix_cache_in_a_batch():

@@ -24,6 +24,17 @@ def test_tiled_product_equals_the_bfloat16_product(monkeypatch, shape, tile_byte
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2 ** -7, atol=2 ** -6)
 
 
+def test_tiled_product_ignores_the_default_dtype():
+    x, w = torch.randn(4, 24).bfloat16(), torch.randn(40, 24).bfloat16()
+    ref = lin.tiled_float32_linear(x, w)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch.equal(lin.tiled_float32_linear(x, w), ref)
+    finally:
+        torch.set_default_dtype(old)
+
+
 def test_linear_takes_the_tiled_path_only_where_it_pays(monkeypatch):
     calls = []
     real = lin.tiled_float32_linear

@@ -541,3 +541,56 @@ def test_an_ouro_checkpoint_is_served_with_its_chat_template(tmp_path):
         except subprocess.TimeoutExpired:
             srv.proc.kill()
             srv.proc.wait()
+
+
+def test_a_failed_step_still_answers_every_request_it_touched(monkeypatch):
+    """The decode worker, in process: a step that raises after it had finished a request (one cancelled while it
+    waited for a batch slot) fails the running ones and still delivers the finished one's end - nobody waits
+    forever and the worker's counts come back to zero."""
+    import asyncio
+
+    import dasspec.engine.engine as engine_mod
+    from dasspec.engine.engine import Engine
+    from dasspec.serve.worker import Cancelled, Done, DecodeWorker, Failed, Job
+    from dasspec.testing import random_model
+
+    model = random_model("huginn", seed=4, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    engine = Engine(model, "pld", max_batch=2)
+    real, calls = engine_mod.loop_step, []
+    jobs = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            engine.cancel(jobs[2].rid)          # waiting: it ends at the start of the next step, which then fails
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "loop_step", flaky)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = DecodeWorker(engine, max_queue=2)
+        drafter = engine.drafter("pld")
+        for prompt in ([5, 6, 7, 8], [9, 10, 11], [12, 13]):
+            jobs.append(Job(loop, prompt, drafter, {"max_new_tokens": 40, "eos": False}, "completions",
+                            stream=False))
+        for job in jobs:
+            worker.submit(job)
+
+        async def last(job):
+            while True:
+                ev = await job.events.get()
+                if isinstance(ev, (Done, Failed, Cancelled)):
+                    return ev
+
+        ends = await asyncio.wait_for(asyncio.gather(*(last(j) for j in jobs)), 60)
+        counts = worker.queue_length, worker.running
+        worker.close()
+        return ends, counts
+
+    (a, b, c), counts = asyncio.run(main())
+    assert isinstance(a, Failed) and isinstance(b, Failed) and "boom" in str(a.error)
+    assert isinstance(c, Cancelled)
+    assert counts == (0, 0)

@@ -104,7 +104,8 @@ class Engine:
     def __init__(self, model: LoopedLM, method: str = "ar", knobs: dict | None = None, *,
                  num_steps: int | None = None, runtime: Runtime | None = None, max_batch: int = 8,
                  kv_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 policy: SpeculationPolicy | None = None, tokenizer=None, sampled_knobs: bool = False):
+                 policy: SpeculationPolicy | None = None, tokenizer=None, sampled_knobs: bool = False,
+                 drafter: Drafter | None = None):
         for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -114,10 +115,15 @@ class Engine:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.policy = policy or SpeculationPolicy()
         self.tokenizer = tokenizer or model.tokenizer
-        self.method, self.knobs = method, dict(knobs or {})
         self._drafters: dict[tuple, Drafter] = {}
-        self.drafter(method, self.knobs)                      # the default method's knobs fail here, not later
-        width = self.drafter(method, self.knobs).width
+        if drafter is not None:                               # a built drafter as the default (generate_batch)
+            if knobs or method not in ("ar", drafter.name):
+                raise ValueError("give either a drafter or a method and its knobs, not both")
+            self.method, self.knobs, self._default = drafter.name, {}, drafter
+        else:
+            self.method, self.knobs = method, dict(knobs or {})
+            self._default = self.drafter(method, self.knobs)  # the default method's knobs fail here, not later
+        width = self._default.width
         self.slot_rows = rows_needed(model.config.block_size, 0, model.config.block_size, width)
         if kv_budget is None:
             kv_budget = default_kv_budget(model, self.R, max_batch, width)
@@ -132,6 +138,7 @@ class Engine:
         self.waiting: list[Entry] = []
         self.running: list[Entry] = []
         self.steps = 0
+        self._events: list[StepEvent] = []     # this step's events so far (kept if the step raises: take_events)
 
     # --- requests -----------------------------------------------------------------------------------------
     def drafter(self, method: str, knobs: dict | None = None, sampled: bool = False) -> Drafter:
@@ -164,7 +171,7 @@ class Engine:
         ids = as_token_list(self.model, prompt, tok)
         if drafter is None:
             if method is None and knobs is None and sampling is None:
-                drafter = self.drafter(self.method, self.knobs)
+                drafter = self._default
             else:
                 m = method or self.method
                 base = self.knobs if m == self.method else {}
@@ -227,8 +234,10 @@ class Engine:
     # --- the step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit, draft, verify every running request in one pass, commit; the events of this step."""
-        events: list[StepEvent] = []
+        """Admit, draft, verify every running request in one pass, commit; the events of this step.  If the step
+        raises, the events it had made (requests it finished, admitted or could not admit) are kept for
+        ``take_events``; call ``abort_running`` to end the requests whose states the failure left untrusted."""
+        events = self._events
         now = time.monotonic()
         for e in list(self.waiting):                       # cancelled or out of time before starting
             reason = "cancelled" if e.cancelled else "timeout" if e.deadline is not None and now > e.deadline else None
@@ -242,7 +251,7 @@ class Engine:
                 events.append(self._retire(e))
         events += [StepEvent(e.id, [], started=True) for e in self._admit()]
         if not self.running:
-            return events
+            return self.take_events()
         self.steps += 1
         decoding = [e for e in self.running if e.session is not None]
         chunks = [PrefillChunk(e.req, self._chunk(e.req)) for e in self.running if e.session is None]
@@ -262,6 +271,11 @@ class Engine:
             elif len(req.generated) > e.sent:
                 events.append(StepEvent(e.id, req.generated[e.sent:]))
                 e.sent = len(req.generated)
+        return self.take_events()
+
+    def take_events(self) -> list[StepEvent]:
+        """The events made since the last ones returned (after a step raised: what it had done before)."""
+        events, self._events = self._events, []
         return events
 
     def run(self) -> Iterator[StepEvent]:
@@ -294,6 +308,7 @@ class Engine:
                 e.req.load_prefix()
             except BaseException:
                 self.pool.release(view)
+                self._events.append(self._finish_unstarted(e, "error"))      # never left without a result
                 raise
             self.running.append(e)
             admitted.append(e)
@@ -331,6 +346,9 @@ class Engine:
         stats = GenerationStats(method=e.drafter.name, prompt_tokens=len(e.prompt), stop_reason=reason)
         e.result = GenerationResult(tokens=[], stats=stats, text="" if e.decode_text is not None else None,
                                     trace=[] if e.trace else None)
+        streamer = e.options.get("streamer")
+        if streamer is not None:
+            streamer.end()
         return StepEvent(e.id, [], True, reason)
 
     @staticmethod

@@ -131,6 +131,9 @@ def batch_prompts(model: LoopedLM, prompts, tokenizer=None) -> list[list[int]]:
         return [as_token_list(model, row, tokenizer) for row in prompts]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("generate_batch takes a list of prompts (for one prompt use generate)")
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise ValueError("generate_batch takes a list of prompts, and this is one prompt's token ids: wrap it in a "
+                         "list ([ids]) or use generate")
     return [as_token_list(model, p, tokenizer) for p in prompts]
 
 
@@ -177,7 +180,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         need = sorted((rows_needed(ctx, len(p), c, drafter.width) for p, c in zip(ids, caps)), reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
-                    tokenizer=tokenizer, policy=policy)
+                    tokenizer=tokenizer, policy=policy, drafter=drafter)
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, init_scale=init_scale, do_sample=do_sample,
                            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -4,7 +4,9 @@ stop being free; on a CPU almost at once), and speculation stops paying well bef
 vLLM switches it off above a batch size.
 
 ``cap(decoding)`` -> the most proposals a draft may carry this step: None (the method's own drafts), a number
-(chains are cut to it), or 0 (no drafts: every request takes one full-depth AR step).
+(chains are cut to it; tree drafts - DAS-Wave's seed branches, Token Recycling, Lookahead - are verified whole,
+since a session reads its verdict against the tree it proposed), or 0 (no drafts: every request takes one
+full-depth AR step).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SpeculationPolicy:
     """``off_above``: with more requests decoding than this, no drafts (None: always speculate).
-    ``max_tokens``: the most proposals per step over the whole batch, shared evenly (None: no limit)."""
+    ``max_tokens``: the most proposals per step over the whole batch, shared evenly among chains (None: no
+    limit; tree drafts are not cut: use ``off_above`` for methods that draft trees)."""
 
     off_above: int | None = None
     max_tokens: int | None = None

@@ -41,8 +41,8 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     N, K = weight.shape
     xf = x.reshape(-1, K).float()
     rows = max(8, TILE_BYTES // (4 * K))
-    out_t = torch.empty(N, xf.shape[0])                          # [N, M]: each tile writes contiguous rows
-    tile = torch.empty(min(rows, N), K)
+    out_t = torch.empty(N, xf.shape[0], dtype=torch.float32, device=x.device)     # [N, M]: tiles write whole rows
+    tile = torch.empty(min(rows, N), K, dtype=torch.float32, device=x.device)
     xt = xf.t()
     for i in range(0, N, rows):
         n = min(rows, N - i)

@@ -125,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.speculate_up_to is not None and args.speculate_up_to < 0:
+        raise ValueError(f"--speculate-up-to must be >= 0, got {args.speculate_up_to}")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
         raise ValueError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
     options = _options_from_args(args)

@@ -198,9 +198,15 @@ class DecodeWorker:
                 events = engine.step()
             except Exception as err:                    # the requests of this step fail; the others go on
                 log.exception("a decode step failed")
-                for rid in engine.abort_running():
-                    engine.result(rid)
-                    self._fail(self._jobs.pop(rid), err)
+                failed = set(engine.abort_running())
+                for ev in engine.take_events():         # what the step had done before it failed
+                    if ev.finished and ev.reason == "error":
+                        failed.add(ev.id)               # it could not be admitted
+                    elif ev.id not in failed:
+                        self._dispatch(ev)
+                for rid in failed:
+                    if rid in self._jobs:
+                        self._fail(self._jobs.pop(rid), err)
                 continue
             for ev in events:
                 self._dispatch(ev)
