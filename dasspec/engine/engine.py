@@ -194,7 +194,7 @@ class Engine:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         rows = rows_needed(ctx, P, rule.max_new_tokens, drafter.width)
         if self.runtime.static_shapes and self.max_batch > 1:    # every range one size: compiled calls keep shapes
-            rows = max(rows, self.slot_rows)
+            rows = max(rows, self.slot_rows)      # (a drafter wider than the engine's own gets a size of its own)
         if rows > self.pool.rows:
             raise CacheCapacityError(
                 f"the request needs {rows} cache positions (prompt {P} + max_new_tokens {rule.max_new_tokens} + "
