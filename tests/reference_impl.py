@@ -355,6 +355,15 @@ def random_tensors(cfg: dict, family: str, seed: int = 0) -> dict[str, torch.Ten
     return t
 
 
+def write_folder(folder: Path, cfg: dict, tensors: dict, n_shards: int, tokenizer: dict[str, str] | None) -> Path:
+    """A checkpoint folder: the tensors (``n_shards`` safetensors files), config.json and the tokenizer files."""
+    save_tensors(folder, tensors, n_shards)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name, text in (tokenizer or {}).items():
+        (folder / name).write_text(text)
+    return folder
+
+
 def save_tensors(folder: Path, tensors: dict[str, torch.Tensor], n_shards: int = 1) -> None:
     """One model.safetensors, or ``n_shards`` files + model.safetensors.index.json (HF naming)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -385,11 +394,7 @@ def write_checkpoint(folder: str | os.PathLike, layout: str, *, vocab_size: int 
     for k in drop:
         tensors.pop(k)
     cfg.update(config_edits or {})
-    save_tensors(folder, tensors, n_shards)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name, text in (tokenizer or {}).items():
-        (folder / name).write_text(text)
-    return folder
+    return write_folder(folder, cfg, tensors, n_shards, tokenizer)
 
 
 # =================================================================================================================
@@ -651,8 +656,4 @@ def write_ouro_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, s
         tensors.pop(k)
     tensors.update(edit or {})
     cfg.update(config_edits or {})
-    save_tensors(folder, tensors, n_shards)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name, text in (tokenizer or {}).items():
-        (folder / name).write_text(text)
-    return folder
+    return write_folder(folder, cfg, tensors, n_shards, tokenizer)

@@ -62,6 +62,14 @@ class Server:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
 
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
 
@@ -144,12 +152,7 @@ def server(checkpoint, tmp_path_factory):
                        "--set", "gamma=8", "--set", "rounds=4", "--max-queue", str(QUEUE), "--max-batch", str(BATCH),
                        "--served-model-name", "tiny")
     yield srv
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -535,12 +538,7 @@ def test_an_ouro_checkpoint_is_served_with_its_chat_template(tmp_path):
         for (m, target, _), text in zip(jobs, got):
             assert text == ar(model, chat_ids(model, m), 12, **target).text, (m, target)
     finally:
-        srv.proc.terminate()
-        try:
-            srv.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            srv.proc.kill()
-            srv.proc.wait()
+        srv.stop()
 
 
 def test_a_failed_step_still_answers_every_request_it_touched(monkeypatch):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import http.client
 import json
-import subprocess
 import threading
 import time
 
@@ -54,12 +53,7 @@ def server(checkpoint, tmp_path_factory):
                        "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
                        "--served-model-name", "tiny", "--no-warmup")
     yield srv
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -138,3 +138,17 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
+
+
+class NormedBlock(nn.Module):
+    """Attention and MLP with ``norms`` RMSNorms (norm_1, norm_2, ...): every family's layer, which differ only in
+    where the norms sit (each subclass's ``forward``)."""
+
+    norms = 4
+
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        for i in range(1, self.norms + 1):
+            setattr(self, f"norm_{i}", RMSNorm(cfg.n_embd, cfg.norm_eps))
+        self.attn = Attention(cfg)
+        self.mlp = GatedMLP(cfg)

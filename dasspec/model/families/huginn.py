@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..attention import LayerKV, Span
 from ..config import ConfigError, Fields, LoopedConfig, check_unread, eos_list, flag, real
-from ..layers import Attention, GatedMLP, RMSNorm
+from ..layers import NormedBlock
 from . import Family, LayerGroup, register
 
 # Huginn's <|begin_text|>, <|end_text|>, <|end_turn|>, <|pad|>.  The Raven converters copied Huginn's config.json,
@@ -148,17 +148,11 @@ class HuginnRavenFamily(Family):
                 "max_position_embeddings": cfg.block_size, "tie_word_embeddings": cfg.tie_embeddings}
 
 
-class SandwichBlock(nn.Module):
+class SandwichBlock(NormedBlock):
     """Huginn's layer: x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x)) (the second norm of each pair acts on the
     residual sum)."""
 
     style = "sandwich"
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.norm_1, self.norm_2, self.norm_3, self.norm_4 = (RMSNorm(cfg.n_embd, cfg.norm_eps) for _ in range(4))
-        self.attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg)
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         x = self.norm_2(x + self.attn(self.norm_1(x), span, kv))

@@ -16,28 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..attention import LayerKV, Span
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
-from ..layers import Attention, GatedMLP, RMSNorm
+from ..layers import NormedBlock
 from . import Family, LayerGroup, Slot, register
 
 # The checkpoint's four norms of a layer, in the order of the block's norm_1..norm_4.
 NORMS = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
 
 
-class PeriNormBlock(nn.Module):
+class PeriNormBlock(NormedBlock):
     """Ouro's layer: x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x)) (both norms of a pair inside the residual
     branch, unlike Huginn's sandwich, which normalises the residual sum)."""
 
     style = "peri"
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.norm_1, self.norm_2, self.norm_3, self.norm_4 = (RMSNorm(cfg.n_embd, cfg.norm_eps) for _ in range(4))
-        self.attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg)
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         x = x + self.norm_2(self.attn(self.norm_1(x), span, kv))

@@ -8,11 +8,10 @@ format (``huginn.HuginnRavenFamily``) with Huginn's stale ids and ``rope_base`` 
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..attention import LayerKV, Span
-from ..config import LoopedConfig
-from ..layers import Attention, GatedMLP, RMSNorm
+from ..layers import NormedBlock
 from . import register
 from .huginn import HuginnRavenFamily
 
@@ -20,16 +19,11 @@ RAVEN_KNOBS = {"self-spec": {"draft_depth": 4, "block": 16}, "mature-spec": {"bl
                "das-wave": {"k": 1}}                                         # the paper's Table 5
 
 
-class PreNormBlock(nn.Module):
+class PreNormBlock(NormedBlock):
     """Llama's layer: x = x + attn(n1 x); x = x + mlp(n2 x)."""
 
     style = "pre"
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.norm_1, self.norm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps), RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg)
+    norms = 2
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         x = x + self.attn(self.norm_1(x), span, kv)
