@@ -64,20 +64,24 @@ def sync(device: torch.device) -> None:
 
 def pass_costs(model, prompt: list[int], widths: list[int], reps: int) -> dict[int, float]:
     """Seconds per full-depth target pass over W positions after the prompt (scratch rows, nothing committed)."""
-    from dasspec.engine.request import Request
-    from dasspec.engine.stopping import StopRule
+    from dasspec.model.cache import DepthCache
 
-    dec = Request(model, prompt, StopRule(max(widths) + 2), width=max(widths), method="ar")
+    P, R, dev = len(prompt), model.R, model.device
+    cache = DepthCache(model.config, R, P + max(widths) + 1, dev, model.dtype)
+    ids = torch.tensor([prompt + prompt[: max(widths)]], device=dev)
+    h0 = model.initial_state(torch.arange(P + max(widths)), 1.0, 0).unsqueeze(0)
     out = {}
     with torch.inference_mode():
-        dec.prefill()
+        model.full_depth(ids[:, :P], h0[:, :P], model.span(0, 0, P), cache, R)
+        cache.commit(P)
         for W in widths:
-            dec.target_pass(dec.n, W)                       # warm-up (kernel selection, allocator)
-            sync(model.device)
+            args = (ids[:, P: P + W], h0[:, P: P + W], model.span(P, P, W), cache, R)
+            model.full_depth(*args)                         # warm-up (kernel selection, allocator)
+            sync(dev)
             t = time.perf_counter()
             for _ in range(reps):
-                dec.target_pass(dec.n, W)
-            sync(model.device)
+                model.full_depth(*args)
+            sync(dev)
             out[W] = (time.perf_counter() - t) / reps
     return out
 

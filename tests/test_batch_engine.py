@@ -1,6 +1,7 @@
 """The batched engine: many requests decoded at once, every answer exactly its own batch-1 full-depth AR decode
-(float32) - whatever else shares the batch, whenever it joined or left, whether others were cancelled; the pool
-(a request that can never fit is refused, one that fits later waits); events; generate_batch's contract."""
+(float32) - whatever else shares the batch, whenever it joined or left, whether others were cancelled; the paged
+pool (a request that can never fit alone is refused, others take blocks as they write); events; generate_batch's
+contract."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_mixed_arrivals_caps_and_cancellations_equal_each_requests_own_ar(family
             for r in reqs]
     accepted = 0
     for mi, (method, knobs) in enumerate(METHODS):
-        engine = Engine(model, method, knobs, max_batch=4, prefill_chunk=8, kv_budget=4 * 96)
+        engine = Engine(model, method, knobs, max_batch=4, block_size=8, max_step_tokens=24, kv_budget=4 * 96)
         sched = {0: reqs[:5], 2: reqs[5:8], 5: reqs[8:10], 9: reqs[10:]}
         cancelled = {1: [1 + mi % 3], 6: [8]}
         out = _run(engine, sched, cancelled)
@@ -82,7 +83,7 @@ def test_mixed_arrivals_caps_and_cancellations_equal_each_requests_own_ar(family
                 assert res.tokens == refs[num], (family, method, knobs, num)
             accepted += sum(res.stats.accepted)
         assert {r.stop_reason for r, _ in out.values()} >= {"cancelled", "max_new_tokens"}
-        assert engine.pool.free_rows == engine.pool.rows                   # every row came back
+        assert engine.pool.available == engine.pool.capacity_blocks        # every block came back
     assert accepted > 0
 
 
@@ -144,35 +145,47 @@ def test_generate_batch_options_per_prompt_and_order():
     assert dasspec.generate_batch(model, []) == []
 
 
-def test_pool_refuses_what_never_fits_and_queues_what_fits_later():
+def test_pool_refuses_only_what_never_fits_alone_and_runs_the_rest_together():
+    """A request larger than the whole pool is refused by add; the others hold only what they write, so several
+    run at once in a pool that could not hold two of their worst cases."""
     model = random_model("huginn", seed=2, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     prompts = _prompts(model.config.vocab_size, 4, seed=2)
-    engine = Engine(model, "pld", max_batch=4, kv_budget=60)
-    with pytest.raises(CacheCapacityError, match="needs 72 cache positions .* pool holds 60 positions"):
+    engine = Engine(model, "pld", max_batch=4, kv_budget=64)
+    with pytest.raises(CacheCapacityError, match=r"needs up to 72 cache positions .* pool holds 4 blocks of 16 "
+                                                 r"positions \(64 positions"):
         engine.add(list(range(2, 52)), max_new_tokens=10)
-    ids = [engine.add(p[:20], max_new_tokens=8, eos=False) for p in prompts]    # ~40 rows each: one at a time
+    ids = [engine.add(p[:20], max_new_tokens=30, eos=False) for p in prompts]   # worst case 62 rows each
     most = 0
     while engine.has_work:
         engine.step()
         most = max(most, len(engine.running))
-    assert most == 1
+    assert most >= 2
     for rid, p in zip(ids, prompts):
-        assert engine.result(rid).tokens == dasspec.generate(model, p[:20], max_new_tokens=8, eos=False).tokens
+        assert engine.result(rid).tokens == dasspec.generate(model, p[:20], max_new_tokens=30, eos=False).tokens
 
 
-def test_pool_ranges_are_reused_and_merged():
-    from dasspec.engine.pool import KVPool
+def test_block_pool_references_lru_and_eviction():
+    """Blocks are referenced, freed, kept keyed while unreferenced (least recently freed evicted first), found by
+    key only along an unbroken run, never freed twice; consecutive blocks are handed out in order."""
+    from dasspec.engine.blocks import BlockPool, block_keys
 
     model = random_model("huginn", mean_recurrence=2)
-    pool = KVPool(model, 2, 100)
-    a, b, c = pool.allocate(30), pool.allocate(30), pool.allocate(30)
-    assert [v.base for v in (a, b, c)] == [0, 30, 60] and pool.allocate(20) is None
-    pool.release(b)
-    assert pool.allocate(40) is None and pool.largest_free == 30
-    pool.release(a)                                           # merges with b's range: 60 rows at 0
-    assert pool.largest_free == 60 and pool.allocate(60).base == 0
-    with pytest.raises(RuntimeError, match="released twice"):
-        pool.release(c), pool.release(c)
+    pool = BlockPool(model, 2, 64, block_size=16)               # 4 blocks (+ the null block)
+    a = pool.allocate(2)
+    assert a == [1, 2] and pool.allocate(1, after=a[-1]) == [3] and pool.available == 1
+    keys = block_keys(list(range(40)), 16, b"salt", 2)
+    assert keys != block_keys(list(range(40)), 16, b"other", 2)          # the salt is part of every key
+    assert block_keys(list(range(16)) + [99] * 16, 16, b"salt", 2)[0] == keys[0]
+    pool.register(1, keys[0]), pool.register(2, keys[1])
+    pool.free([1, 2, 3])
+    assert pool.available == 4 and pool.cached == 2
+    assert pool.lookup([b"?" * 32, keys[1]]) == [] and pool.lookup(keys) == [1, 2]   # a run from the first key
+    pool.free([1, 2])
+    assert pool.allocate(2) == [3, 4]                                    # free blocks before cached ones
+    assert pool.allocate(1) == [1] and pool.evictions == 1               # then the least recently freed
+    assert pool.lookup(keys) == []                                       # its key is gone, so is the run
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([3]), pool.free([3])
 
 
 def test_cancel_and_timeout_stop_at_the_next_step():
@@ -212,37 +225,10 @@ def test_speculation_policy_changes_speed_never_tokens():
     assert proposed["always"] > proposed["narrow"] > 0 and proposed["off"] < proposed["narrow"]
 
 
-def test_union_and_per_sequence_attention_agree():
-    """A ragged call's attention runs per sequence or as one call over the union of the pool rows (a cost rule
-    picks, attention.union_pays): both give the same rows to float rounding and the same tokens - also for the
-    two-source calls of Deep K/V drafts and the tree masks of Token Recycling."""
-    import dasspec.model.attention as attention
-
-    model = random_model("raven-llama", seed=8, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
-    prompts = _prompts(model.config.vocab_size, 6, seed=6)
-    ref = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False).tokens for p in prompts]
-    real = attention.union_pays
-    used = {}
-    for forced in (True, False):
-        def pays(*args, forced=forced):
-            used[forced] = used.get(forced, 0) + 1
-            return forced
-        attention.union_pays = pays
-        try:
-            for method, knobs in (("ar", {}), ("mature-spec", {"draft_depth": 2, "block": 3}),
-                                  ("das-wave", {"gamma": 6, "rounds": 3, "k": 1}), ("token-recycling", {})):
-                outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=6,
-                                              **knobs)
-                assert [o.tokens for o in outs] == ref, (forced, method)
-        finally:
-            attention.union_pays = real
-    assert used[True] and used[False]
-
-
 def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     """A request cancelled (or out of time) while DAS-Wave refines its window stops at the next round - the
     other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps."""
-    from dasspec.engine.request import Request
+    from dasspec.engine.scheduler import Entry
 
     model = random_model("huginn", seed=3, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     engine = Engine(model, "das-wave", {"gamma": 8, "rounds": 10, "w_init": 8, "k": 1}, max_batch=2)
@@ -250,18 +236,18 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     b = engine.add([8, 9, 4], max_new_tokens=30, eos=False)
     engine.step()                                        # both prefilled
     asked = {}
-    real = Request.stopping
+    real = Entry.stopping
 
-    def stopping(req):
-        asked[id(req)] = asked.get(id(req), 0) + 1
+    def stopping(e):
+        asked[id(e)] = asked.get(id(e), 0) + 1
         # asked at the step's start, then before every round: a's client hangs up during its 4th round
-        if req.prompt == [5, 6, 7] and asked[id(req)] > 5:
-            req.cancelled = True
-        return real(req)
+        if e.prompt == [5, 6, 7] and asked[id(e)] > 5:
+            e.cancelled = True
+        return real(e)
 
-    monkeypatch.setattr(Request, "stopping", stopping)
+    monkeypatch.setattr(Entry, "stopping", stopping)
     events = engine.step()
-    monkeypatch.setattr(Request, "stopping", real)
+    monkeypatch.setattr(Entry, "stopping", real)
     assert [(e.id, e.reason) for e in events if e.finished] == [(a, "cancelled")]
     res_a = engine.result(a)
     assert res_a.stats.draft_passes == 4 and res_a.stats.verify_events == 0       # 4 rounds, never verified
@@ -272,14 +258,14 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     assert res_b.stats.draft_passes >= 10                                         # its rounds ran on
 
 
-def test_a_step_that_raises_keeps_what_it_had_done(monkeypatch):
-    """A step fails after it has finished a request (cancelled) and failed to admit another: both keep their
-    result and their event (take_events), the running one is aborted, the pool gets every row back."""
-    import dasspec.engine.engine as engine_mod
+def test_a_failing_request_fails_alone_and_a_failing_step_keeps_what_it_had_done(monkeypatch):
+    """A request whose streamer raises fails alone (reason error, the error kept); the others decode on.  A step
+    that raises keeps the events it had made (a cancelled request's), the running requests are aborted (and their
+    results can be discarded unread), and every block comes back to the pool."""
+    import dasspec.engine.executor as executor_mod
 
     model = random_model("huginn", seed=4, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
-    engine = Engine(model, "pld", max_batch=2)
-    free = engine.pool.rows
+    engine = Engine(model, "pld", max_batch=3)
     a = engine.add([5, 6, 7, 8], max_new_tokens=20, eos=False)
     b = engine.add([9, 10, 11], max_new_tokens=20, eos=False)
     engine.step()
@@ -293,46 +279,34 @@ def test_a_step_that_raises_keeps_what_it_had_done(monkeypatch):
             pass
 
     c = engine.add([3, 4], max_new_tokens=5, eos=False, streamer=Broken())
+    events = {ev.id: ev for ev in engine.step()}
+    assert events[c].finished and events[c].reason == "error"
+    assert "streamer broke" in str(engine.result(c).error) and engine.result is not None
+    assert not any(ev.finished for rid, ev in events.items() if rid != c)        # a and b go on
     engine.cancel(a)
-    monkeypatch.setattr(engine_mod, "loop_step", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(RuntimeError, match="streamer broke"):
+    monkeypatch.setattr(executor_mod, "loop_step", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
         engine.step()
     assert engine.abort_running() == [b]
     events = {ev.id: ev for ev in engine.take_events()}
     assert events[a].finished and events[a].reason == "cancelled"
-    assert events[c].finished and events[c].reason == "error"
-    assert engine.result(c).tokens == [] and engine.result(a).stats.stop_reason == "cancelled"
-    assert not engine.has_work and engine.take_events() == []
-    assert engine.pool.allocate(free) is not None                     # every row back, in one range
-
-
-def test_static_shapes_size_ranges_for_the_batch_drafter():
-    """With static shapes every range of a batched engine is one size, the one the drafter of generate_batch
-    needs (not the engine's default AR width)."""
-    from dasspec.engine.request import rows_needed
-
-    model = random_model("huginn", seed=9, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
-    wave = dasspec.build_drafter(model, "das-wave", {"gamma": 6, "rounds": 2})
-    engine = Engine(model, drafter=wave, runtime=dasspec.Runtime(static_shapes=True), max_batch=2)
-    ctx = model.config.block_size
-    assert engine.method == "das-wave" and wave.width > dasspec.build_drafter(model, "ar", {}).width
-    assert engine.slot_rows == rows_needed(ctx, 0, ctx, wave.width)
-    rid = engine.add([5, 6, 7], max_new_tokens=4, eos=False)
-    assert engine._table[rid].rows == engine.slot_rows
-    with pytest.raises(ValueError, match="either a drafter or a method"):
-        Engine(model, "pld", drafter=wave)
+    assert events[b].finished and events[b].reason == "error"
+    assert engine.result(a).stats.stop_reason == "cancelled"
+    engine.discard(b)
+    assert not engine.has_work and engine.take_events() == [] and not engine._table and not engine._results
+    assert engine.pool.available == engine.pool.capacity_blocks        # every block back
 
 
 def test_static_shapes_and_a_prefix_cache_in_a_batch():
-    """A batched engine with fixed-shape calls (every request's range one size, attention over the whole range
-    under a mask) and requests sharing a prefix cache: the same tokens as each request alone."""
+    """A batched engine with fixed-shape calls (attention over every row a request may use, through its block
+    table, under a mask) and requests sharing a prefix cache: the same tokens as each request alone."""
     model = random_model("huginn", seed=9, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     shared = list(range(10, 40))
     prompts = [shared + p for p in _prompts(model.config.vocab_size, 4, seed=12)]
     pc = dasspec.PrefixCache(model, shared)
-    refs = [dasspec.generate(model, p, "ar", max_new_tokens=8, eos=False, prefix_cache=pc).tokens for p in prompts]
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=8, eos=False).tokens for p in prompts]
     for runtime in (dasspec.Runtime(static_shapes=True), None):
         outs = dasspec.generate_batch(model, prompts, "das-wave", max_new_tokens=8, eos=False, prefix_cache=pc,
                                       runtime=runtime, max_batch=4, gamma=4, rounds=3)
         assert [o.tokens for o in outs] == refs, runtime
-        assert all(o.stats.cached_tokens == len(shared) for o in outs)
+        assert all(o.stats.cached_tokens == 16 for o in outs)         # the prefix's one full block

@@ -48,9 +48,9 @@ def model():
 
 class BrokenSession(Session):
     def observe(self, verdict):
-        req = self.req
+        req = self.ctx
         if req.done:
-            req.generated[-1] = (req.generated[-1] + 1) % req.model.config.vocab_size
+            req.generated[-1] = (req.generated[-1] + 1) % req.config.vocab_size
 
 
 class Broken(Drafter):

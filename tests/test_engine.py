@@ -29,13 +29,13 @@ class RepeatKnobs(Knobs):
 
 class RepeatSession(Session):
     def propose(self) -> Draft:
-        req, knobs = self.req, self.drafter.knobs
+        req, knobs = self.ctx, self.drafter.knobs
         anchor = req.generated[-1]
         c = min(knobs.copies, req.room - 1)       # the budget rule: inputs at depth <= room - 1
         if c == 0:
             return Draft()
         if knobs.as_tree:               # node 1..c: the chain; node c+1: a sibling of node 1
-            return Draft([anchor] * c + [(anchor + 1) % req.model.config.vocab_size],
+            return Draft([anchor] * c + [(anchor + 1) % req.config.vocab_size],
                          layout=TreeLayout(list(range(-1, c)) + [0]))
         return Draft([anchor] * c, bonus=True)
 
@@ -125,9 +125,9 @@ def test_default_draft_depth_fits_a_shallow_call():
 
 class WideSession(Session):
     def propose(self) -> Draft:
-        if self.req.room < 2:                       # a depth-1 tree needs room for two more tokens
+        if self.ctx.room < 2:                       # a depth-1 tree needs room for two more tokens
             return Draft()
-        return Draft([self.req.generated[-1]] * 19, layout=TreeLayout([-1] + [0] * 19))
+        return Draft([self.ctx.generated[-1]] * 19, layout=TreeLayout([-1] + [0] * 19))
 
 
 class WideTree(Drafter):

@@ -108,15 +108,19 @@ def test_streamer_receives_the_prompt_then_every_token_once(raven):
 
 
 def test_deterministic_and_seeded(huginn):
-    """The seed of the per-position initial states: the same seed gives the same tokens, and the seed reaches the
-    states (among a few seeds the outputs differ; with a zero initial state the seed cannot matter)."""
-    runs = {s: dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, seed=s, eos=False).tokens
+    """``state_seed`` seeds the per-position initial states: the same seed gives the same tokens, and the seed
+    reaches the states (among a few seeds the outputs differ; with a zero initial state it cannot matter).  The
+    sampling ``seed`` does not touch them: greedy decoding is the same for every ``seed``."""
+    runs = {s: dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, state_seed=s, eos=False).tokens
             for s in range(6)}
-    assert dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, seed=1, eos=False).tokens == runs[1]
-    assert len({tuple(t) for t in runs.values()}) > 1, "the seed never changed the output"
-    zero = {tuple(dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, seed=s, eos=False,
+    assert dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, state_seed=1, eos=False).tokens == runs[1]
+    assert len({tuple(t) for t in runs.values()}) > 1, "the state seed never changed the output"
+    zero = {tuple(dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, state_seed=s, eos=False,
                                    init_scale=0.0).tokens) for s in range(3)}
     assert len(zero) == 1
+    greedy = {tuple(dasspec.generate(huginn, TEXT, max_new_tokens=6, num_steps=2, seed=s, eos=False).tokens)
+              for s in range(3)}
+    assert greedy == {tuple(runs[0])}
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------
@@ -131,14 +135,14 @@ def test_deterministic_and_seeded(huginn):
     (dict(init_scale=float("nan")), ValueError, "init_scale must be a finite number >= 0"),
     (dict(init_scale=-1.0), ValueError, "init_scale must be a finite number >= 0"),
     (dict(input_ids=[3, 320, 4]), ValueError, r"token id 320 is outside the vocabulary \[0, 320\)"),
-    (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch 1"),
+    (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "a batch of 2"),
     (dict(method="beam"), ValueError, "unknown method 'beam'"),
     (dict(gamma=4), ValueError, "method 'ar' does not take gamma"),
     (dict(do_sample=True, temperature=0), ValueError, "temperature=0 with do_sample=True"),
     (dict(max_length=64), ValueError, "max_length is not supported: give max_new_tokens"),
     (dict(input_ids={"input_ids": [[3, 4, 5]], "attention_mask": [[0, 1, 1]]}), ValueError, "padding"),
     (dict(input_ids={"ids": [3, 4]}), ValueError, "needs an 'input_ids' entry"),
-    (dict(input_ids=[[3, 4], [5, 6]]), ValueError, "batch 1"),
+    (dict(input_ids=[[3, 4], [5, 6]]), ValueError, "a batch of 2"),
     (dict(input_ids=torch.tensor([3.0, 4.0])), ValueError, "integer token ids"),
     (dict(stop=[400]), ValueError, r"stop token id 400 is outside the vocabulary \[0, 320\)"),
     # garbage that used to be read as something else: bytes as ids, floats and bools truncated to ids

@@ -7,9 +7,11 @@ in one pass, and how drafters that read the model batch their passes.
     logits = b.readout(h)                          # float32 [1, T', V]
     per_request = b.split(logits[0])
 
-Each request reads and writes only its own cache (its range of the engine's pool) and sees only its own verified
+Each request reads and writes only its own cache (its blocks of the engine's pool) and sees only its own verified
 prefix, so a row's value does not depend on what else is in the batch; the linear layers run once over all T rows
-(``attention.RaggedSpan``).  A batch of one is exactly the request's own call (no ragged bookkeeping).
+(``attention.RaggedSpan``) and attention runs per segment.  A request may appear more than once (consecutive prompt
+blocks prefilled as segments of one pass).  A batch of one is exactly the request's own call.  Drafters build
+batches over their ``DraftContext``s; the engine over its requests.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from torch import Tensor
 
 from ..model.attention import RaggedSpan, Span
 from ..model.cache import BatchCache
+from .context import DraftContext
 from .request import Request
 
 
 class Batch:
-    def __init__(self, reqs: Sequence[Request], starts: Sequence[int], widths: Sequence[int],
-                 positions: Sequence[Tensor | None] | None = None, masks: Sequence[Tensor | None] | None = None,
-                 union: bool | None = None):
+    def __init__(self, reqs: Sequence[Request | DraftContext], starts: Sequence[int], widths: Sequence[int],
+                 positions: Sequence[Tensor | None] | None = None, masks: Sequence[Tensor | None] | None = None):
+        reqs = [r._req if isinstance(r, DraftContext) else r for r in reqs]
         self.reqs, self.starts, self.widths = list(reqs), list(starts), list(widths)
         self.positions = list(positions) if positions is not None else [None] * len(self.reqs)
         masks = list(masks) if masks is not None else [None] * len(self.reqs)
@@ -39,11 +42,7 @@ class Batch:
             self.cache = self.reqs[0].cache
         else:
             self.cache = BatchCache([r.cache for r in self.reqs])
-            shared = self.cache.storage is not None
-            cfg = self.reqs[0].model.config
-            self.span = RaggedSpan.of(spans, [r.cache.base for r in self.reqs] if shared else None,
-                                      width=cfg.n_heads * cfg.head_dim, force_union=union,
-                                      dtype=self.reqs[0].model.dtype)
+            self.span = RaggedSpan.of(spans)
         self.offsets = [0]
         for w in self.widths:
             self.offsets.append(self.offsets[-1] + w)

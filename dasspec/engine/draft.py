@@ -5,17 +5,17 @@ by a ``TreeLayout``.  The engine places its tokens in the request's scratch slot
 fit), the full-depth target verifies it (``verify.py``) and returns a ``Verdict`` that the drafter may learn from.
 
 A *drafter* holds a method's knobs and what it keeps across requests (Token Recycling's successor table, SAM's
-corpus automaton); ``start(req)`` gives a *session*, the state of one request (its text index, carried states,
-n-gram pool).  Each engine step asks every drafter for the drafts of all its running sessions at once
+corpus automaton); ``start(ctx)`` gives a *session*, the state of one request (its text index, carried states,
+n-gram pool), holding the request's read-only ``DraftContext`` (``context.py``).  Each engine step asks every drafter for the drafts of all its running sessions at once
 (``propose_batch``: drafters that read the model batch those passes across requests), verifies them all in one
 pass, and tells each session its verdict (``Session.observe``).  Sessions of one drafter run concurrently, so
 what they share must stay valid whatever the others do (it only ever changes how much is accepted, never a token).
 
-The contract.  A session may read of its request: ``n`` (the anchor's position = the verified rows), ``P`` and
-``prompt``, ``generated`` (committed tokens, the anchor last), ``R``, ``room``, ``model.config``, ``device``,
-``choose`` (the request's token choice: greedy or its seeded sampler), ``stopping()``; it may write proposals into
-``scratch(w)`` and run the model only through ``dasspec.engine.batch`` (the three primitives on the scratch rows
-past ``n``, counted with ``stats.count``).  Nothing else of the request, and never rows below ``n``.
+The contract, enforced by ``DraftContext``: a session may read of its request ``n`` (the anchor's position = the
+verified rows), ``P`` and ``prompt``, ``generated`` (committed tokens, the anchor last), ``R``, ``room``, ``cap``,
+``config``, ``device``, ``choose`` (the request's token choice: greedy or its seeded sampler), ``stopping()``; it
+may write proposals into ``scratch(w)`` and run the model only through ``dasspec.engine.batch`` over contexts (the
+three primitives on the scratch rows past ``n``, counted with ``count``).  Nothing else of the request.
 
 The budget rule, stated once: a verifier input at depth D below the anchor yields the target's token for depth
 D + 1, and only ``req.room`` more tokens may be committed, so every node that can be committed - on a candidate
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .request import Request
+    from .context import DraftContext
 
 
 class TreeLayout:
@@ -115,6 +115,8 @@ class Draft:
     """Proposals after the anchor: ``tokens`` are nodes 1, 2, ... (a device tensor, a numpy array or a list; a
     view of ``req.scratch(w)`` is used in place).
 
+    ``in_place``: the tokens are already in the request's scratch slots (``ctx.scratch`` / ``draft_slots``).
+
     A chain (``layout`` None) is verified as the paper's block [anchor, y_1 .. y_{w-1}], which tests y_1 .. y_w: when
     all w match there is no further conditional, so no bonus token.  ``bonus=True`` feeds y_w too (w + 1 positions),
     so a fully accepted chain also commits the target's next token.  A tree (``layout`` given, its node 0 the
@@ -125,6 +127,7 @@ class Draft:
     layout: TreeLayout | None = None
     bonus: bool = False
     notes: dict[str, Any] | None = None
+    in_place: bool = False
 
 
 @dataclass
@@ -142,8 +145,8 @@ class Verdict:
 class Session:
     """One request's drafting state.  The base proposes nothing: every block is one full-depth AR step."""
 
-    def __init__(self, drafter: "Drafter", req: "Request"):
-        self.drafter, self.req = drafter, req
+    def __init__(self, drafter: "Drafter", ctx: "DraftContext"):
+        self.drafter, self.ctx = drafter, ctx
 
     def propose(self) -> Draft:
         return Draft()
@@ -162,9 +165,9 @@ class Drafter:
     stateful = False          # keeps state across requests (benchmarks then bootstrap over blocks of requests)
     session: type[Session] = Session
 
-    def start(self, req: "Request") -> Session:
+    def start(self, ctx: "DraftContext") -> Session:
         """A new request has been prefilled (its first token emitted): its drafting session."""
-        return self.session(self, req)
+        return self.session(self, ctx)
 
     def propose_batch(self, sessions: "list[Session]") -> list[Draft]:
         """The drafts of every running session of this drafter, in order (one engine step)."""

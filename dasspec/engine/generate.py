@@ -32,14 +32,15 @@ if TYPE_CHECKING:
 
 def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int = 256,
              num_steps: int | None = None, init_scale: float = 1.0, stop: Iterable[int | str] | None = None,
-             *, seed: int = 0, do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
+             *, seed: int = 0, state_seed: int = 0, do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, streamer=None, tokenizer=None, eos: bool = True,
              prefix_cache: "PrefixCache | None" = None, stopping_criteria: Iterable[Criterion] | None = None,
              drafter: Drafter | None = None, runtime: Runtime | None = None, trace: bool = False,
              exit_threshold: float | None = None, exit_at_step: int | None = None, **knobs) -> GenerationResult:
     """Decoding with ``method``, greedy or (``do_sample=True``) sampled; every speculative method is verified by
     the same full-depth target, so its tokens equal ``method="ar"``'s - for sampling, AR's at the same ``seed``
-    (``dasspec.engine.sampling``).  ``seed``: the per-position initial states and the sampling noise.  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
+    (``dasspec.engine.sampling``).  ``seed``: the sampling noise; ``state_seed`` (with ``init_scale``): the latent
+    per-position initial states (Huginn, Raven).  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
     [1, T] tensor of ids, or a Hugging Face tokenizer's output (a mapping with input_ids).  ``stop``: extra stop
     token ids and/or stop strings (EOS always stops unless ``eos=False``).  ``stopping_criteria``: Hugging
     Face-style callables ``(input_ids, scores) -> bool``, asked after every committed token with input_ids
@@ -47,7 +48,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     same token for every method).
     ``streamer``: an object with ``put(LongTensor[1, k])`` and ``end()``, given the prompt first and then every
     committed chunk, as Hugging Face generate does (so ``transformers.TextStreamer(tok, skip_prompt=True)`` works).
-    ``prefix_cache``: a ``dasspec.PrefixCache`` whose rows the prompt's common prefix with it reuses.
+    ``prefix_cache``: a ``dasspec.PrefixCache`` whose full blocks the prompt's common prefix with it reuses.
     ``drafter``: a drafter from ``dasspec.build_drafter`` (instead of ``method`` and knobs), kept by the caller
     across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block.
     ``exit_threshold`` / ``exit_at_step`` (0-based): the target's early exit, for models with an exit gate (Ouro);
@@ -70,7 +71,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     rows = rows_needed(model.config.block_size, len(prompt), max_new_tokens, drafter.width)
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer)
     with torch.inference_mode():
-        rid = engine.add(prompt, max_new_tokens=max_new_tokens, stop=stop, eos=eos, seed=seed, init_scale=init_scale,
+        rid = engine.add(prompt, max_new_tokens=max_new_tokens, stop=stop, eos=eos, seed=seed, state_seed=state_seed,
+                         init_scale=init_scale,
                          do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          stopping_criteria=stopping_criteria, streamer=streamer, prefix_cache=prefix_cache,
                          drafter=drafter, trace=trace, tokenizer=tokenizer, exit_threshold=exit_threshold,
@@ -139,7 +141,7 @@ def batch_prompts(model: LoopedLM, prompts, tokenizer=None) -> list[list[int]]:
 
 def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens: int | Sequence[int] = 256,
                    num_steps: int | None = None, init_scale: float = 1.0, stop=None, *,
-                   seed: int | Sequence[int] = 0, do_sample: bool = False, temperature: float | None = None,
+                   seed: int | Sequence[int] = 0, state_seed: int = 0, do_sample: bool = False, temperature: float | None = None,
                    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                    tokenizer=None, eos: bool = True, prefix_cache: "PrefixCache | None" = None,
                    stopping_criteria: Iterable[Criterion] | None = None, drafter: Drafter | None = None,
@@ -151,7 +153,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     same seed).  Every option of ``generate``; ``max_new_tokens``, ``seed`` and ``prefix_cache`` may be one value
     or one per prompt, and ``stop`` one prompt's stop items or a list of them per prompt (``[["\n"], None, [7]]``).
     ``kv_budget``: depth-cache positions for the running requests (default: room for the ``max_batch`` largest
-    at once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
+    at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
+    exemplars once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
     token)."""
     from ..methods import build_drafter
 
@@ -175,14 +178,15 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         check_kept(model, drafter, R)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
-    if kv_budget is None and not (runtime is not None and runtime.static_shapes and max_batch > 1):
-        ctx = model.config.block_size        # (static shapes: the engine's default, ranges of one size)
+    if kv_budget is None:
+        ctx = model.config.block_size
         need = sorted((rows_needed(ctx, len(p), c, drafter.width) for p, c in zip(ids, caps)), reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
                     tokenizer=tokenizer, policy=policy, drafter=drafter)
     with torch.inference_mode():
-        rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, init_scale=init_scale, do_sample=do_sample,
+        rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, state_seed=state_seed, init_scale=init_scale,
+                           do_sample=do_sample,
                            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            stopping_criteria=stopping_criteria, prefix_cache=pc, drafter=drafter,
                            trace=trace, tokenizer=tokenizer, exit_threshold=exit_threshold, exit_at_step=exit_at_step)

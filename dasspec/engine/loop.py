@@ -2,10 +2,11 @@
 
     drafts = drafter.propose_batch(sessions)        # per drafter, its running sessions at once (AR: nothing)
     placed = [place(req, draft) for ...]            # after each anchor; cut to the budget rule (draft.py)
-    verdicts = verify_step(placed, prefill_chunks)  # one full-depth pass: every draft and prompt chunk
+    verdicts = verify_step(placed, prefill_chunks)  # one full-depth pass: every draft and prompt block
     session.observe(verdict)                        # each session learns its verdict
 
-``Engine.step`` (engine.py) runs it and keeps the table of requests around it; ``generate`` is a table of one.
+The executor (``executor.py``) runs it once per engine step; the step's draft cap is part of each request's
+``room`` before anyone drafts (a cap of 0: nobody drafts, every request takes one full-depth AR step).
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from .request import Request
 from .verify import Placed, PrefillChunk, verify_step
 
 
-def place(req: Request, draft: Draft, cap: int | None = None) -> Placed:
+def place(req: Request, draft: Draft) -> Placed:
     """Put the draft's tokens after the anchor (unless the drafter wrote them there) and return it placed for the
     verifier.  A chain is cut to the budget rule (every verifier input at depth <= room - 1: no pass computes a
-    position whose token would be dropped) and to ``cap`` proposals when the engine narrows drafts; a tree that
-    breaks the rule is refused (its drafter must cut it).  The cache capacity is checked before anything runs."""
+    position whose token would be dropped; ``room`` includes the step's draft cap); a tree that breaks the rule is
+    refused (its drafter must cut it).  The cache capacity is checked before anything runs."""
     tokens = draft.tokens
     w = len(tokens)
     if draft.layout is None:
         w = min(w, req.room - 1 if draft.bonus else req.room)
-        if cap is not None:
-            w = min(w, cap)
         layout = TreeLayout.chain(w + 1, req.device)
         inputs = w + 1 if draft.bonus or w == 0 else w
     else:
@@ -48,12 +47,11 @@ def place(req: Request, draft: Draft, cap: int | None = None) -> Placed:
             raise ValueError(f"a draft tree reaches position {req.n + layout.max_depth}, beyond the model context "
                              f"({req.model.config.block_size})")
     req.check_fits(inputs, layout.size)
-    if w:
+    if w and not draft.in_place:
         slots = req.tokens[req.n + 1: req.n + 1 + w]
-        if not (isinstance(tokens, torch.Tensor) and tokens.data_ptr() == slots.data_ptr()):
-            if isinstance(tokens, np.ndarray):
-                tokens = torch.from_numpy(tokens)
-            slots.copy_(torch.as_tensor(tokens[:w], dtype=torch.long))
+        if isinstance(tokens, np.ndarray):
+            tokens = torch.from_numpy(tokens)
+        slots.copy_(torch.as_tensor(tokens[:w], dtype=torch.long))
     return Placed(req, layout, inputs)
 
 
@@ -63,43 +61,46 @@ def traced(p: Placed, draft: Draft) -> Draft:
     return replace(draft, tokens=p.req.tokens[n + 1: n + p.layout.size].tolist(), layout=p.layout)
 
 
-def propose(groups: dict[Drafter, list[Session]], cap: int | None) -> list[tuple[Session, Draft]]:
-    """Every session's draft for this step, each drafter asked once for all of its sessions (``cap`` 0: no drafts,
-    every request takes a plain AR step)."""
+def propose(groups: dict[Drafter, list[Session]]) -> list[tuple[Session, Draft]]:
+    """Every session's draft for this step, each drafter asked once for the sessions it may draft for (a request
+    whose cap is 0 takes a plain AR step)."""
     out: list[tuple[Session, Draft]] = []
     for drafter, sessions in groups.items():
-        drafts = drafter.propose_batch(sessions) if cap != 0 else [Draft()] * len(sessions)
-        out.extend(zip(sessions, drafts))
+        drafting = [s for s in sessions if s.ctx.cap != 0]
+        out.extend(zip(drafting, drafter.propose_batch(drafting) if drafting else []))
+        out.extend((s, Draft()) for s in sessions if s.ctx.cap == 0)
     return out
 
 
-def step(sessions: Sequence[Session], prefills: Sequence[PrefillChunk] = (), cap: int | None = None,
-         timer=None) -> list[tuple[Session, Verdict]]:
-    """One step of the decode loop over ``sessions`` (each of a running, prefilled request) and the prompt chunks
-    in ``prefills``.  A request that must stop (``Request.stopping``) by the end of drafting is left out of the
-    pass.  ``timer(phase, requests)``: a context manager charging a phase to requests.  Returns each verified
-    session with its verdict (sessions whose requests stopped are not verified)."""
+def step(sessions: Sequence[Session], requests: dict, prefills: Sequence[PrefillChunk] = (),
+         timer=None) -> tuple[list[tuple[Session, Placed, Verdict]], list]:
+    """One step of the decode loop over ``sessions`` (each of a running, prefilled request; ``requests`` maps a
+    session to its ``Request``) and the prompt blocks in ``prefills``.  A request that must stop
+    (``Request.stopping``) by the end of drafting is left out of the pass.  ``timer(phase, requests)``: a context
+    manager charging a phase to requests.  Returns each verified session with its placed draft and verdict, and the
+    first-token logits of every prompt that ended."""
     groups: dict[Drafter, list[Session]] = {}
     for s in sessions:
         groups.setdefault(s.drafter, []).append(s)
-    reqs = [s.req for s in sessions]
+    reqs = [requests[s] for s in sessions]
     with timer("draft", reqs):
-        proposed = propose(groups, cap)
+        proposed = propose(groups)
         placed, live, drafts = [], [], []
         for s, d in proposed:
-            if s.req.stopping() is not None:       # cancelled or out of time while drafting: not verified
+            req = requests[s]
+            if req.stopping() is not None:       # cancelled or out of time while drafting: not verified
                 continue
-            p = place(s.req, d, cap)
+            p = place(req, d)
             placed.append(p)
             live.append(s)
-            drafts.append(traced(p, d) if s.req.trace is not None else None)
+            drafts.append(traced(p, d) if req.trace is not None else None)
     phase = "verify" if placed else "prefill"
     with timer(phase, [p.req for p in placed] + [c.req for c in prefills]):
-        verdicts = verify_step(placed, list(prefills))
-    with timer("draft", [s.req for s in live]):
+        verdicts, first = verify_step(placed, list(prefills))
+    with timer("draft", [p.req for p in placed]):
         for s, p, d, v in zip(live, placed, drafts, verdicts):
             if d is not None:
-                s.req.trace.append((d, v))
+                p.req.trace.append((d, v))
             s.observe(v)
-    return list(zip(live, verdicts))
+    return list(zip(live, placed, verdicts)), first
 

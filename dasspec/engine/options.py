@@ -23,6 +23,7 @@ class GenerationResult:
     stats: GenerationStats
     text: str | None = None        # decoded new tokens, cut before a stop string (when a tokenizer is known)
     trace: list | None = None      # with trace=True: (Draft, Verdict) per verification block
+    error: Exception | None = None  # what ended it, when its stop reason is "error"
 
     @property
     def stop_reason(self) -> str:
@@ -61,7 +62,8 @@ def as_token_list(model: LoopedLM, input_ids, tokenizer=None) -> list[int]:
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
-                raise ValueError(f"generate decodes one sequence at a time (batch 1); got batch {input_ids.shape[0]}")
+                raise ValueError(f"generate takes one prompt ([1, T]); got a batch of {input_ids.shape[0]}: use "
+                                 "generate_batch for several")
             input_ids = input_ids[0]
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D or [1, T], got shape {tuple(input_ids.shape)}")

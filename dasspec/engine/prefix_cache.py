@@ -1,21 +1,16 @@
-"""PrefixCache: the depth cache of a shared prompt prefix, computed once and reused by every request that starts
-with it (few-shot exemplars, a system prompt) - prefix caching as inference servers do it, at every depth.
+"""PrefixCache: a shared prompt prefix's blocks, computed once and pinned, for requests in other engines - each
+``dasspec.generate`` call is an engine of its own, so what one call prefilled is gone at the next.
 
     pc = dasspec.PrefixCache(model, tok.encode(few_shot_exemplars))
     out = dasspec.generate(model, tok.encode(few_shot_exemplars + question), "das-wave", prefix_cache=pc)
 
-A request copies the cached rows of its longest common prefix with the cached tokens into its own depth cache and
-prefills only the rest (at least its last prompt token, which yields the first logits).  Prefill is the one cost
-every method pays in full - R core passes over the whole prompt - so on few-shot prompts it is also the part of a
-fast decoder's time that no decoding idea touches (a 4-shot MATH-500 prompt: ~900 shared tokens).
-
-Exactness.  A row of a causal model depends only on the tokens up to it and on the initial states of its positions
-(a pure function of position, ``init_scale`` and ``seed``), so the copied rows are the rows a full prefill writes,
-up to floating-point blocking: a GEMM over the P - m uncached rows may round differently from one over all P.
-Every method reads the same copied rows and is verified by the same target, so under one prefix cache each
-method's tokens equal AR's (tests check this); against a run without the cache, tokens agree except where such
-rounding flips a near-tie.  The cache is tied to the model, depth R, ``init_scale`` and ``seed`` it was built
-with, and a request that differs in any of them is refused with a message saying which.
+Within one engine (``generate_batch``, ``dasspec serve``) nothing needs to be asked: prompt blocks are shared
+automatically (``blocks.py``).  A ``PrefixCache`` is an engine of its own that prefilled the prefix and holds its
+full blocks; a request that starts with them gets copies of their rows in its engine's blocks (registered there for
+sharing too) and prefills only the rest.  The rows are computed exactly as a request computes its own prompt blocks
+(one attention segment per block), so they are the rows it would have computed: the request's tokens are its own
+AR decode.  The cache is tied to the model, depth R, ``init_scale``, ``state_seed``, block size and exit rule it
+was built with; a request that differs in any of them is refused with a message saying which.
 """
 
 from __future__ import annotations
@@ -24,10 +19,10 @@ from typing import Sequence
 
 import torch
 
-from ..model.cache import DepthCache
+from ..model.cache import PagedCache
 from ..model.looped import LoopedLM
-from .generate import as_token_list
-from .memory import check_cache_fits
+from .blocks import BLOCK_SIZE, block_keys, prefix_salt
+from .options import as_token_list
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -40,52 +35,74 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
 
 
 class PrefixCache:
-    """K/V of ``ids`` at every core depth 1..R plus the prelude and coda layers, for reuse across requests."""
+    """The full blocks of ``ids`` at every depth 1..R plus the prelude and coda layers, for reuse across engines."""
 
     def __init__(self, model: LoopedLM, ids, num_steps: int | None = None, init_scale: float = 1.0,
-                 seed: int = 0):
+                 state_seed: int = 0, block_size: int = BLOCK_SIZE):
+        from .engine import Engine
+
         tokens = as_token_list(model, ids)
         m = len(tokens)
         if m == 0:
             raise ValueError("empty prefix: a prefix cache needs at least one token")
-        if m > model.config.block_size:
-            raise ValueError(f"prefix of {m} tokens exceeds the model context of {model.config.block_size}")
+        if m >= model.config.block_size:
+            raise ValueError(f"prefix of {m} tokens does not leave room in the model context of "
+                             f"{model.config.block_size}")
         self.R = model.depth(num_steps)
-        self.model, self.init_scale, self.seed = model, float(init_scale), int(seed)
+        self.model, self.init_scale, self.state_seed, self.B = model, float(init_scale), int(state_seed), block_size
         self.tokens = tokens
-        check_cache_fits(model, self.R, m, "cache a shorter prefix, or use bfloat16")
-        self.cache = DepthCache(model.config, self.R, m, model.device, model.dtype)
+        self.engine = Engine(model, "ar", num_steps=self.R, max_batch=1, kv_budget=m + 2 * block_size,
+                             block_size=block_size, max_step_tokens=max(m, block_size))
+        rid = self.engine.add(tokens, max_new_tokens=1, eos=False, init_scale=init_scale, state_seed=state_seed)
         with torch.inference_mode():
-            h = model.initial_state(torch.arange(m), self.init_scale, self.seed).unsqueeze(0)
-            ids_t = torch.tensor([tokens], dtype=torch.long, device=model.device)
-            model.full_depth(ids_t, h, model.span(0, 0, m), self.cache, self.R, rows=slice(m - 1, m))
-        self.cache.commit(m)
+            while self.engine.has_work:
+                self.engine.step()
+        self.engine.result(rid)
+        entry_keys = block_keys(tokens, block_size, self._salt(), m // block_size)
+        self.blocks = self.engine.pool.lookup(entry_keys)         # pinned: referenced for the cache's life
+
+    def _salt(self) -> bytes:
+        return prefix_salt(self.R, self.init_scale, self.state_seed, None, self.model.dtype, self.B)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes
+        return len(self.blocks) * self.engine.pool.bytes_per_block
 
-    def check(self, model: LoopedLM, R: int, init_scale: float, seed: int) -> None:
+    def check(self, model: LoopedLM, R: int, init_scale: float, state_seed: int, block_size: int, exit) -> None:
         """Refuse a request whose rows would differ from the cached ones."""
         diffs = []
         if model is not self.model:
             diffs.append("another model object")
-        elif (model.device, model.dtype) != (self.cache.core_k.device, self.cache.core_k.dtype):
-            diffs.append(f"the model now on {model.device} in {model.dtype} (cache: {self.cache.core_k.device}, "
-                         f"{self.cache.core_k.dtype})")
+        elif (model.device, model.dtype) != (self.engine.pool.cache.core_k.device, self.engine.pool.cache.core_k.dtype):
+            diffs.append(f"the model now on {model.device} in {model.dtype}")
         if R != self.R:
             diffs.append(f"num_steps {R} (cache: {self.R})")
         if float(init_scale) != self.init_scale:
             diffs.append(f"init_scale {init_scale} (cache: {self.init_scale})")
-        if int(seed) != self.seed:
-            diffs.append(f"seed {seed} (cache: {self.seed})")
+        if int(state_seed) != self.state_seed:
+            diffs.append(f"state_seed {state_seed} (cache: {self.state_seed})")
+        if block_size != self.B:
+            diffs.append(f"block size {block_size} (cache: {self.B})")
+        if exit is not None:
+            diffs.append("an early-exit target (the cache holds the last step's coda rows)")
         if diffs:
             raise ValueError("this prefix cache was built for other settings than the request's: "
-                             + ", ".join(diffs) + "; build one PrefixCache per (model, num_steps, init_scale, seed)")
+                             + ", ".join(diffs) + "; build one PrefixCache per (model, num_steps, init_scale, "
+                             "state_seed, block size)")
 
-    def reusable(self, prompt: list[int]) -> int:
-        """Rows a request with ``prompt`` can copy: the common prefix with the cached tokens, at most len - 1."""
-        return common_prefix([self.tokens, prompt[:-1]])
+    def full_blocks(self, prompt: list[int]) -> int:
+        """How many of the cached blocks ``prompt`` starts with."""
+        return common_prefix([self.tokens[: len(self.blocks) * self.B], prompt]) // self.B
+
+    def copy_blocks(self, dst: PagedCache, a: int, b: int) -> None:
+        """Copy cached blocks [a, b) into blocks a..b-1 of ``dst``'s table (another engine's pool)."""
+        B = self.B
+        src_pool = self.engine.pool.cache
+        dev = src_pool.core_k.device
+        src = (torch.tensor(self.blocks[a:b], device=dev)[:, None] * B + torch.arange(B, device=dev)).flatten()
+        idx = dst.table.rows[a * B: b * B]
+        for t, s in zip(dst.tensors(), src_pool.tensors()):
+            t.index_copy_(-2, idx, s.index_select(-2, src))

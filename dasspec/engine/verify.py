@@ -9,8 +9,8 @@ node was a verifier input (for a chain without bonus whose w proposals all match
 nothing follows it).  Only the path's rows keep their K/V: an index bump when the path is the first rows (every
 chain), otherwise a compaction at every depth.  The last committed token is the next anchor.
 
-The same pass carries the next chunk of every request still being prefilled (``PrefillChunk``), so a long prompt
-never stalls the requests that are decoding.  AR is a chain of no proposals.  By Proposition 1 the committed tokens
+The same pass carries the next prompt blocks of every request still being prefilled (``PrefillChunk``, one
+segment per block), so a long prompt never stalls the requests that are decoding.  AR is a chain of no proposals.  By Proposition 1 the committed tokens
 equal full-depth AR's, and since every request reads only its own cache, whatever else is in the pass.
 """
 
@@ -37,14 +37,13 @@ class Placed:
 
 @dataclass
 class PrefillChunk:
-    """Prompt rows [req.prefilled, req.prefilled + size) of a request being prefilled."""
+    """Prompt rows [start, start + size) of a request being prefilled (one block, or the prompt's last part);
+    ``last``: it ends the prompt, so its last row's logits choose the first token."""
 
     req: Request
+    start: int
     size: int
-
-    @property
-    def last(self) -> bool:
-        return self.req.prefilled + self.size == self.req.P
+    last: bool = False
 
 
 def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Tensor]:
@@ -60,14 +59,9 @@ def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Te
     return acc[best], best
 
 
-def verify(placed: Placed) -> Verdict:
-    """Verify one request's placed draft (nodes in ``req.tokens[n : n + layout.size]``, node 0 = the anchor)."""
-    return verify_step([placed])[0]
-
-
-def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> list[Verdict]:
-    """One full-depth pass over every draft (and prefill chunk); commits, applies each request's stop rule and
-    returns each draft's ``Verdict`` (in order)."""
+def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> tuple[list[Verdict], list[Tensor]]:
+    """One full-depth pass over every draft (and prefill chunk); commits each draft's accepted path and returns
+    its ``Verdict`` (in order), and the last row's logits [1, V] of every prefill chunk that ends its prompt."""
     reqs, starts, widths, positions, masks = [], [], [], [], []
     for d in drafts:
         req, layout, n = d.req, d.layout, d.req.n
@@ -80,7 +74,7 @@ def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> list
             positions.append(n + layout.depth), masks.append(mask)
         req.stats.count("verify", req.R, req.R * d.inputs)
     for c in prefills:
-        reqs.append(c.req), starts.append(c.req.prefilled), widths.append(c.size)
+        reqs.append(c.req), starts.append(c.start), widths.append(c.size)
         positions.append(None), masks.append(None)
         c.req.stats.count("prefill", c.req.R, c.req.R * c.size)
     batch = Batch(reqs, starts, widths, positions, masks)
@@ -94,10 +88,7 @@ def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> list
     else:
         logits = batch.full_depth(reqs[0].R)
         parts = batch.split(logits)
-    for c in prefills:
-        last = c.last                            # (before the chunk is counted in)
-        c.req.prefilled_chunk(c.size, parts.pop(len(drafts)) if last else None)
-    return accept_all(drafts, parts)
+    return accept_all(drafts, parts[: len(drafts)]), parts[len(drafts):]
 
 
 def accept_all(drafts: list[Placed], logits: list[Tensor]) -> list[Verdict]:
@@ -146,6 +137,5 @@ def commit(d: Placed, host: list[int], pred: Tensor, logits: Tensor) -> Verdict:
     else:                                                  # a tree path elsewhere: move its rows into place
         req.cache.compact(n + torch.tensor(path, dtype=torch.long, device=req.device))
         req.tokens[n + 1: n + 1 + len(chunk)] = torch.tensor(chunk, dtype=torch.long, device=req.device)
-    kept = req.emit(chunk)
-    req.stats.record(layout.proposals, min(a, kept), target and kept == len(chunk))
-    return Verdict(kept, a, path, chunk, pred, logits)
+    req.generated.extend(chunk)               # the scheduler applies the stop rule
+    return Verdict(len(chunk), a, path, chunk, pred, logits)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.request import Request
+from ..engine.context import DraftContext
 from . import Method, register
 from .knobs import Knobs, Most, boolean, knob, positive_int
 
@@ -81,7 +81,7 @@ class NgramPool:
 
 
 class LookaheadState:
-    def __init__(self, req: Request, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
+    def __init__(self, req: DraftContext, W: int, N: int, G: int, pool_from_prompt: bool, seed: int = 0):
         self.W, self.N, self.G = W, N, G
         prompt = np.asarray(req.prompt, dtype=np.int64)
         rng = np.random.default_rng(seed)
@@ -152,14 +152,14 @@ class LookaheadKnobs(Knobs):
 
 
 class LookaheadSession(Session):
-    def __init__(self, drafter: "LookaheadDrafter", req: Request):
+    def __init__(self, drafter: "LookaheadDrafter", req: DraftContext):
         super().__init__(drafter, req)
         k = drafter.knobs
         self.state = LookaheadState(req, k.window, k.ngram, k.guess_set, k.pool_from_prompt)
         self.root: int | None = None
 
     def propose(self) -> Draft:
-        req = self.req
+        req = self.ctx
         self.root = req.generated[-1]
         flat, layout = self.state.inputs(self.root)
         # No room for the window inside the context, or for a guess inside the budget: a plain AR step.

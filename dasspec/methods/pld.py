@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.draft import Draft, Drafter, Session
-from ..engine.request import Request
+from ..engine.context import DraftContext
 from . import Method, register
 from .knobs import Knobs, Most, knob, positive_int
 
@@ -69,14 +69,14 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
 class PromptLookup:
     """Host copy of the committed text, appended incrementally, and the per-step draft."""
 
-    def __init__(self, req: Request, max_ngram: int, num_pred: int, find=find_draft):
+    def __init__(self, req: DraftContext, max_ngram: int, num_pred: int, find=find_draft):
         self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
         self.text = np.empty(req.P + len(req.generated) + req.budget + 1, dtype=np.int64)
         self.text[: req.P] = req.prompt
         self.P = req.P
         self.fed = 0                              # generated tokens copied so far
 
-    def propose(self, req: Request, num_pred: int | None = None) -> np.ndarray:
+    def propose(self, req: DraftContext, num_pred: int | None = None) -> np.ndarray:
         """The draft for the committed text: up to ``num_pred`` tokens (default: the constructor's)."""
         gen = req.generated
         self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
@@ -101,12 +101,12 @@ class PLDKnobs(Knobs):
 
 
 class PLDSession(Session):
-    def __init__(self, drafter: "PLDDrafter", req: Request):
+    def __init__(self, drafter: "PLDDrafter", req: DraftContext):
         super().__init__(drafter, req)
         self.lookup = PromptLookup(req, drafter.knobs.max_ngram, drafter.knobs.num_pred)
 
     def propose(self) -> Draft:
-        return Draft(self.lookup.propose(self.req), bonus=True)     # no match: an empty draft, a plain AR step
+        return Draft(self.lookup.propose(self.ctx), bonus=True)     # no match: an empty draft, a plain AR step
 
 
 class PLDDrafter(Drafter):

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.request import Request
+from ..engine.context import DraftContext
 from . import Method, register
 from .knobs import Knobs, Most, boolean, brief, knob, positive_int
 from .tree import StaticTree, TreeFiller, tree_from_choices
@@ -123,8 +123,8 @@ class RecyclingDrafter(Drafter):
         """Forget the successor table (the next request starts cold)."""
         self.table = None
 
-    def start(self, req: Request) -> Session:
-        V, device = req.model.config.vocab_size, req.device
+    def start(self, req: DraftContext) -> Session:
+        V, device = req.config.vocab_size, req.device
         if self.knobs.topk > V:
             raise ValueError(f"topk {self.knobs.topk} exceeds the vocabulary size {V}")
         t = self.table
@@ -145,14 +145,14 @@ class RecyclingDrafter(Drafter):
 
 class RecyclingSession(Session):
     def propose(self) -> Draft:
-        req, drafter = self.req, self.drafter
+        req, drafter = self.ctx, self.drafter
         # Nodes deeper than room - 1 could never be kept (the budget rule).
         T = drafter.knobs.tree.nodes_within_depth(req.room - 1)
         filler, layout = drafter.shape(T, req.device)
         nodes = req.draft_slots(T - 1)
         filler.fill(nodes, drafter.table.table)
         self.nodes = nodes.clone()            # the verifier rewrites the slots with the committed tokens
-        return Draft(nodes[1:], layout=layout)
+        return Draft(nodes[1:], layout=layout, in_place=True)
 
     def observe(self, verdict: Verdict) -> None:
         # The table is shared by the drafter's concurrent requests: a write only changes later drafts' acceptance.

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from ..engine.draft import Draft, Drafter, Session, TreeLayout
-from ..engine.request import Request
+from ..engine.context import DraftContext
 from . import Method, register
 from .knobs import Knobs, Most, brief, knob, positive_int
 
@@ -261,33 +261,32 @@ class SAMDrafter(Drafter):
         self.width = knobs.n_predicts
         self._static: tuple[tuple, StaticAutomaton] | None = None
 
-    def static_automaton(self, model) -> StaticAutomaton:
+    def static_automaton(self, tokenizer, eos) -> StaticAutomaton:
         path = self.knobs.static_corpus
         st = os.stat(path)
-        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size, model.tokenizer, model.config.eos_token_id)
+        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size, tokenizer, eos)
         if self._static is None or self._static[0] != key:
-            eos = model.config.eos_token_id
-            self._static = key, StaticAutomaton(load_corpus(path, model.tokenizer), eos[0] if eos else None)
+            self._static = key, StaticAutomaton(load_corpus(path, tokenizer), eos[0] if eos else None)
         return self._static[1]
 
-    def start(self, req: Request) -> "SAMSession":
+    def start(self, req: DraftContext) -> "SAMSession":
         return SAMSession(self, req)
 
 
 class SAMSession(Session):
-    def __init__(self, drafter: SAMDrafter, req: Request):
+    def __init__(self, drafter: SAMDrafter, req: DraftContext):
         super().__init__(drafter, req)
         prompt = list(req.prompt)
         self.dyn = SuffixAutomaton()
         self.dyn.add(prompt)
-        self.static = drafter.static_automaton(req.model) if drafter.knobs.static_corpus else None
+        self.static = drafter.static_automaton(req.tokenizer, req.config.eos_token_id) if drafter.knobs.static_corpus else None
         self.s_match = self.s_len = 0         # this request's match in the shared static automaton
         if self.static is not None:
             self.s_match, self.s_len = self.static.walk(0, 0, prompt)
         self.fed = 0                          # generated tokens already in the automata (all but the anchor)
 
     def propose(self) -> Draft:
-        req, kn, dyn, static = self.req, self.drafter.knobs, self.dyn, self.static
+        req, kn, dyn, static = self.ctx, self.drafter.knobs, self.dyn, self.static
         gen = req.generated
         new = gen[self.fed: len(gen) - 1]
         dyn.add(new)

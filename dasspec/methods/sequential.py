@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ..engine.batch import Batch
 from ..engine.draft import Draft, Drafter, Session
-from ..engine.request import Request, greedy
+from ..engine.context import DraftContext
+from ..engine.request import greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, knob, positive_int
@@ -62,7 +63,7 @@ class MatureSpecKnobs(SequentialKnobs):
                                     "deep-kv | k=..,v=..", parse=str)
 
 
-def propose_sequential(reqs: list[Request], d: int, blocks: list[int], policy: ReadPolicy) -> list[Tensor]:
+def propose_sequential(reqs: list[DraftContext], d: int, blocks: list[int], policy: ReadPolicy) -> list[Tensor]:
     """Draft ``blocks[i]`` tokens after request i's anchor at depth d, in place in each token scratch, all requests
     in one batched pass per token; returns each request's drafted tokens.  A request that must stop
     (``stopping``) leaves the batch at the next token."""
@@ -89,7 +90,7 @@ def propose_sequential(reqs: list[Request], d: int, blocks: list[int], policy: R
             for k, q in enumerate(live):
                 slots[q][i] = reqs[q].choose(logits[k: k + 1], reqs[q].n + i)[-1]
         for r in group:
-            r.stats.count("draft", d, d)
+            r.count(d, d)
     return slots
 
 
@@ -103,9 +104,9 @@ class SequentialDrafter(Drafter):
 
     def propose_batch(self, sessions: list[Session]) -> list[Draft]:
         k = self.knobs
-        reqs = [s.req for s in sessions]
+        reqs = [s.ctx for s in sessions]
         tokens = propose_sequential(reqs, k.draft_depth, [min(k.block, r.room) for r in reqs], k.policy)
-        return [Draft(t) for t in tokens]
+        return [Draft(t, in_place=True) for t in tokens]
 
 
 register(Method("self-spec", SelfSpecKnobs, SequentialDrafter))

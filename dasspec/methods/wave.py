@@ -48,7 +48,8 @@ from torch import Tensor
 
 from ..engine.batch import Batch
 from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.request import Request, greedy
+from ..engine.context import DraftContext
+from ..engine.request import greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, boolean, knob, one_of, positive_int
@@ -144,7 +145,7 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
     states and ``inj`` its prelude rows when recomputed incrementally (CPU).  One host sync per round (for every
     session) finds each first changed guess, for early stop, trim and the incremental prelude; a session that
     stops early, or whose request must stop (``stopping``), leaves the batch."""
-    reqs = [s.req for s in sessions]
+    reqs = [s.ctx for s in sessions]
     R, k, J, w = reqs[0].R, kn.k, kn.rounds, kn.w
     B = len(sessions)
     Z = []
@@ -184,7 +185,7 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         for i, e_i in zip(live, batch.split(e, dim=1)):          # new rows (all, without carry) start here
             if joined < W:
                 r = reqs[i]
-                sessions[i].H[:, joined:W] = r.net.start_state(r.initial(r.n + joined, W - joined), e_i[:, joined:W])
+                sessions[i].H[:, joined:W] = r.start_state(r.initial(r.n + joined, W - joined), e_i[:, joined:W])
         h = _cat([sessions[i].H[:, :W] for i in live])
         clock = j * k if kn.carry else 0
         for u in range(k):
@@ -222,12 +223,12 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         if last:
             break
     for i, req in enumerate(reqs):
-        req.stats.count("draft", rounds[i] * k, updates[i])
+        req.count(rounds[i] * k, updates[i])
         notes[i].update(rounds=rounds[i], changed_at=changed_at[i])
     return [Z[i][1: out_w[i] + 1] for i in range(B)]
 
 
-def seed_branch_layout(req: Request, proposals: Tensor, seed: np.ndarray, max_len: int) -> TreeLayout | None:
+def seed_branch_layout(req: DraftContext, proposals: Tensor, seed: np.ndarray, max_len: int) -> TreeLayout | None:
     """Write [anchor, proposals, seed[m:L]] into the token scratch (m = their common prefix, L = up to ``max_len``
     seed tokens) and return the tree whose two branches are the wave's chain and the seed, sharing the first m
     nodes (``TreeLayout.fork``).  None when the seed adds nothing past the chain (verify the chain alone)."""
@@ -251,14 +252,14 @@ class WaveSession(Session):
     """One request's DAS-Wave state: its text index for seeds, the carried states and prelude rows of its window
     (reused by every block), and whether its last seed was accepted whole (copy runs)."""
 
-    def __init__(self, drafter: "WaveDrafter", req: Request):
+    def __init__(self, drafter: "WaveDrafter", req: DraftContext):
         super().__init__(drafter, req)
         kn = drafter.knobs
         find = SEEDERS[kn.guesses]
         self.lookup = PromptLookup(req, kn.max_ngram, drafter.seed_len, find) if find else None
         self.copying = False              # copy_run: the last block's seed was accepted whole
         self.tested: np.ndarray | None = None
-        d = req.model.config.n_embd
+        d = req.config.n_embd
         like = req.initial(0, 1)
         self.H = like.new_empty(1, kn.w, d)                # carried states, reused by every block
         incremental = req.device.type == "cpu" and not req.static_shapes
@@ -295,7 +296,7 @@ class WaveDrafter(Drafter):
         refining = []                                            # (index, session, seed, notes)
         for i, s in enumerate(sessions):
             ask = COPY_RUN_GROWTH * self.seed_len if s.copying else self.seed_len
-            seed = s.lookup.propose(s.req, ask) if s.lookup is not None else None
+            seed = s.lookup.propose(s.ctx, ask) if s.lookup is not None else None
             notes = {"seed": seed, "asked": ask}
             if s.copying and seed is not None and len(seed):     # a copy run: the seed alone, no rounds
                 s.tested = seed
@@ -308,14 +309,14 @@ class WaveDrafter(Drafter):
             for (i, s, seed, notes), proposals in zip(refining, props):
                 seeded = seed is not None and len(seed) > 0
                 s.tested = (seed[: kn.seed_branch] if kn.seed_branch else seed) if seeded else None
-                layout = seed_branch_layout(s.req, proposals, seed, kn.seed_branch) if seeded and kn.seed_branch \
+                layout = seed_branch_layout(s.ctx, proposals, seed, kn.seed_branch) if seeded and kn.seed_branch \
                     else None
                 if layout is None:
                     notes["kind"] = "chain"
-                    drafts[i] = Draft(proposals, notes=notes)
+                    drafts[i] = Draft(proposals, notes=notes, in_place=True)
                 else:
                     notes["kind"] = "seed-branch"
-                    drafts[i] = Draft(s.req.scratch(layout.size - 1), layout=layout, notes=notes)
+                    drafts[i] = Draft(s.ctx.scratch(layout.size - 1), layout=layout, notes=notes, in_place=True)
         return drafts
 
 

@@ -19,7 +19,13 @@ rows are written through an index tensor, so nothing depends on a Python positio
 Several sequences in one call (the batched engine): a ``RaggedSpan`` lays their query rows end to end (segment i
 is rows [offsets[i], offsets[i+1]) of the call, each with its own ``Span`` over its own cache) and a ``BatchKV``
 holds each sequence's ``LayerKV``.  The linear layers see one flat [1, T, d] tensor, so a weight is read once for
-every sequence; attention stays per sequence (``ragged_attention`` picks how to run it).
+every sequence; attention runs per segment, each over its own sequence's rows, so a row's value never depends on
+what else is in the call.
+
+A sequence's rows may live in blocks of a paged pool (``model/cache.py``, ``PagedCache``): its ``LayerKV`` then
+reads them through the sequence's block table (``PagedKV``: a slice when its blocks lie in order, else a gather)
+and writes them through it.  Either way attention sees the same values in the same order, so the result does not
+depend on where the blocks lie.
 """
 
 from __future__ import annotations
@@ -100,6 +106,14 @@ class LayerKV:
             self.k_own[:, span.start: span.end] = k
             self.v_own[:, span.start: span.end] = v
 
+    def own(self, lo: int, hi: int | None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the call's depth at rows [lo, hi) (hi None: every row)."""
+        return self.k_own[:, lo:hi], self.v_own[:, lo:hi]
+
+    def prefix(self, lo: int, hi: int | None) -> tuple[Tensor, Tensor]:
+        """Prefix keys (depth kappa) and values (depth nu) at rows [lo, hi)."""
+        return self.k_prefix[:, lo:hi], self.v_prefix[:, lo:hi]
+
 
 def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Tensor:
     """Eq. (2)-(3) for queries q [1, H, W, hd] over the verified prefix and the call's own rows -> [1, H, W, hd]."""
@@ -107,14 +121,14 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
         return ragged_attention(q, kv, span)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kv.one_source:
-        keys = slice(None) if span.rows is not None else slice(0, span.end)
-        return dense_attention(q, kv.k_own[:, keys], kv.v_own[:, keys], span, scale)
+        k, v = kv.own(0, None if span.rows is not None else span.end)
+        return dense_attention(q, k, v, span, scale)
     mc, mu = span.source_masks()
     if span.rows is not None:
-        return two_source_attention(q, kv.k_prefix, kv.v_prefix, mc, kv.k_own, kv.v_own, mu, scale)
-    n, end = span.n, span.end
-    return two_source_attention(q, kv.k_prefix[:, :n], kv.v_prefix[:, :n], mc, kv.k_own[:, n:end],
-                                kv.v_own[:, n:end], mu, scale)
+        (kc, vc), (ku, vu) = kv.prefix(0, None), kv.own(0, None)
+    else:
+        (kc, vc), (ku, vu) = kv.prefix(0, span.n), kv.own(span.n, span.end)
+    return two_source_attention(q, kc, vc, mc, ku, vu, mu, scale)
 
 
 def two_source_attention(q: Tensor, kc: Tensor, vc: Tensor, mc: Tensor | None, ku: Tensor, vu: Tensor,
@@ -175,64 +189,17 @@ def cpu_gemm_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: flo
 # ---------------------------------------------------------------------------------------------------------------
 
 @dataclass
-class UnionRows:
-    """A ragged call run as one attention over the storage rows [lo, hi) that hold every segment's keys (the
-    sequences' caches are ranges of one pool): ``rows`` [T], the storage row each query's K/V is stored at;
-    ``span``, the whole call's visibility over [lo, hi) (each query sees only its own sequence's rows) with its
-    CPU bias; ``prefix`` [hi - lo], which of those rows are their sequence's verified prefix."""
-
-    rows: Tensor
-    lo: int
-    hi: int
-    span: Span
-    prefix: Tensor
-    _split: tuple | None = field(default=None, repr=False)
-
-    def source_masks(self) -> tuple[Tensor, Tensor]:
-        if self._split is None:
-            m = self.span.mask
-            self._split = (m & self.prefix, m & ~self.prefix)
-        return self._split
-
-
-# When a ragged call's attention runs as one call over the union of its sequences' rows rather than one call per
-# sequence (``union_pays``): the union computes T x (hi - lo) scores, most of them masked, for one kernel call
-# instead of B.  On a GPU a call's launch outweighs masked scores at any size a batch reaches; on a CPU a call costs
-# about as much as UNION_CALL_FLOPS multiply-adds of scores (docs/performance.md, "Batched attention").  A CPU
-# union in a half dtype would compute its scores as a half-precision GEMM (rounded before the softmax, and no
-# faster without matrix units), where the per-sequence kernel accumulates in float32: per sequence there.
-UNION_CALL_FLOPS = 140_000
-
-
-def union_pays(device: torch.device, width: int, union_scores: int, own_scores: int, calls_saved: int,
-               dtype: torch.dtype = torch.float32) -> bool:
-    """Whether one attention over the union of the sequences' rows costs less than one call per sequence;
-    ``width``: heads x head dim of the queries (the multiply-adds per score)."""
-    if device.type != "cpu":
-        return True
-    if dtype != torch.float32:
-        return False
-    return (union_scores - own_scores) * width <= calls_saved * UNION_CALL_FLOPS
-
-
-@dataclass
 class RaggedSpan:
     """The query rows of several sequences laid end to end: segment i is rows [offsets[i], offsets[i+1]) of the
     call and is described by ``parts[i]`` (a ``Span`` over sequence i's own cache).  ``rot``: the rows' RoPE
-    operands, concatenated in the same order.  ``union``: set when the call runs as one attention over the pool
-    rows (``UnionRows``)."""
+    operands, concatenated in the same order."""
 
     parts: list[Span]
     offsets: list[int]
     rot: Tensor | tuple[Tensor, Tensor]
-    union: UnionRows | None = None
 
     @classmethod
-    def of(cls, parts: list[Span], bases: list[int] | None = None, width: int | None = None,
-           force_union: bool | None = None, dtype: torch.dtype = torch.float32) -> "RaggedSpan":
-        """``bases``: the storage row where each sequence's cache starts, when all are ranges of one storage (then
-        the call may run as one attention over them: ``force_union``, or ``union_pays`` for queries of ``width``
-        = heads x head dim; ``dtype``: the activations', which a CPU kernel's additive mask must match)."""
+    def of(cls, parts: list[Span]) -> "RaggedSpan":
         offsets = [0]
         for p in parts:
             offsets.append(offsets[-1] + p.W)
@@ -241,16 +208,7 @@ class RaggedSpan:
             rot = (torch.cat([r[0] for r in rots]), torch.cat([r[1] for r in rots]))
         else:
             rot = torch.cat(rots)
-        span = cls(parts, offsets, rot)
-        if bases is not None and all(p.rows is None for p in parts):
-            lo = min(bases)
-            hi = max(b + p.end for b, p in zip(bases, parts))
-            T = offsets[-1]
-            own_scores = sum(p.W * p.end for p in parts)
-            if force_union or (force_union is None and union_pays(
-                    _device(rot), width or 1, T * (hi - lo), own_scores, len(parts) - 1, dtype)):
-                span.union = _union(parts, offsets, bases, lo, hi, dtype)
-        return span
+        return cls(parts, offsets, rot)
 
     @property
     def W(self) -> int:
@@ -262,55 +220,57 @@ class RaggedSpan:
         return ((i, o[i], o[i + 1], p) for i, p in enumerate(self.parts))
 
 
-def _union(parts: list[Span], offsets: list[int], bases: list[int], lo: int, hi: int,
-           dtype: torch.dtype) -> UnionRows:
-    """The visibility of every query over storage rows [lo, hi): its own sequence's rows as its span shows them."""
-    dev = _device(parts[0].rot)
-    T = offsets[-1]
-    mask = torch.zeros(T, hi - lo, dtype=torch.bool, device=dev)
-    prefix = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
-    rows = []
-    for p, a, b in zip(parts, offsets, bases):
-        c = b - lo
-        if p.mask is not None:
-            mask[a: a + p.W, c: c + p.end] = p.mask
-        else:
-            mask[a: a + p.W, c: c + p.end] = torch.ones(p.W, p.end, dtype=torch.bool, device=dev).tril(p.start)
-        prefix[c: c + p.n] = True
-        rows.append(torch.arange(b + p.start, b + p.end, device=dev))
-    bias = None
-    if dev.type == "cpu":
-        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    return UnionRows(torch.cat(rows), lo, hi, Span(n=0, start=0, W=T, rot=parts[0].rot, mask=mask, bias=bias), prefix)
-
-
 @dataclass
 class BatchKV:
-    """One layer's ``LayerKV`` of every sequence of a ``RaggedSpan`` (same order); ``whole``: the same layer and
-    depths over the whole storage their caches are ranges of (for union calls)."""
+    """One layer's ``LayerKV`` of every sequence of a ``RaggedSpan`` (same order)."""
 
     parts: list[LayerKV]
-    whole: LayerKV | None = None
 
     def store(self, span: RaggedSpan, k: Tensor, v: Tensor) -> None:
-        """k, v [H_kv, T, hd]: each segment's rows into its own cache."""
-        if span.union is not None:
-            self.whole.k_own.index_copy_(1, span.union.rows, k)
-            self.whole.v_own.index_copy_(1, span.union.rows, v)
-            return
+        """k, v [H_kv, T, hd]: each segment's rows into its own cache (every segment's before any attends, so a
+        sequence's later segments see its earlier ones)."""
         for i, a, b, part in span.segments():
             self.parts[i].store(part, k[:, a:b], v[:, a:b])
 
 
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
-    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per sequence): one call per
-    sequence, or one call over the union of their rows under a mask that keeps each to its own."""
-    u = span.union
-    if u is None:
-        return torch.cat([attend(q[:, :, a:b], kv.parts[i], part) for i, a, b, part in span.segments()], dim=2)
-    w, scale = kv.whole, 1.0 / math.sqrt(q.shape[-1])
-    if w.one_source:
-        return dense_attention(q, w.k_own[:, u.lo: u.hi], w.v_own[:, u.lo: u.hi], u.span, scale)
-    mc, mu = u.source_masks()
-    return two_source_attention(q, w.k_prefix[:, u.lo: u.hi], w.v_prefix[:, u.lo: u.hi], mc,
-                                w.k_own[:, u.lo: u.hi], w.v_own[:, u.lo: u.hi], mu, scale)
+    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment)."""
+    return torch.cat([attend(q[:, :, a:b], kv.parts[i], part) for i, a, b, part in span.segments()], dim=2)
+
+
+class PagedKV(LayerKV):
+    """A ``LayerKV`` over a sequence's rows in a paged pool: ``k_*`` / ``v_*`` are the pool's tensors of this layer
+    and depth [H_kv, pool rows, hd], and ``table.rows`` [capacity] the pool row of each of the sequence's rows
+    (``PagedCache``).  Reads are a slice of the pool when the sequence's blocks lie in order (``table.base``), else
+    a gather; writes go through the table."""
+
+    def __init__(self, k_prefix: Tensor, v_prefix: Tensor, k_own: Tensor, v_own: Tensor, table):
+        super().__init__(k_prefix, v_prefix, k_own, v_own)
+        self.table = table
+
+    def _read(self, k: Tensor, v: Tensor, lo: int, hi: int | None) -> tuple[Tensor, Tensor]:
+        t = self.table
+        hi = t.capacity if hi is None else hi
+        if t.base is not None:
+            return k[:, t.base + lo: t.base + hi], v[:, t.base + lo: t.base + hi]
+        idx = t.rows[lo:hi]
+        return k.index_select(1, idx), v.index_select(1, idx)
+
+    def own(self, lo: int, hi: int | None) -> tuple[Tensor, Tensor]:
+        return self._read(self.k_own, self.v_own, lo, hi)
+
+    def prefix(self, lo: int, hi: int | None) -> tuple[Tensor, Tensor]:
+        return self._read(self.k_prefix, self.v_prefix, lo, hi)
+
+    def store(self, span: Span, k: Tensor, v: Tensor) -> None:
+        t = self.table
+        if span.rows is not None:
+            idx = t.rows.index_select(0, span.rows)
+        elif t.base is not None:
+            self.k_own[:, t.base + span.start: t.base + span.end] = k
+            self.v_own[:, t.base + span.start: t.base + span.end] = v
+            return
+        else:
+            idx = t.rows[span.start: span.end]
+        self.k_own.index_copy_(1, idx, k)
+        self.v_own.index_copy_(1, idx, v)

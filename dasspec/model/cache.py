@@ -6,9 +6,10 @@ the materialised, verified prefix.  Rows >= n are scratch: draft and verificatio
 there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Tree verification
 commits a non-contiguous set of rows with ``compact``.
 
-A pool (``dasspec.engine.pool``) is one DepthCache allocated once; ``view(base, rows)`` is a DepthCache over rows
-[base, base + rows) of it (the same storage), which a sequence uses exactly like a cache of its own.  A
-``BatchCache`` hands the layers every running sequence's views at once (one batched call).
+The engine's pool (``dasspec.engine.blocks``) is one DepthCache allocated once and cut into blocks of B rows; a
+sequence holds a ``BlockTable`` (its blocks, and the pool row of each of its rows) and reads and writes the pool
+through a ``PagedCache``, which it uses exactly like a cache of its own.  A ``BatchCache`` hands the layers every
+sequence's views at once (one batched call).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .config import LoopedConfig
-from .attention import BatchKV, LayerKV
+from .attention import BatchKV, LayerKV, PagedKV
 
 
 class CacheCapacityError(RuntimeError):
@@ -53,21 +54,7 @@ class DepthCache:
                 f" = {need / 2**20:.1f} MiB on {device} ({err})") from err
         self.bytes_per_token = bytes_per_token(cfg, R, dtype)
         self.n = 0
-        self.base = 0                            # first row in the storage (a view of a pool: its range's start)
-        self.storage = self
         self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
-
-    def view(self, base: int, rows: int) -> "DepthCache":
-        """A cache over rows [base, base + rows) of this one's storage, empty (n = 0)."""
-        if not (0 <= base and rows >= 1 and base + rows <= self.capacity):
-            raise ValueError(f"rows [{base}, {base + rows}) are outside this cache's {self.capacity} rows")
-        v = object.__new__(DepthCache)
-        v.R, v.capacity, v.bytes_per_token = self.R, rows, self.bytes_per_token
-        part = slice(base, base + rows)
-        v.core_k, v.core_v, v.pre_k, v.pre_v, v.coda_k, v.coda_v = (t[..., part, :] for t in self.tensors())
-        v.n, v.base, v._views = 0, self.base + base, {}
-        v.storage = self.storage                 # the cache that owns the storage (union calls read it whole)
-        return v
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.core_k, self.core_v, self.pre_k, self.pre_v, self.coda_k, self.coda_v
@@ -115,19 +102,6 @@ class DepthCache:
             raise CacheCapacityError(f"commit past capacity {self.capacity}")
         self.n += m
 
-    def load_prefix(self, src: "DepthCache", m: int) -> None:
-        """Make ``src``'s first ``m`` verified rows this (empty) cache's verified prefix: a copy at every depth and
-        in prelude/coda.  ``src`` must hold the same depths R (a ``PrefixCache``)."""
-        if self.n:
-            raise ValueError("load_prefix needs an empty cache")
-        if src.R != self.R or src.core_k.shape[:3] != self.core_k.shape[:3]:
-            raise ValueError(f"prefix cache of R={src.R} does not fit a depth cache of R={self.R}")
-        if not 0 <= m <= min(src.n, self.capacity):
-            raise ValueError(f"cannot load {m} prefix rows (source holds {src.n}, capacity {self.capacity})")
-        for dst, s in zip(self.tensors(), src.tensors()):
-            dst[..., :m, :] = s[..., :m, :]
-        self.commit(m)
-
     def compact(self, rows: Tensor) -> None:
         """Commit scratch rows ``rows`` (ascending, each >= n): copy them to [n, n + len(rows)) at every depth
         and in prelude/coda, then advance n.  Used after tree verification."""
@@ -140,22 +114,129 @@ class DepthCache:
         self.commit(m)
 
 
+class BlockTable:
+    """A sequence's blocks of a paged pool, in order, and the pool row of each of its rows (``rows`` [max_rows]:
+    row i lies in block ``blocks[i // B]`` at offset i % B; rows not yet backed by a block point into the pool's
+    null block 0, which is never handed out).  ``base``: the pool row of the sequence's row 0 when its blocks are
+    consecutive (reads are then a slice, not a gather); None otherwise, and always with ``static`` (static shapes read
+    all ``max_rows`` rows, through ``rows``)."""
+
+    def __init__(self, block_size: int, max_rows: int, device: torch.device | str, static: bool = False):
+        self.B, self.static = block_size, static
+        self.blocks: list[int] = []
+        self.rows = torch.arange(max_rows, device=device) % block_size       # all in the null block
+        self.base: int | None = None
+
+    @property
+    def backed(self) -> int:
+        """Rows backed by blocks."""
+        return len(self.blocks) * self.B
+
+    @property
+    def capacity(self) -> int:
+        """Rows a static-shape read covers (every row the sequence may ever use)."""
+        return self.rows.numel()
+
+    def append(self, blocks: list[int]) -> None:
+        B, i = self.B, len(self.blocks)
+        if (i + len(blocks)) * B > self.rows.numel():
+            raise ValueError(f"{i + len(blocks)} blocks of {B} exceed the sequence's {self.rows.numel()} rows")
+        if blocks:
+            ids = torch.tensor(blocks, dtype=torch.long)
+            self.rows[i * B: (i + len(blocks)) * B] = (ids[:, None] * B + torch.arange(B)).flatten().to(self.rows.device)
+        self.blocks.extend(blocks)
+        first = self.blocks[0] if self.blocks else None
+        self.base = None if self.static or first is None or any(
+            b != first + j for j, b in enumerate(self.blocks)) else first * B
+
+    def clear(self) -> list[int]:
+        """Drop every block (returned, in order); rows point into the null block again."""
+        blocks, self.blocks, self.base = self.blocks, [], None
+        self.rows.copy_(torch.arange(self.rows.numel(), device=self.rows.device) % self.B)
+        return blocks
+
+
+class PagedCache:
+    """A sequence's depth cache in a paged pool (a ``DepthCache`` cut into blocks): the interface of a
+    ``DepthCache`` of its own - ``n`` verified rows, ``commit``, ``compact``, per-layer views - over the rows its
+    ``BlockTable`` names.  ``capacity``: the rows backed by its blocks now (the engine adds blocks before a step
+    writes past them)."""
+
+    def __init__(self, pool: DepthCache, table: BlockTable):
+        self.pool, self.table = pool, table
+        self.R, self.bytes_per_token = pool.R, pool.bytes_per_token
+        self.n = 0
+        self._views: dict[tuple, PagedKV] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.table.backed
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.pool.tensors()
+
+    def prelude_kv(self, layer: int) -> PagedKV:
+        kv = self._views.get(("prelude", layer))
+        if kv is None:
+            k, v = self.pool.pre_k[layer], self.pool.pre_v[layer]
+            kv = self._views[("prelude", layer)] = PagedKV(k, v, k, v, self.table)
+        return kv
+
+    def coda_kv(self, layer: int) -> PagedKV:
+        kv = self._views.get(("coda", layer))
+        if kv is None:
+            k, v = self.pool.coda_k[layer], self.pool.coda_v[layer]
+            kv = self._views[("coda", layer)] = PagedKV(k, v, k, v, self.table)
+        return kv
+
+    def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> PagedKV:
+        key = (layer, read, own)
+        kv = self._views.get(key)
+        if kv is None:
+            p = self.pool.core_kv(layer, read, own)
+            kv = self._views[key] = PagedKV(p.k_prefix, p.v_prefix, p.k_own, p.v_own, self.table)
+        return kv
+
+    def commit(self, m: int) -> None:
+        if self.n + m > self.capacity:
+            raise CacheCapacityError(f"commit past the {self.capacity} rows backed by blocks")
+        self.n += m
+
+    def compact(self, rows: Tensor) -> None:
+        """Commit scratch rows ``rows`` (ascending, each >= n) as rows [n, n + len(rows)) at every depth."""
+        m = int(rows.numel())
+        n = self.n
+        src, dst = self.table.rows[rows], self.table.rows[n: n + m]
+        for t in self.pool.tensors():
+            t.index_copy_(-2, dst, t.index_select(-2, src))
+        self.commit(m)
+
+    def save(self, device: torch.device | str = "cpu") -> list[Tensor]:
+        """The verified rows [0, n) at every depth, copied off the pool (a preempted sequence swapped out)."""
+        idx = self.table.rows[: self.n]
+        return [t.index_select(-2, idx).to(device) for t in self.pool.tensors()]
+
+    def restore(self, saved: list[Tensor]) -> None:
+        """Write rows saved by ``save`` back as this (empty) cache's verified prefix."""
+        m = saved[0].shape[-2]
+        idx = self.table.rows[:m]
+        for t, s in zip(self.pool.tensors(), saved):
+            t.index_copy_(-2, idx, s.to(t.device))
+        self.n = m
+
+
 class BatchCache:
     """The caches of the sequences of one batched call (``attention.RaggedSpan``), in segment order: each layer
-    view is a ``BatchKV`` of their per-sequence views (built once per call and key), with the same view of the
-    storage they share, if they share one (ranges of one pool)."""
+    view is a ``BatchKV`` of their per-sequence views (built once per call and key)."""
 
-    def __init__(self, caches: list[DepthCache]):
+    def __init__(self, caches: list):
         self.caches = caches
-        storage = caches[0].storage
-        self.storage = storage if all(c.storage is storage for c in caches) else None
         self._kv: dict[tuple, BatchKV] = {}
 
     def _get(self, key: tuple, make) -> BatchKV:
         kv = self._kv.get(key)
         if kv is None:
-            kv = self._kv[key] = BatchKV([make(c) for c in self.caches],
-                                         make(self.storage) if self.storage is not None else None)
+            kv = self._kv[key] = BatchKV([make(c) for c in self.caches])
         return kv
 
     def prelude_kv(self, layer: int) -> BatchKV:

@@ -149,7 +149,7 @@ def create_app(service: Service) -> FastAPI:
                 if isinstance(event, Started):
                     queue_time = event.queue_time
                 elif isinstance(event, Done):
-                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time)
+                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time, job.params.get("seed"))
                     return JSONResponse(reply.body(event.result, len(prompt), stats))
                 elif isinstance(event, Failed):
                     raise _error_for(event.error)
@@ -176,7 +176,7 @@ def create_app(service: Service) -> FastAPI:
                 elif isinstance(event, Done):
                     if event.tail:
                         yield sse(reply.chunk(event.tail))
-                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time)
+                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time, job.params.get("seed"))
                     for chunk in reply.final_chunks(event.result, len(job.prompt), stats, include_usage):
                         yield sse(chunk)
                     break

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..host import THREADS_HELP
 
 # ServeOptions fields whose flags are derived from the dataclass (type, default and help in one place).
-DERIVED = ("max_batch", "kv_budget", "request_timeout", "max_body", "template_timeout")
+DERIVED = ("max_batch", "kv_budget", "max_step_tokens", "request_timeout", "max_body", "template_timeout")
 
 
 def _server_knobs(method: str, items: list[str]) -> dict:

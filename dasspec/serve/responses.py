@@ -17,9 +17,12 @@ from ..engine.generate import GenerationResult
 FINISH = {"max_new_tokens": "length", "timeout": "length"}
 
 
-def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue_time: float) -> dict[str, Any]:
+def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue_time: float,
+                   seed: int | None = None) -> dict[str, Any]:
     """What the method did: A and G (the paper's eq. 9 and 10), the sequential core passes it spent and those
-    full-depth AR spends on the same tokens (prefill + R per token after the first), their ratio, and times."""
+    full-depth AR spends on the same tokens (prefill + R per token after the first), their ratio, and times; the
+    prompt rows taken from shared blocks (``cached_tokens``); and the ``seed`` it decoded with (drawn by the server
+    when a sampled request gave none: send it back to get the same answer)."""
     s = result.stats
     knobs = getattr(drafter, "knobs", None)
     ar_passes = s.prefill_passes + depth * max(s.new_tokens - 1, 0)
@@ -32,7 +35,7 @@ def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue
         "ar_sequential_passes": ar_passes,
         "pass_speedup": ar_passes / s.sequential_passes if s.sequential_passes else 0.0,
         "stop_reason": s.stop_reason, "queue_time": queue_time, "decode_time": s.wall_time,
-        "tokens_per_second": s.tokens_per_second,
+        "tokens_per_second": s.tokens_per_second, "cached_tokens": s.cached_tokens, "seed": seed,
     }
 
 

@@ -64,7 +64,7 @@ class _Common(_Strict):
         """(field, why) for every OpenAI option set to a value this server cannot honour."""
         out = []
         if self.n not in (None, 1):
-            out.append(("n", "one choice per request (n = 1): the server decodes one sequence at a time"))
+            out.append(("n", "one choice per request (n = 1): send several requests for several answers"))
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 out.append((name, "logit penalties would change the target distribution; only 0 is supported"))

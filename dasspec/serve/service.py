@@ -6,33 +6,38 @@ OpenAI semantics, mapped to ``dasspec.generate``:
 
 * ``temperature`` absent or 0: greedy decoding.  ``temperature`` > 0, or ``top_p`` given: sampling
   (``do_sample=True``) at that temperature (1.0 when only ``top_p`` is given) and top-p - lossless, as AR sampling
-  at the same seed.  ``seed`` (default 0) seeds the per-position initial states and the sampling noise, so equal
-  requests get equal answers.
+  at the same seed.  ``seed`` seeds the sampling noise; a sampled request without one gets a fresh random seed,
+  returned as ``dasspec.seed`` so the answer can be reproduced.  The latent initial states are the model's own
+  (state seed 0) for every request, so requests that start alike share prompt blocks whatever their seeds.
 * ``max_tokens``: default 16 for completions (OpenAI's), the rest of the context for chat; never above
-  ``--max-tokens-cap``, and prompt + max_tokens must fit the model's context.
+  ``--max-tokens-cap``, and prompt + max_tokens must fit the model's context.  Memory is taken as tokens are
+  written (the paged depth cache), so an unused allowance costs nothing.
 * ``dasspec``: ``{"method": ..., "knobs": {...}, "exit_threshold": ..., "exit_at_step": ...}``; knobs given to
   the server (``--set``) apply to its default method, under the request's.  One drafter is kept per (method,
   knobs) - the benchmark's hot start: Token Recycling's table and SAM's corpus automaton persist across requests
   (and are shared by the requests decoding together); outputs never depend on it (lossless).
 
 Requests are decoded together by one ``Engine`` (continuous batching, ``max_batch`` at a time, their depth caches
-in one pool of ``kv_budget`` positions), each answer exactly what that request decoded alone would give.
+in blocks of one pool of ``kv_budget`` positions, prompt blocks shared between requests that start alike).  Each
+answer is exactly what that request decoded alone would give in float32; in bfloat16 a batched product can round a
+row differently from a batch of one, so a token can differ at a near-tie (docs/serving.md, "Exactness").
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections import OrderedDict
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.draft import Drafter
-from ..engine.engine import Engine
+from ..engine.drafters import DrafterCache
+from ..engine.engine import MAX_STEP_TOKENS, Engine
+from ..engine.engine import _methods as engine_methods
 from ..engine.policy import SpeculationPolicy
 from ..engine.runtime import Runtime
 from ..engine.sampling import Sampling
-from ..methods import build_drafter, get_method
+from ..methods import get_method
 from ..model.chat_template import TemplateLimit, TemplateSandbox
 from ..model.looped import LoopedLM
 from ..model.tokenizer import PLAIN_CHAT_TEMPLATE
@@ -41,12 +46,10 @@ from .schema import APIError, ChatRequest, CompletionRequest
 from .worker import DecodeWorker, Job, QueueFull
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-# chat without max_tokens: OpenAI's is "the rest of the context", but a request here preallocates its depth cache
-# for prompt + max_tokens, and at full size the rest of a long context is gigabytes (docs/serving.md)
-CHAT_DEFAULT_MAX_TOKENS = 1024
 # Knobs that name files on the server: a client must not make the server read its files.
 SERVER_ONLY_KNOBS = frozenset({"static_corpus"})
 _DRAFTERS_KEPT = 16
+_SEED_BITS = 63
 
 
 # Slack in the derived body limit for what is not prompt text: the other fields, stop strings, knobs.
@@ -73,9 +76,14 @@ class ServeOptions:
         "requests decoded together (continuous batching: one verification pass per step for all of them); "
         "more wait in the queue")})
     kv_budget: int | None = field(default=None, metadata={"help": (
-        "depth-cache positions of the pool the running requests share, allocated once; a request needs prompt + "
-        "max_tokens + its drafter's width positions, one that can never fit is answered 400, one that fits later "
-        "waits (default: max-batch requests of the whole context, at most half the free memory)")})
+        "depth-cache positions of the pool the running requests share, allocated once and taken in blocks as "
+        "tokens are written (prompt blocks shared between requests that start alike); a request that could never "
+        "fit alone (prompt + max_tokens + its drafter's width) is answered 400; when blocks run out the most "
+        "recently admitted request is swapped out and resumes later with the same tokens (default: max-batch "
+        "requests of the whole context, at most half the free memory)")})
+    max_step_tokens: int = field(default=MAX_STEP_TOKENS, metadata={"help": (
+        "rows one decode step may verify and prefill together: running requests' drafts first, then prompt "
+        "blocks with what is left, so a long prompt arriving never stalls the streams already running")})
     request_timeout: float | None = field(default=None, metadata={"help": (
         "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
@@ -102,7 +110,7 @@ class Service:
         self.chat_template = self.tok.chat_template or PLAIN_CHAT_TEMPLATE
         self.templates = TemplateSandbox(options.template_timeout, self.context * longest)
         self._check_template()
-        self._drafters: OrderedDict[tuple[str, str, bool], Drafter] = OrderedDict()
+        self.drafters = DrafterCache(model, self.depth, *engine_methods(), keep=_DRAFTERS_KEPT)
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
             try:
                 self.drafter(self.method, {}, sampled=sampled)
@@ -111,7 +119,8 @@ class Service:
                                  + (" (with the model's sampled defaults)" if sampled else "")) from None
         self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running)
         self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
-                             max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy)
+                             max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
+                             max_step_tokens=options.max_step_tokens, drafters=self.drafters)
         self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
 
     @property
@@ -130,8 +139,8 @@ class Service:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise APIError(400, f"'prompt': one prompt per request, got {len(p)} (this server decodes one "
-                               "sequence at a time; send several requests)", param="prompt")
+                raise APIError(400, f"'prompt': one prompt per request, got {len(p)} (send several requests; they "
+                               "are decoded together)", param="prompt")
             p = p[0]
         if isinstance(p, str):
             ids = self.tok.encode(p)
@@ -173,11 +182,17 @@ class Service:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        params = {"max_new_tokens": self._max_tokens(req, len(prompt), endpoint), "seed": req.seed or 0}
+        params = {"max_new_tokens": self._max_tokens(req, len(prompt), endpoint)}
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if stops:
             params["stop"] = stops
         params.update(self._sampling(req))
+        if req.seed is not None:
+            params["seed"] = req.seed
+        elif params.get("do_sample"):               # two users' unseeded requests must not share their "random"
+            params["seed"] = secrets.randbits(_SEED_BITS)
+        else:
+            params["seed"] = 0
         opts = req.dasspec
         if opts is not None and (opts.exit_threshold is not None or opts.exit_at_step is not None):
             try:
@@ -202,9 +217,8 @@ class Service:
             raise APIError(400, f"the prompt has {P} tokens; the model's context is {self.context} positions, so no "
                            "token can be generated", param=what, code="context_length_exceeded")
         cap = self.options.max_tokens_cap or self.context
-        if given is None:
-            default = COMPLETION_DEFAULT_MAX_TOKENS if endpoint == "completions" else CHAT_DEFAULT_MAX_TOKENS
-            return min(default, room, cap)
+        if given is None:                          # OpenAI's: 16 for completions, the rest of the context for chat
+            return min(COMPLETION_DEFAULT_MAX_TOKENS if endpoint == "completions" else room, room, cap)
         if given > room:
             raise APIError(400, f"prompt ({P} tokens) + {field_name} ({given}) = {P + given} exceeds the model's "
                            f"context of {self.context} positions", param=field_name, code="context_length_exceeded")
@@ -220,7 +234,7 @@ class Service:
             return {}
         options = {"do_sample": True, "temperature": 1.0 if t is None else t, "top_p": p}
         try:
-            Sampling(options["temperature"], None, p, None, req.seed or 0)
+            Sampling(options["temperature"], None, p, None, 0 if req.seed is None else req.seed)
         except ValueError as err:
             param = "temperature" if "temperature" in str(err) else "top_p"
             raise APIError(400, f"'{param}': {err}", param=param) from None
@@ -240,18 +254,10 @@ class Service:
                            param=f"dasspec.knobs.{denied[0]}")
         if name == self.method:
             knobs = {**self.options.knobs, **knobs}
-        key = (name, json.dumps(knobs, sort_keys=True, default=repr), sampled)
-        if key in self._drafters:
-            self._drafters.move_to_end(key)
-            return self._drafters[key]
         try:
-            drafter = build_drafter(self.model, name, knobs, sampled=sampled)
+            return self.drafters.get(name, knobs, sampled)
         except (ValueError, TypeError) as err:
             raise APIError(400, f"'dasspec.knobs': {err}", param="dasspec.knobs") from None
-        self._drafters[key] = drafter
-        while len(self._drafters) > _DRAFTERS_KEPT:
-            self._drafters.popitem(last=False)
-        return drafter
 
     # --- the queue --------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:

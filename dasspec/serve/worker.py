@@ -196,15 +196,14 @@ class DecodeWorker:
             batch = len(engine.running)
             try:
                 events = engine.step()
-            except Exception as err:                    # the requests of this step fail; the others go on
+            except Exception as err:                    # the requests of this step fail; queued ones go on
                 log.exception("a decode step failed")
                 failed = set(engine.abort_running())
                 for ev in engine.take_events():         # what the step had done before it failed
-                    if ev.finished and ev.reason == "error":
-                        failed.add(ev.id)               # it could not be admitted
-                    elif ev.id not in failed:
+                    if ev.id not in failed:
                         self._dispatch(ev)
                 for rid in failed:
+                    engine.discard(rid)                 # its result is never read: it leaves the engine's table
                     if rid in self._jobs:
                         self._fail(self._jobs.pop(rid), err)
                 continue
@@ -236,6 +235,8 @@ class DecodeWorker:
     def _dispatch(self, ev: StepEvent) -> None:
         job = self._jobs.get(ev.id)
         if job is None:
+            if ev.finished:
+                self.engine.discard(ev.id)                # nobody will read it
             return
         now = time.perf_counter()
         if ev.started:
@@ -251,6 +252,9 @@ class DecodeWorker:
             return
         del self._jobs[ev.id]
         result = self.engine.result(ev.id)
+        if ev.reason == "error":                          # this request alone failed (its setup, its streamer)
+            self._fail(job, result.error or RuntimeError("the request failed"))
+            return
         self._leave(job)
         cancelled = ev.reason == "cancelled"
         if cancelled and not job.started:                 # cancelled while it waited for a slot: never decoded

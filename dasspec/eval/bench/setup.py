@@ -34,7 +34,7 @@ class BenchPlan:
     data: str | None = None
     num_steps: int | None = None  # target depth R (default: the model's)
     init_scale: float = 1.0
-    gen_seed: int = 0             # seed of the per-position initial states (shared by every method)
+    gen_seed: int = 0             # seed of the per-position initial states and of sampling (every method)
     warmup: bool = True
     prefix_cache: bool = False    # reuse each task's shared prompt prefix (few-shot exemplars) across requests
     runtime: Runtime = field(default_factory=lambda: Runtime(track_memory=True))   # execution options

@@ -70,7 +70,7 @@ class Bench:
     def generate(self, p: Prompt, method: str, cap: int) -> GenerationResult:
         plan = self.plan
         return generate(self.model, p.ids, max_new_tokens=cap, num_steps=self.R, init_scale=plan.init_scale,
-                        stop=list(p.task.stop), seed=plan.gen_seed, tokenizer=self.tokenizer,
+                        stop=list(p.task.stop), seed=plan.gen_seed, state_seed=plan.gen_seed, tokenizer=self.tokenizer,
                         prefix_cache=(self.prefixes or {}).get(p.task.name), drafter=self.drafters[method],
                         runtime=plan.runtime, **(plan.exit or {}),
                         **({"do_sample": True, **plan.sampling} if plan.sampling else {}))

@@ -1,0 +1,172 @@
+"""BlockPool: the engine's depth cache, allocated once and handed out in blocks of B positions - each block holds
+its B positions at every depth 1..R, in the prelude and in the coda - with prompt blocks shared across requests.
+
+A request holds a ``BlockTable`` (``model/cache.py``): the blocks it has written, taken as its tokens are computed
+(plus the draft scratch of the current step), returned when it ends.  Nothing is reserved for its worst case.
+
+Prefix sharing.  A full prompt block is keyed by everything that decides its rows: the tokens of the block and of
+every block before it (a chain of SHA-256 digests) and the request's ``salt`` - depth R, the initial states'
+``init_scale`` and ``state_seed``, the target's exit rule, the model's dtype.  A block whose rows are complete is
+registered under its key; a later request whose prompt starts with the same blocks takes references to them and
+skips their prefill.  The rows are the ones it would have computed: the engine prefills every prompt block as its
+own attention segment (``executor.py``), so a block's rows depend on its key alone (docs/architecture.md).  A block
+nobody references stays cached, keyed, until its memory is needed (least recently freed first).
+
+Block 0 is the null block: never handed out, zeroed, where rows not yet backed point (static-shape reads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+from ..model.cache import DepthCache, bytes_per_token
+from ..model.looped import LoopedLM
+from .memory import check_cache_fits, format_bytes
+
+BLOCK_SIZE = 16     # positions per block (docs/performance.md, "Choosing the block size")
+
+
+def prefix_salt(R: int, init_scale: float, state_seed: int, exit, dtype, B: int) -> bytes:
+    """What decides a prompt block's rows besides its tokens (``block_keys``)."""
+    return hashlib.sha256(repr((R, float(init_scale), int(state_seed), repr(exit), str(dtype), B)).encode()).digest()
+
+
+def block_keys(tokens: list[int], B: int, salt: bytes, count: int) -> list[bytes]:
+    """The keys of the first ``count`` full blocks of ``tokens``: key j digests key j-1 and block j's tokens."""
+    keys, h = [], hashlib.sha256(salt).digest()
+    for j in range(count):
+        block = tokens[j * B: (j + 1) * B]
+        h = hashlib.sha256(h + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block)).digest()
+        keys.append(h)
+    return keys
+
+
+class BlockPool:
+    def __init__(self, model: LoopedLM, R: int, positions: int, block_size: int = BLOCK_SIZE):
+        for name, v in (("kv_budget", positions), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+        self.B = block_size
+        self.num_blocks = -(-positions // block_size) + 1          # + the null block
+        check_cache_fits(model, R, self.num_blocks * block_size,
+                         "lower kv_budget (positions kept for running requests) or use bfloat16")
+        self.R = R
+        self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype)
+        for t in self.cache.tensors():
+            t[..., :block_size, :].zero_()                          # the null block
+        self.bytes_per_block = bytes_per_token(model.config, R, model.dtype) * block_size
+        self._free: set[int] = set(range(1, self.num_blocks))      # unreferenced, unkeyed
+        self._ref = [0] * self.num_blocks
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()          # unreferenced, keyed: evicted oldest first
+        self.hits = 0                                               # blocks reused (prefix sharing)
+        self.evictions = 0
+
+    # --- sizes ------------------------------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks a request may ever hold (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def available(self) -> int:
+        """Blocks that can be handed out now (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity_blocks - self.available
+
+    @property
+    def cached(self) -> int:
+        return len(self._lru)
+
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.B)
+
+    def describe(self) -> str:
+        return (f"{self.capacity_blocks} blocks of {self.B} positions "
+                f"({self.capacity_blocks * self.B} positions, {format_bytes(self.cache.nbytes)})")
+
+    # --- taking and returning blocks ----------------------------------------------------------------------------
+    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+        """``n`` blocks, or None when fewer are available.  Free blocks first - ``after + 1``, ``after + 2``, ...
+        while free (a sequence's blocks in order read as a slice), else from the longest free run - then the least
+        recently freed cached ones (their keys forgotten)."""
+        if n > self.available:
+            return None
+        out: list[int] = []
+        nxt = after + 1 if after is not None else self._longest_run_start()
+        while len(out) < n and nxt is not None and nxt in self._free:
+            out.append(nxt)
+            nxt += 1
+        self._free.difference_update(out)
+        if len(out) < n and self._free:
+            rest = sorted(self._free)[: n - len(out)]
+            self._free.difference_update(rest)
+            out += rest
+        while len(out) < n:
+            b, _ = self._lru.popitem(last=False)
+            del self._block_of[self._key_of.pop(b)]
+            self.evictions += 1
+            out.append(b)
+        for b in out:
+            self._ref[b] = 1
+        return out
+
+    def _longest_run_start(self) -> int | None:
+        best, best_len, start, prev = None, 0, None, None
+        for b in sorted(self._free):
+            if prev is None or b != prev + 1:
+                start = b
+            if b - start + 1 > best_len:
+                best, best_len = start, b - start + 1
+            prev = b
+        return best
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; an unreferenced keyed block stays cached (most recent last)."""
+        for b in blocks:
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"block {b} freed more often than taken")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if b in self._key_of:
+                    self._lru[b] = None
+                else:
+                    self._free.add(b)
+
+    # --- prefix sharing -------------------------------------------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of ``keys`` from the first, each now referenced once more."""
+        out = []
+        for k in keys:
+            b = self._block_of.get(k)
+            if b is None:
+                break
+            if self._ref[b] == 0:
+                del self._lru[b]
+            self._ref[b] += 1
+            out.append(b)
+        self.hits += len(out)
+        return out
+
+    def cached_run(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, name cached blocks (no reference taken)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._block_of:
+            n += 1
+        return n
+
+    def register(self, block: int, key: bytes) -> None:
+        """Block ``block`` now holds the complete rows of the prompt block keyed ``key`` (kept if none does yet)."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.cache.tensors()

@@ -1,0 +1,403 @@
+"""The scheduler: the table of requests, the block pool's bookkeeping and the plan of every step - plain data for
+the executor (``executor.py``), which runs it and answers with plain data.
+
+    plan = scheduler.schedule()            # StepPlan: who starts, who is swapped out / in, per request its work
+    out = executor.execute(plan)           # StepOutput: per request, committed tokens and counts
+    events, finished = scheduler.update(plan, out)   # stop rules, events, blocks back to the pool
+
+Each step: requests cancelled or past their deadline end; every running request that decodes gets the blocks its
+verification may write (its anchor plus its drafter's ``width`` of scratch; just the anchor when the step's draft cap
+is 0) - oldest first, and when blocks run out the most recently admitted request is preempted (its rows are swapped
+to host memory, bit for bit, and it resumes later with exactly the tokens it would have produced); then prompt
+blocks are prefilled under what is left of the step's token budget (``max_step_tokens``): requests still prefilling
+first, then waiting ones, first in first out, each admitted only while a batch slot and its first blocks are
+free.  The budget decides when a block runs, never where a prompt is cut: chunk boundaries are block boundaries.
+A request that could never fit the pool alone is refused by ``add``.
+
+Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .blocks import BlockPool, block_keys
+from .draft import Drafter
+from .policy import SpeculationPolicy
+from .stats import GenerationStats
+from .stopping import StopRule
+
+
+# --- what the scheduler and the executor exchange ------------------------------------------------------------
+@dataclass
+class StartRequest:
+    """A request the executor sets up this step: its tokens so far, how to decode it, and the rows it starts with
+    (``cached``: shared prompt blocks already in its first blocks; ``copy``: rows to copy from a ``PrefixCache``)."""
+
+    id: int
+    tokens: list[int]                  # the prompt
+    drafter: Drafter
+    options: dict[str, Any]            # Request keyword arguments: init_scale, state_seed, choose, exit, ...
+    max_rows: int
+    max_new_tokens: int
+    stats: GenerationStats
+    stop_check: Callable[[], str | None]
+    trace: list | None = None          # the list (Draft, Verdict) pairs go to, when traced
+    cached: int = 0
+    copy: Any = None                   # (PrefixCache, rows) or None
+
+
+@dataclass
+class Work:
+    """One request's work this step: blocks appended to its table, then either prompt rows [start, end) to
+    prefill (whole blocks; ``end`` may be the prompt's end) or one drafting + verification round under ``room``
+    (tokens it may still commit) and ``cap`` (proposals; 0: a plain AR step)."""
+
+    id: int
+    new_blocks: list[int] = field(default_factory=list)
+    prefill: tuple[int, int] | None = None
+    room: int = 0
+    cap: int | None = None
+
+
+@dataclass
+class StepPlan:
+    step: int
+    start: list[StartRequest] = field(default_factory=list)
+    swap_out: list[int] = field(default_factory=list)     # rows to host memory, blocks released, state kept
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (id, blocks to restore its rows into)
+    work: list[Work] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(w.prefill[1] - w.prefill[0] for w in self.work if w.prefill)
+
+
+@dataclass
+class RequestOutput:
+    id: int
+    tokens: list[int] = field(default_factory=list)   # committed this step, before the stop rule
+    prefilled: int = 0                                # prompt rows materialised this step
+    verdict: tuple[int, int, bool] | None = None      # (proposals, accepted, target token committed)
+
+
+@dataclass
+class StepOutput:
+    requests: dict[int, RequestOutput] = field(default_factory=dict)
+    failed: list[tuple[int, Exception]] = field(default_factory=list)   # requests whose setup raised
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+
+# --- the table -------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Entry:
+    """A row of the scheduler's table: one request from ``add`` to its result."""
+
+    id: int
+    prompt: list[int]
+    rule: StopRule
+    drafter: Drafter
+    options: dict
+    max_rows: int                      # rows it may ever hold (prompt + max_new_tokens + the drafter's scratch)
+    salt: bytes                        # what decides its prompt rows besides the tokens (block keys)
+    deadline: float | None
+    trace: list | None
+    stats: GenerationStats
+    streamer: Any = None
+    prefix_cache: Any = None
+    decode_text: Any = None
+    status: str = "waiting"            # waiting | running | swapped | finished
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)   # its full prompt blocks' keys
+    computed: int = 0                  # prompt rows materialised (shared ones included)
+    generated: list[int] = field(default_factory=list)   # committed tokens, after the stop rule
+    cancelled: bool = False
+    reason: str | None = None
+    error: Exception | None = None     # what failed it (reason "error"): its streamer, its setup
+    sent: int = 0                      # generated tokens already reported in events
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def P(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def n(self) -> int:
+        """Verified rows: the prompt, then every committed token but the last (the anchor)."""
+        return self.computed if not self.generated else self.P + len(self.generated) - 1
+
+    def stopping(self) -> str | None:
+        """Why it must stop now (failed, cancelled, out of time), or None: asked between steps and drafting
+        rounds."""
+        if self.error is not None:
+            return "error"
+        if self.cancelled:
+            return "cancelled"
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return "timeout"
+        return None
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batch: int, max_step_tokens: int,
+                 policy: SpeculationPolicy | None = None):
+        self.pool, self.max_batch, self.max_step_tokens = pool, max_batch, max_step_tokens
+        self.policy = policy or SpeculationPolicy()
+        self.waiting: deque[Entry] = deque()       # swapped-out requests first, then new ones, FIFO
+        self.running: list[Entry] = []             # in admission order (the last is preempted first)
+        self.steps = 0
+        self.preemptions = 0
+        self.prefilled_rows = 0                    # prompt rows computed (not shared)
+        self.shared_rows = 0                       # prompt rows taken from shared blocks
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, e: Entry) -> None:
+        B = self.pool.B
+        if self.pool.blocks_for(e.max_rows) > self.pool.capacity_blocks:
+            from ..model.cache import CacheCapacityError
+            raise CacheCapacityError(
+                f"the request needs up to {e.max_rows} cache positions (prompt {e.P} + max_new_tokens "
+                f"{e.rule.max_new_tokens} + the {e.drafter.name} drafter's {e.drafter.width + 1}) but the engine's "
+                f"pool holds {self.pool.describe()}; lower max_new_tokens or raise kv_budget")
+        e.keys = block_keys(e.prompt, B, e.salt, e.P // B)
+        self.waiting.append(e)
+
+    # --- planning ----------------------------------------------------------------------------------------
+    def schedule(self, events: list) -> tuple[StepPlan, list[Entry]]:
+        """The next step's plan, and the entries that ended before it (cancelled, out of time)."""
+        ended = []
+        for e in list(self.waiting) + list(self.running):
+            reason = e.stopping()
+            if reason is not None:
+                self._end(e, reason)
+                ended.append(e)
+        self.steps += 1
+        plan = StepPlan(self.steps)
+        B, budget = self.pool.B, self.max_step_tokens
+        decoding = [e for e in self.running if e.generated]
+        cap = self.policy.cap(len(decoding))
+        planned: dict[int, Work] = {}
+        for e in list(self.running):                      # decoding requests first, oldest first
+            if e.status != "running" or not e.generated:
+                continue
+            width = 0 if cap == 0 else e.drafter.width
+            need = min(e.n + 1 + width, e.max_rows)
+            got = self._grow(e, need, plan, planned)
+            if got is None:
+                continue                                  # preempted itself
+            room = e.rule.max_new_tokens - len(e.generated)
+            planned[e.id] = w = Work(e.id, got, room=room, cap=cap)
+            plan.work.append(w)
+            budget -= 1 + (width if cap != 0 else 0)
+        for e in list(self.running):                      # then prompts still prefilling
+            if e.status == "running" and not e.generated and e.computed < e.P:
+                budget = self._prefill(e, budget, plan, planned)
+        claimed = {k for x in self.running if x.computed < x.P for k in x.keys[x.computed // B:]}
+        for e in list(self.waiting):                      # first in, first served (for memory)
+            if len(self.running) >= self.max_batch:
+                break
+            if e.status == "swapped":
+                if not self._swap_in(e, plan, planned):
+                    break
+                continue
+            usable = (e.P - 1) // B
+            hit = self.pool.cached_run(e.keys[:usable])
+            if hit < usable and e.keys[hit] in claimed:   # its next block is being computed: share it next step
+                continue
+            if not self._admit(e, budget, plan, planned):
+                break
+            budget = self._prefill(e, budget, plan, planned)
+            if e.status != "running":                     # it preempted itself: the pool is full for now
+                break
+            claimed.update(e.keys[e.computed // B:])
+        return plan, ended
+
+    def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict) -> list[int] | None:
+        """Blocks so that ``e`` holds ``rows`` rows, preempting the most recently admitted requests if needed;
+        None if ``e`` itself was preempted."""
+        need = self.pool.blocks_for(rows) - len(e.blocks)
+        if need <= 0:
+            return []
+        while True:
+            got = self.pool.allocate(need, after=e.blocks[-1] if e.blocks else None)
+            if got is not None:
+                e.blocks += got
+                return got
+            victim = self.running[-1]
+            self._preempt(victim, plan, planned)
+            if victim is e:
+                return None
+
+    def _preempt(self, e: Entry, plan: StepPlan, planned: dict) -> None:
+        """Swap ``e`` out: its verified rows go to host memory (the executor copies them before anything else
+        of the step runs), its blocks back to the pool; it waits at the head of the queue."""
+        self.preemptions += 1
+        w = planned.pop(e.id, None)
+        if w is not None:
+            plan.work.remove(w)
+        started = [s for s in plan.start if s.id == e.id]
+        if started:                            # admitted this very step: nothing was computed, start over
+            plan.start.remove(started[0])
+            self.pool.free(e.blocks)
+            e.blocks, e.computed, e.status = [], 0, "waiting"
+            e.stats.cached_tokens = 0
+        else:
+            plan.swap_out.append(e.id)
+            self.pool.free(e.blocks)
+            e.blocks, e.status = [], "swapped"
+        self.running.remove(e)
+        self.waiting.appendleft(e)
+
+    def _admit(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> bool:
+        """Start ``e`` if its first prompt block (after the shared ones) fits now, leaving one free block per
+        running request for their growth."""
+        B = self.pool.B
+        usable = (e.P - 1) // B                    # the last prompt token is always computed (it yields logits)
+        shared = self.pool.lookup(e.keys[:usable])
+        copy = None
+        pc = e.prefix_cache
+        if pc is not None and len(shared) < usable:
+            more = min(usable, pc.full_blocks(e.prompt)) - len(shared)
+            if more > 0:
+                copy = (pc, len(shared), len(shared) + more)
+        first = len(shared) + (copy[2] - copy[1] if copy else 0)
+        rows = min(e.P, (first + 1) * B)
+        fresh = self.pool.blocks_for(rows) - len(shared)
+        if self.pool.available - fresh < len(self.running):
+            self.pool.free(shared)
+            self.pool.hits -= len(shared)
+            return False
+        got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
+        self.waiting.remove(e)
+        if copy is not None:                       # rows copied at the start of the step, before any pass reads them
+            for j in range(copy[1], copy[2]):
+                if j < len(e.keys):
+                    self.pool.register(got[j - len(shared)], e.keys[j])
+        e.blocks = shared + got
+        e.computed = first * B
+        e.status = "running"
+        self.running.append(e)
+        self.shared_rows += len(shared) * B
+        e.stats.cached_tokens = first * B
+        plan.start.append(StartRequest(e.id, e.prompt, e.drafter, e.options, e.max_rows, e.rule.max_new_tokens, e.stats,
+                                       lambda: e.stopping(),
+                                       e.trace, cached=len(shared) * B, copy=copy))
+        planned[e.id] = w = Work(e.id, list(e.blocks))
+        plan.work.append(w)
+        if e.streamer is not None:                 # as in Hugging Face generate: the prompt first
+            self._stream(e, e.prompt)
+        return True
+
+    @staticmethod
+    def _stream(e: Entry, tokens: list[int]) -> None:
+        """Hand tokens to the request's streamer; one that raises fails its own request only."""
+        import torch
+        try:
+            e.streamer.put(torch.tensor([tokens]))
+        except Exception as err:          # noqa: BLE001 - the user's callback: its request fails, not the engine
+            e.error = err
+
+    def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
+        """Plan the next prompt blocks of ``e`` within ``budget`` rows (at least one block when nothing else of
+        this step is prefilled yet, so every prompt moves); returns what is left of the budget."""
+        B = self.pool.B
+        start = e.computed
+        k = budget // B
+        if k < 1:
+            if plan.rows or any(w.prefill is None and w.id != e.id and w.room for w in plan.work):
+                return budget
+            k = 1
+        end = min(e.P, start + k * B)
+        if end <= start:
+            return budget
+        w = planned.get(e.id)
+        got = self._grow(e, end, plan, planned)
+        if got is None:
+            return budget
+        if w is None:
+            planned[e.id] = w = Work(e.id)
+            plan.work.append(w)
+        w.new_blocks += got
+        w.prefill = (start, end)
+        return budget - (end - start)
+
+    def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
+        width = e.drafter.width
+        rows = min(e.n + 1 + width, e.max_rows) if e.generated else max(e.computed, 1)
+        need = self.pool.blocks_for(rows)
+        if self.pool.available - need < len(self.running):
+            return False
+        got = self.pool.allocate(need)
+        self.waiting.remove(e)
+        e.blocks, e.status = got, "running"
+        self.running.append(e)
+        plan.swap_in.append((e.id, got))
+        return True
+
+    # --- applying a step's output --------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, out: StepOutput) -> tuple[list[tuple[Entry, list[int]]], list[Entry]]:
+        """Apply the executor's output: prompt progress (and newly complete prompt blocks registered for
+        sharing), committed tokens cut by the stop rule.  Returns (entry, tokens kept this step) for every entry
+        that committed something, and the entries that finished."""
+        kept_now, finished = [], []
+        B = self.pool.B
+        for rid, err in out.failed:
+            e = next((x for x in self.running if x.id == rid), None)
+            if e is not None:
+                e.error = err
+        for w in plan.work:
+            e = next((x for x in self.running if x.id == w.id), None)
+            o = out.requests.get(w.id)
+            if e is None or o is None:
+                continue
+            if o.prefilled:
+                before = e.computed // B
+                e.computed += o.prefilled
+                self.prefilled_rows += o.prefilled
+                for j in range(before, min(e.computed // B, len(e.keys))):
+                    self.pool.register(e.blocks[j], e.keys[j])
+            if o.tokens:
+                start = len(e.generated)
+                e.generated.extend(o.tokens)
+                hit = e.rule.scan(e.generated, start)
+                kept = len(o.tokens)
+                if hit is not None:
+                    keep, e.reason = hit
+                    del e.generated[keep:]
+                    kept = keep - start
+                if o.verdict is not None:
+                    proposals, a, target = o.verdict
+                    e.stats.record(proposals, min(a, kept), target and kept == len(o.tokens))
+                if e.streamer is not None and kept:
+                    self._stream(e, o.tokens[:kept])
+                kept_now.append((e, o.tokens[:kept]))
+                if hit is not None:
+                    self._end(e, e.reason)
+                    finished.append(e)
+        for e in self.running:
+            e.stats.cache_bytes = max(e.stats.cache_bytes, len(e.blocks) * self.pool.bytes_per_block)
+        for e in list(self.running):        # stopped while drafting: not verified this step
+            if e not in finished:
+                reason = e.stopping()
+                if reason is not None:
+                    self._end(e, reason)
+                    finished.append(e)
+        return kept_now, finished
+
+    def _end(self, e: Entry, reason: str) -> None:
+        e.reason = reason
+        if e.status in ("running", "swapped", "waiting"):
+            if e in self.running:
+                self.running.remove(e)
+            elif e in self.waiting:
+                self.waiting.remove(e)
+            self.pool.free(e.blocks)
+            e.blocks = []
+        e.status = "finished"
