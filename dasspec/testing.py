@@ -247,3 +247,87 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- driving one request through the engine, a block at a time (tests) -------------------------------------------
+
+class Stepper:
+    """One request in an engine of its own, driven block by block with hand-made drafts - how tests exercise the
+    verifier and the decode loop on the path production takes (``Engine.step``).
+
+        s = Stepper(model, prompt, max_new_tokens=8)
+        s.prefill()                          # the first token is committed
+        verdict = s.step(Draft(tokens, layout=TreeLayout(parents)))   # one engine step with this draft
+        s.generated, s.done, s.stats, s.req.cache   # the committed tokens, the executor's request
+    """
+
+    def __init__(self, model: LoopedLM, prompt: list[int], max_new_tokens: int, *, init_scale: float = 1.0,
+                 state_seed: int = 0, width: int = 16, stop_ids=(), num_steps: int | None = None, **add):
+        from .engine.draft import Draft, Drafter, Session
+        from .engine.engine import Engine
+
+        queue: list = []
+        verdicts: list = []
+
+        class Scripted(Session):
+            def propose(self):
+                return queue.pop(0) if queue else Draft()
+
+            def observe(self, verdict):
+                verdicts.append(verdict)
+
+        class ScriptedDrafter(Drafter):
+            name = "scripted"
+            session = Scripted
+
+        drafter = ScriptedDrafter()
+        drafter.width = width
+        self._queue, self._verdicts = queue, verdicts
+        self.engine = Engine(model, num_steps=num_steps, drafter=drafter, max_batch=1)
+        self.rid = self.engine.add(prompt, max_new_tokens=max_new_tokens, init_scale=init_scale,
+                                   state_seed=state_seed, stop=list(stop_ids), eos=False, **add)
+        self.entry = self.engine._table[self.rid]
+
+    @property
+    def req(self):
+        """The executor's state of the request (token buffer, paged cache)."""
+        return self.engine.executor.requests.get(self.rid)
+
+    @property
+    def ctx(self):
+        from .engine.context import DraftContext
+        return DraftContext(self.req)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.entry.generated
+
+    @property
+    def done(self) -> bool:
+        return self.entry.status == "finished"
+
+    @property
+    def stats(self):
+        return self.entry.stats
+
+    @property
+    def n(self) -> int:
+        return self.req.n
+
+    def prefill(self) -> None:
+        with torch.inference_mode():
+            while not self.generated and not self.done:
+                self.engine.step()
+
+    def step(self, draft=None):
+        """One engine step whose draft is ``draft`` (None: an AR step); the verdict the session observed."""
+        if draft is not None:
+            self._queue.append(draft)
+        before = len(self._verdicts)
+        with torch.inference_mode():
+            self.engine.step()
+        return self._verdicts[-1] if len(self._verdicts) > before else None
+
+    def rows(self) -> list[torch.Tensor]:
+        """The verified rows [0, n) of every cache tensor (core K/V at every depth, prelude, coda)."""
+        return self.req.cache.save()

@@ -160,14 +160,13 @@ def test_bundled_model_default_decoders_match_full_depth_ar() -> None:
 
 def _wave_request(model, ids, **knobs):
     """A prefilled request and the validated DAS-Wave knobs for calling ``wave.refine`` directly."""
-    from dasspec.engine.request import Request
-    from dasspec.engine.stopping import StopRule
     from dasspec.methods.wave import WaveKnobs
+    from dasspec.testing import Stepper
 
     kn = WaveKnobs(**knobs).validate(model.R)
-    req = Request(model, ids, StopRule(40), width=kn.w + 1, method="das-wave")
-    req.prefill()
-    return req, kn
+    dec = Stepper(model, ids, 40, width=kn.w + 1)
+    dec.prefill()
+    return dec.ctx, kn
 
 
 def _refine(req, kn, incremental=True, guesses=None):
@@ -252,18 +251,18 @@ def test_wave_trim_stops_after_the_first_proposal_the_last_round_changed() -> No
 def test_wave_seed_branch_tree_layout() -> None:
     """seed_branch: the verifier gets [anchor, wave chain, seed past the common prefix] as a two-branch tree; a
     seed that adds nothing beyond the chain leaves the plain chain."""
-    from dasspec.engine.request import Request
-    from dasspec.engine.stopping import StopRule
     from dasspec.methods.wave import seed_branch_layout
+    from dasspec.testing import Stepper
 
     model = random_model("huginn", seed=1, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
-    dec = Request(model, [2, 3, 4], StopRule(30), width=16, method="das-wave")
-    dec.prefill()
-    n = dec.n
+    stepper = Stepper(model, [2, 3, 4], 30, width=16)
+    stepper.prefill()
+    n = stepper.n
+    dec = stepper.req
 
     def layout(props, seed, max_len):
         dec.tokens[n + 1: n + 1 + len(props)] = torch.tensor(props)
-        return seed_branch_layout(dec, torch.tensor(props), np.array(seed), max_len)
+        return seed_branch_layout(stepper.ctx, torch.tensor(props), np.array(seed), max_len)
 
     lay = layout([5, 6, 7, 8], [5, 6, 9, 9, 9], 4)              # common prefix 2, seed capped at 4
     assert lay.parents == (-1, 0, 1, 2, 3, 2, 5)

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.request import Request
+from dasspec.model.cache import DepthCache
 from dasspec.model.layers import apply_rope, rope_inv_freq, rope_operands
-from dasspec.engine.stopping import StopRule
 from dasspec.testing import tiny_config
 from reference_impl import (LAYOUTS, LLAMA3_MINI, huginn_freqs_cis, raven_inv_freq, rotate_half,
                             write_checkpoint)
@@ -40,11 +39,13 @@ def cached_logits(model, ids: torch.Tensor, R: int, chunks: list[int], init_scal
     """Logits of every position, computed chunk by chunk against the depth cache: the first chunk is a prefill
     (causal from row 0), later chunks are blocks over a materialised prefix (bottom-right causal)."""
     assert sum(chunks) == ids.numel()
-    dec = Request(model, ids.tolist(), StopRule(1), R, init_scale, seed, width=max(chunks))
+    cache = DepthCache(model.config, R, ids.numel(), model.device, model.dtype)
+    h0 = model.initial_state(torch.arange(ids.numel()), init_scale, seed).unsqueeze(0)
     rows = []
     for w in chunks:
-        rows.append(dec.target_pass(dec.n, w))
-        dec.cache.commit(w)
+        n = cache.n
+        rows.append(model.full_depth(ids[None, n: n + w], h0[:, n: n + w], model.span(n, n, w), cache, R)[0])
+        cache.commit(w)
     return torch.cat(rows)
 
 
@@ -71,7 +72,7 @@ def test_ar_generation_equals_full_forward_greedy(models, layout, init_scale):
     ids = prompt(9, seed=2).tolist()
     R, N = 4, 8
     out = dasspec.generate(model, ids, method="ar", max_new_tokens=N, num_steps=R, init_scale=init_scale,
-                           seed=3, eos=False)
+                           state_seed=3, eos=False)
     seq = list(ids)
     for _ in range(N):
         logits = model(torch.tensor([seq]), num_steps=R, init_scale=init_scale, seed=3)

@@ -1,5 +1,8 @@
-"""PrefixCache: copied rows equal a full prefill's (up to float rounding), only the rest of the prompt is run, every
-method stays equal to AR under the cache, and requests with other settings are refused."""
+"""Prefix sharing: prompt blocks computed by one request and reused by another hold bit for bit the rows the second
+would have computed alone (every block is its own attention segment, its key the tokens up to its end and the
+request's salt); only whole blocks are shared, only along an unbroken run from the first; requests whose rows
+would differ (another init_scale, state seed, depth) share nothing; a ``PrefixCache`` carries blocks across
+engines; every method stays equal to AR with shared blocks."""
 
 from __future__ import annotations
 
@@ -10,11 +13,10 @@ import pytest
 import torch
 
 import dasspec
+from dasspec.engine.engine import Engine
+from dasspec.engine.prefix_cache import common_prefix
 from dasspec.eval.bench.runner import dev_prompts
 from dasspec.model.checkpoint import BUNDLED_DIR
-from dasspec.engine.request import Request
-from dasspec.engine.prefix_cache import common_prefix
-from dasspec.engine.stopping import StopRule
 from dasspec.testing import random_model
 
 # Small knobs so that every method drafts within a 12-token budget on an R = 6 model.
@@ -26,6 +28,7 @@ CASES = [
                   "seed_branch": 4, "copy_run": True}),
     ("pld", {}), ("lookahead", {}), ("token-recycling", {}), ("sam", {}),
 ]
+B = 8                      # block size of these tests' engines
 
 
 @pytest.fixture(scope="module")
@@ -41,74 +44,125 @@ def _prompts(vocab: int, prefix_len: int, count: int) -> tuple[list[int], list[l
     return prefix, [prefix + t for t in tails]
 
 
-def _prefilled(model, prompt, **kw) -> Request:
-    dec = Request(model, prompt, StopRule(4), num_steps=kw.pop("num_steps", None), init_scale=1.0, seed=3, **kw)
+def _alone_rows(model, prompt, **kw) -> list[torch.Tensor]:
+    eng = Engine(model, "ar", max_batch=1, block_size=B, kv_budget=len(prompt) + 4 * B)
+    rid = eng.add(prompt, max_new_tokens=4, eos=False, **kw)
     with torch.inference_mode():
-        dec.prefill()
-    return dec
+        while not eng._table[rid].generated:
+            eng.step()
+    return eng.executor.requests[rid].cache.save()
 
 
-def test_copied_rows_equal_a_full_prefill(model):
-    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 20, 1)
-    pc = dasspec.PrefixCache(model, prefix, init_scale=1.0, seed=3)
-    full, cached = _prefilled(model, prompt), _prefilled(model, prompt, prefix_cache=pc)
-    P, R = len(prompt), model.R
-    assert cached.stats.cached_tokens == 20 and full.stats.cached_tokens == 0
-    assert cached.stats.prefill_updates == R * (P - 20) and full.stats.prefill_updates == R * P
-    assert cached.n == full.n == P and cached.generated == full.generated
-    for a, b in zip(full.cache.tensors(), cached.cache.tensors()):
-        torch.testing.assert_close(b[..., :P, :], a[..., :P, :], rtol=1e-4, atol=1e-5)
-    # A prompt that *is* the cached prefix still runs its last token (for the first logits).
-    same = _prefilled(model, prefix, prefix_cache=pc)
-    assert same.stats.cached_tokens == 19 and same.generated == _prefilled(model, prefix).generated
+def _shared_run(model, first, later, **kw_later):
+    """``first`` decodes in an engine, then ``later`` joins it; ``later``'s rows (once prefilled), its stats entry
+    and the engine."""
+    eng = Engine(model, "ar", max_batch=2, block_size=B, kv_budget=8 * B * 4)
+    a = eng.add(first, max_new_tokens=6, eos=False)
+    with torch.inference_mode():
+        eng.step()                                  # a is prefilled: its full prompt blocks are keyed
+        b = eng.add(later, max_new_tokens=6, eos=False, **kw_later)
+        while not eng._table[b].generated:
+            eng.step()
+    return eng.executor.requests[b].cache.save(), eng._table[b], eng
 
 
-def test_only_the_common_prefix_is_reused(model):
-    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 20, 1)
-    pc = dasspec.PrefixCache(model, prefix, init_scale=1.0, seed=3)
-    other = prompt[:9] + [(prompt[9] + 1) % model.config.vocab_size] + prompt[10:]
-    assert _prefilled(model, other, prefix_cache=pc).stats.cached_tokens == 9
-    unrelated = [(t + 1) % model.config.vocab_size for t in prompt]
-    dec = _prefilled(model, unrelated, prefix_cache=pc)
-    assert dec.stats.cached_tokens == 0 and dec.generated == _prefilled(model, unrelated).generated
-    assert common_prefix([prompt, other, prompt]) == 9 and common_prefix([prompt]) == len(prompt)
+def test_shared_blocks_hold_the_rows_a_request_computes_alone(model):
+    prefix, (p1, p2, *_) = _prompts(model.config.vocab_size, 20, 3)
+    rows, entry, eng = _shared_run(model, p1, p2)
+    assert entry.stats.cached_tokens == 16 and eng.pool.hits == 2          # two full blocks of the 20 shared
+    alone = _alone_rows(model, p2)
+    assert len(rows) == len(alone)
+    for got, own in zip(rows, alone):
+        assert torch.equal(got, own)                                       # bit for bit, every depth
 
 
-def test_every_method_equals_ar_under_a_prefix_cache(model):
-    prefix, prompts = _prompts(model.config.vocab_size, 24, 8)
+def test_only_blocks_whose_whole_prefix_matches_are_shared(model):
+    """A prompt whose second block equals another's but whose first differs shares nothing (a block's key is the
+    tokens up to its end); one that differs inside block 1 shares block 0 only."""
+    prefix, (p1, *_) = _prompts(model.config.vocab_size, 24, 1)
+    V = model.config.vocab_size
+    first_differs = [(p1[0] + 1) % V] + p1[1:]
+    rows, entry, _ = _shared_run(model, p1, first_differs)
+    assert entry.stats.cached_tokens == 0
+    for got, own in zip(rows, _alone_rows(model, first_differs)):
+        assert torch.equal(got, own)
+    second_differs = p1[:10] + [(p1[10] + 1) % V] + p1[11:]
+    _, entry, _ = _shared_run(model, p1, second_differs)
+    assert entry.stats.cached_tokens == B
+    assert common_prefix([p1, second_differs, p1]) == 10 and common_prefix([p1]) == len(p1)
+
+
+@pytest.mark.parametrize("change", [dict(init_scale=0.5), dict(state_seed=3), dict(num_steps=4)])
+def test_requests_whose_rows_differ_share_nothing(model, change):
+    """The salt of a block's key: the initial states' scale and seed, the depth (and the exit rule, the dtype)."""
+    prefix, (p1, p2, *_) = _prompts(model.config.vocab_size, 20, 3)
+    if "num_steps" in change:
+        eng = Engine(model, "ar", max_batch=2, block_size=B, num_steps=4)
+        assert eng.R == 4                             # an engine has one depth: compare keys across engines
+        from dasspec.engine.blocks import prefix_salt
+        assert prefix_salt(4, 1.0, 0, None, model.dtype, B) != prefix_salt(6, 1.0, 0, None, model.dtype, B)
+        return
+    rows, entry, _ = _shared_run(model, p1, p2, **change)
+    assert entry.stats.cached_tokens == 0
+    for got, own in zip(rows, _alone_rows(model, p2, **change)):
+        assert torch.equal(got, own)
+
+
+def test_sampled_requests_with_different_seeds_share_prompt_blocks(model):
+    """The sampling seed does not touch the initial states, so sampled requests share a few-shot prefix - and each
+    is still its own AR sampling decode."""
+    prefix, prompts = _prompts(model.config.vocab_size, 24, 4)
+    kw = dict(max_new_tokens=10, eos=False, do_sample=True, temperature=0.9)
+    refs = [dasspec.generate(model, p, "ar", seed=s, **kw).tokens for s, p in enumerate(prompts)]
+    eng = Engine(model, "das-wave", {"gamma": 8, "rounds": 3, "w_init": 4, "k": 1}, max_batch=4, block_size=B)
+    ids = [eng.add(p, seed=s, **kw) for s, p in enumerate(prompts)]
+    while eng.has_work:
+        eng.step()
+    outs = [eng.result(i) for i in ids]
+    assert [o.tokens for o in outs] == refs
+    assert sum(o.stats.cached_tokens for o in outs) == 3 * 24     # the first computes, the others share 3 blocks
+
+
+def test_every_method_equals_ar_with_shared_blocks(model):
+    prefix, prompts = _prompts(model.config.vocab_size, 24, 6)
     for init_scale in (0.0, 1.0):
-        pc = dasspec.PrefixCache(model, prefix, init_scale=init_scale, seed=1)
+        kw = dict(max_new_tokens=12, init_scale=init_scale, eos=False)
+        refs = [dasspec.generate(model, p, "ar", **kw).tokens for p in prompts]
         drafted = 0
-        for prompt in prompts:
-            kw = dict(max_new_tokens=12, init_scale=init_scale, seed=1, eos=False, prefix_cache=pc)
-            ref = dasspec.generate(model, prompt, "ar", **kw)
-            assert ref.stats.cached_tokens == 24 and len(ref.tokens) == 12
-            for method, knobs in CASES:
-                out = dasspec.generate(model, prompt, method, **kw, **knobs)
-                assert out.tokens == ref.tokens, (init_scale, prompt, method, knobs)
-                assert out.stats.cached_tokens == 24
-                drafted += sum(out.stats.accepted)
+        for method, knobs in CASES:
+            outs = dasspec.generate_batch(model, prompts, method, max_batch=3, **kw, **knobs)
+            assert [o.tokens for o in outs] == refs, (init_scale, method, knobs)
+            assert sum(o.stats.cached_tokens for o in outs) >= 3 * 16
+            drafted += sum(sum(o.stats.accepted) for o in outs)
         assert drafted > 0
 
 
-def test_requests_with_other_settings_are_refused(model):
-    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 10, 1)
-    pc = dasspec.PrefixCache(model, prefix, num_steps=4, init_scale=0.5, seed=2)
-    assert len(pc) == 10 and pc.nbytes > 0
-    ok = dict(num_steps=4, init_scale=0.5, seed=2, max_new_tokens=3, prefix_cache=pc)
-    assert dasspec.generate(model, prompt, **ok).stats.cached_tokens == 10
-    for change, word in ((dict(num_steps=6), "num_steps 6"), (dict(init_scale=1.0), "init_scale"),
-                         (dict(seed=0), "seed 0")):
+def test_a_prefix_cache_carries_blocks_across_engines(model):
+    """``PrefixCache``: an engine of its own holding the prefix's full blocks; each generate call copies them (rows
+    bit for bit those it would compute) and prefills only the rest; requests with other settings are refused."""
+    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 40, 1)
+    pc = dasspec.PrefixCache(model, prefix, block_size=B)
+    assert len(pc) == 40 and pc.nbytes == 5 * pc.engine.pool.bytes_per_block
+    P, R = len(prompt), model.R
+    with pytest.raises(ValueError, match="block size 16 \\(cache: 8\\)"):     # generate's engine: blocks of 16
+        dasspec.generate(model, prompt, max_new_tokens=4, prefix_cache=pc)
+    eng = Engine(model, "ar", block_size=B, max_batch=1)
+    rid = eng.add(prompt, max_new_tokens=4, eos=False, prefix_cache=pc)
+    with torch.inference_mode():
+        while not eng._table[rid].generated:
+            eng.step()
+    rows = eng.executor.requests[rid].cache.save()
+    alone = _alone_rows(model, prompt)
+    assert all(torch.equal(a, b) for a, b in zip(rows, alone))
+    stats = eng._table[rid].stats
+    assert stats.cached_tokens == 40 and stats.prefill_updates == R * (P - 40)
+    ok = dict(max_new_tokens=3)
+    for change, word in ((dict(init_scale=1.5), "init_scale"), (dict(state_seed=2), "state_seed 2")):
         with pytest.raises(ValueError, match=word):
-            dasspec.generate(model, prompt, **{**ok, **change})
+            eng.add(prompt, prefix_cache=pc, **ok, **change)
     other = random_model("raven-llama", seed=8, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
     with pytest.raises(ValueError, match="another model"):
-        dasspec.generate(other, prompt, **ok)
-    moved = random_model("raven-llama", seed=7, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
-    pc_moved = dasspec.PrefixCache(moved, prefix, num_steps=4, init_scale=0.5, seed=2)
-    moved.to(torch.float64)
-    with pytest.raises(ValueError, match="float64"):
-        dasspec.generate(moved, prompt, **{**ok, "prefix_cache": pc_moved})
+        Engine(other, "ar", block_size=B).add(prompt, prefix_cache=pc, **ok)
     with pytest.raises(ValueError, match="empty prefix"):
         dasspec.PrefixCache(model, [])
     with pytest.raises(ValueError, match="context"):
@@ -118,8 +172,8 @@ def test_requests_with_other_settings_are_refused(model):
 
 
 def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
-    """A request (or a prefix cache) whose depth cache would exceed 90% of the free memory is refused up front,
-    with the bytes it needs in the message."""
+    """A pool whose depth cache would exceed 90% of the free memory is refused up front, with the bytes it needs in
+    the message."""
     from dasspec.engine import memory
     from dasspec.model.cache import bytes_per_token
 
@@ -127,19 +181,18 @@ def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     cfg, size = model.config, torch.finfo(model.dtype).bits // 8
     layers = cfg.n_core * model.R + cfg.n_prelude + cfg.n_coda      # core layers at every depth, prelude, coda
     assert per == layers * 2 * cfg.n_kv_heads * cfg.head_dim * size    # K and V, every KV head
-    monkeypatch.setattr(memory, "available_memory", lambda device: 10 * per)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 40 * per)
     monkeypatch.delenv("DASSPEC_IGNORE_MEMORY", raising=False)
-    with pytest.raises(dasspec.CacheCapacityError, match=r"needs 42.0 KiB \(1792 B/token x 24 positions at R=6\) but only 17.5 KiB"):
-        dasspec.generate(model, [3] * 4, max_new_tokens=18)       # 4 + 18 + 2 scratch rows
-    with pytest.raises(dasspec.CacheCapacityError, match="shorter prefix"):
-        dasspec.PrefixCache(model, [3] * 12)
-    assert dasspec.generate(model, [3] * 4, max_new_tokens=2).tokens        # 8 rows fit
+    # 4 + 18 + 2 scratch rows -> 2 blocks of 16, + the null block: 48 positions
+    with pytest.raises(dasspec.CacheCapacityError, match=r"needs 84.0 KiB \(1792 B/token x 48 positions at R=6\) "
+                                                          r"but only 70.0 KiB"):
+        dasspec.generate(model, [3] * 4, max_new_tokens=18)
+    assert dasspec.generate(model, [3] * 4, max_new_tokens=2).tokens        # 8 rows: one block + null block fit
 
 
-def test_bundled_model_few_shot_prompts_under_a_prefix_cache():
-    """The shipped setting end to end: GSM8K 2-shot prompts (182 shared tokens), the bundled model at full depth with
-    its tuned DAS-Wave defaults (seed branch, copy runs, wide GEMM attention) and SAM, each equal to AR under the
-    same prefix cache; the first token's logits match an uncached prefill."""
+def test_bundled_model_few_shot_prompts_share_their_exemplars():
+    """The shipped setting end to end: GSM8K 2-shot prompts, the bundled model at full depth with its tuned DAS-Wave
+    defaults and SAM, decoded together: the exemplars' blocks are prefilled once, and every answer equals AR."""
     data = Path(os.environ.get("DASSPEC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
     if not (BUNDLED_DIR / "config.json").exists() or not (data / "gsm8k").exists():
         pytest.skip("needs the bundled model and the GSM8K data")
@@ -147,22 +200,9 @@ def test_bundled_model_few_shot_prompts_under_a_prefix_cache():
     prompts = dev_prompts(model, "gsm8k", 3, 40, ["gsm8k=2"], str(data))
     shared = common_prefix([p.ids for p in prompts])
     assert shared > 100
-    pc = dasspec.PrefixCache(model, prompts[0].ids[:shared])
-    for p in prompts:
-        kw = dict(max_new_tokens=40, stop=list(p.task.stop), prefix_cache=pc)
-        ref = dasspec.generate(model, p.ids, "ar", **kw)
-        assert ref.stats.cached_tokens == shared
-        for method in ("das-wave", "sam"):
-            assert dasspec.generate(model, p.ids, method, **kw).tokens == ref.tokens, method
-    full, cached = _first_logits(model, prompts[0].ids), _first_logits(model, prompts[0].ids, pc)
-    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
-
-
-def _first_logits(model, prompt, pc=None):
-    """The prefill's last-row logits, with the prompt's common prefix with ``pc`` copied in (when given)."""
-    dec = Request(model, prompt, StopRule(1), prefix_cache=pc)
-    m = pc.reusable(prompt) if pc is not None else 0
-    with torch.inference_mode():
-        if m:
-            dec.cache.load_prefix(pc.cache, m)
-        return dec.target_pass(m, len(prompt) - m, logit_rows=slice(-1, None), phase="prefill")
+    kw = dict(max_new_tokens=40, stop=[list(p.task.stop) for p in prompts])
+    refs = [dasspec.generate(model, p.ids, "ar", max_new_tokens=40, stop=list(p.task.stop)).tokens for p in prompts]
+    for method in ("das-wave", "sam"):
+        outs = dasspec.generate_batch(model, [p.ids for p in prompts], method, max_batch=3, **kw)
+        assert [o.tokens for o in outs] == refs, method
+        assert sum(o.stats.cached_tokens for o in outs) == 2 * (shared // 16) * 16

@@ -11,17 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dasspec.engine.draft import Draft
-from dasspec.engine.loop import place
-from dasspec.engine.request import Request
-from dasspec.engine.stopping import StopRule
-from dasspec.engine.verify import verify
 from dasspec.methods.sequential import propose_sequential
 from dasspec.model.policy import parse_policy
 from dasspec.eval.data import DataError
 from dasspec.eval.probes import channels, common, cost, factorial, grid, maturity, sweep
 from dasspec.eval.probes.teacher import TeacherForced, scored_rows
-from dasspec.testing import random_model
+from dasspec.testing import Stepper, random_model
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +102,14 @@ def test_probe_draft_equals_sequential_decoder(model, policy):
     """At every anchor of an AR run, the probe's depth-d draft token is the one propose_sequential drafts."""
     prompt = torch.randint(2, 97, (6,), generator=torch.Generator().manual_seed(4)).tolist()
     d = 2
-    dec = Request(model, prompt, StopRule(8), width=2)
+    dec = Stepper(model, prompt, 8, width=2)
     anchors, drafted = [], []
-    with torch.inference_mode():
-        dec.prefill()
-        while not dec.done:
-            anchors.append(dec.n)
-            drafted.append(int(propose_sequential([dec], d, [1], parse_policy(policy))[0][0]))
-            verify(place(dec, Draft()))           # AR step: the trajectory is the target's own
+    dec.prefill()
+    while not dec.done:
+        anchors.append(dec.n)
+        with torch.inference_mode():
+            drafted.append(int(propose_sequential([dec.ctx], d, [1], parse_policy(policy))[0][0]))
+        dec.step()                                # AR step: the trajectory is the target's own
     tokens = torch.tensor(prompt + dec.generated)
     tf = TeacherForced(model, tokens[:-1])
     rows = scored_rows(len(prompt), len(tokens))

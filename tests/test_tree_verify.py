@@ -11,16 +11,13 @@ import torch
 
 import dasspec
 from dasspec.engine.draft import Draft, TreeLayout
-from dasspec.engine.loop import place
-from dasspec.engine.request import Request
-from dasspec.engine.stopping import StopRule
-from dasspec.engine.verify import accept, verify
-from dasspec.testing import random_model
+from dasspec.engine.verify import accept
+from dasspec.testing import Stepper, random_model
 
 
-def step(req: Request, draft: Draft = Draft()):
-    """One block of the decode loop: place the draft, verify it (an empty draft is an AR step)."""
-    return verify(place(req, draft))
+def step(dec: Stepper, draft: Draft = Draft()):
+    """One engine step of the request with this draft (an empty draft is an AR step)."""
+    return dec.step(draft)
 
 
 def random_parents(rng: random.Random, T: int) -> list[int]:
@@ -100,8 +97,8 @@ def test_accept_matches_brute_force(seed: int) -> None:
     assert int(best) == brute.index(max(brute))   # first longest path wins
 
 
-def _decoding(model, prompt, max_new, init_scale, seed=0, width=16, stop_ids=()) -> Request:
-    return Request(model, prompt, StopRule(max_new, stop_ids), None, init_scale, seed, width=width)
+def _decoding(model, prompt, max_new, init_scale, seed=0, width=16, stop_ids=()) -> Stepper:
+    return Stepper(model, prompt, max_new, init_scale=init_scale, state_seed=seed, width=width, stop_ids=stop_ids)
 
 
 def _tree_with_truth(truth: list[int], V: int) -> tuple[list[int], list[int], list[int]]:
@@ -125,19 +122,18 @@ def test_tree_pass_equals_sequential_decoding(family: str, init_scale: float) ->
     ar = dasspec.generate(model, prompt, "ar", max_new_tokens=8, init_scale=init_scale, eos=False).tokens
     # AR reference cache after committing the anchor + 4 more tokens.
     ref = _decoding(model, prompt, 8, init_scale)
-    with torch.inference_mode():
-        ref.prefill()
-        for _ in range(4):
-            step(ref)
+    ref.prefill()
+    for _ in range(4):
+        step(ref)
     assert ref.generated == ar[:5]
 
     parents, toks, path = _tree_with_truth(ar[1:5], V)
     dec = _decoding(model, prompt, 8, init_scale)
+    dec.prefill()
+    n = dec.n
+    tree_tokens = dec.req.tokens[n: n + 1].tolist() + toks
+    verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
     with torch.inference_mode():
-        dec.prefill()
-        n = dec.n
-        tree_tokens = dec.tokens[n: n + 1].tolist() + toks
-        verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
         # every node's logits = the last logits of a plain forward over prompt + its root path
         for i in range(len(parents)):
             seq = prompt + [tree_tokens[j] for j in ancestors(parents, i)]
@@ -145,19 +141,16 @@ def test_tree_pass_equals_sequential_decoding(family: str, init_scale: float) ->
             torch.testing.assert_close(verdict.logits[i], full, rtol=1e-4, atol=1e-4)
     assert verdict.path == path and verdict.accepted == 3
     assert dec.generated == ar[:5]                     # anchor + 3 accepted + the target's bonus token
-    assert dec.tokens[: dec.n + 1].tolist() == prompt + ar[:5]
+    assert dec.req.tokens[: dec.n + 1].tolist() == prompt + ar[:5]
     assert dec.n == ref.n
-    c, r = dec.cache, ref.cache
-    for a, b in ((c.core_k, r.core_k), (c.core_v, r.core_v), (c.pre_k, r.pre_k), (c.pre_v, r.pre_v),
-                 (c.coda_k, r.coda_k), (c.coda_v, r.coda_v)):
-        torch.testing.assert_close(a[..., : dec.n, :], b[..., : ref.n, :], rtol=1e-4, atol=1e-5)
+    for a, b in zip(dec.rows(), ref.rows()):           # compacted rows (gathered through the block table)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     s = dec.stats
     assert s.proposed == [len(parents) - 1] and s.accepted == [3] and s.target_tokens == [1]
-    assert s.verify_updates == dec.R * len(parents)
+    assert s.verify_updates == dec.engine.R * len(parents)
     # decoding continues from the compacted cache exactly like AR
-    with torch.inference_mode():
-        while not dec.done:
-            step(dec)
+    while not dec.done:
+        step(dec)
     assert dec.generated == ar
 
 
@@ -169,12 +162,11 @@ def test_stop_rule_inside_tree_chunk() -> None:
     parents, toks, _ = _tree_with_truth(ar[1:5], V)
     j = next(j for j in (2, 3, 4) if ar[j] not in ar[:j])   # a stop token first committed inside the chunk
     dec = _decoding(model, prompt, 8, 0.0, stop_ids=[ar[j]])
-    with torch.inference_mode():
-        dec.prefill()
-        verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
-    assert dec.done and dec.generated == ar[: j + 1]
-    assert verdict.kept == j
-    assert dec.stats.accepted[-1] == min(3, verdict.kept)
+    dec.prefill()
+    verdict = step(dec, Draft(toks, layout=TreeLayout(parents)))
+    assert dec.done and dec.generated == ar[: j + 1]   # the scheduler's stop rule cut the committed chunk
+    assert verdict.kept == 4                           # (the verifier commits the whole accepted path)
+    assert dec.stats.accepted[-1] == min(3, j) and dec.stats.target_tokens[-1] == 0
     assert dec.stats.stop_reason == "eos"
 
 
@@ -184,11 +176,10 @@ def test_a_tree_deeper_than_the_budget_is_refused() -> None:
     model = random_model("raven-olmo", seed=1)
     parents, toks, _ = _tree_with_truth([3, 4, 5, 6], model.config.vocab_size)     # depth 4
     dec = _decoding(model, [5, 9, 14], 4, 0.0)
-    with torch.inference_mode():
-        dec.prefill()                                            # room: 3 more tokens
-        with pytest.raises(ValueError, match="depth 4 below the anchor, but only 3 more tokens"):
-            step(dec, Draft(toks, layout=TreeLayout(parents)))
-        step(dec, Draft(toks[:2], layout=TreeLayout(parents[:3])))   # depth 1: fine
+    dec.prefill()                                                # room: 3 more tokens
+    with pytest.raises(ValueError, match="depth 4 below the anchor, but only 3 more tokens"):
+        step(dec, Draft(toks, layout=TreeLayout(parents)))
+    assert step(dec, Draft(toks[:2], layout=TreeLayout(parents[:3]))) is not None   # depth 1: fine
 
 
 @pytest.mark.parametrize("seed", range(20))
