@@ -48,8 +48,11 @@ def _alone_rows(model, prompt, **kw) -> list[torch.Tensor]:
     eng = Engine(model, "ar", max_batch=1, block_size=B, kv_budget=len(prompt) + 4 * B)
     rid = eng.add(prompt, max_new_tokens=4, eos=False, **kw)
     with torch.inference_mode():
-        while not eng._table[rid].generated:
+        for _ in range(200):
+            if eng._table[rid].generated:
+                break
             eng.step()
+    assert eng._table[rid].generated, "never prefilled"
     return eng.executor.requests[rid].cache.save()
 
 
@@ -61,8 +64,11 @@ def _shared_run(model, first, later, **kw_later):
     with torch.inference_mode():
         eng.step()                                  # a is prefilled: its full prompt blocks are keyed
         b = eng.add(later, max_new_tokens=6, eos=False, **kw_later)
-        while not eng._table[b].generated:
+        for _ in range(200):
+            if eng._table[b].generated:
+                break
             eng.step()
+    assert eng._table[b].generated, "never prefilled"
     return eng.executor.requests[b].cache.save(), eng._table[b], eng
 
 
@@ -90,6 +96,23 @@ def test_only_blocks_whose_whole_prefix_matches_are_shared(model):
     _, entry, _ = _shared_run(model, p1, second_differs)
     assert entry.stats.cached_tokens == B
     assert common_prefix([p1, second_differs, p1]) == 10 and common_prefix([p1]) == len(p1)
+    # Block 0 of W is cached (from Y) and a block with W's block-1 tokens is cached too (from Z, after another
+    # block 0): W shares block 0 only - the second block's rows depend on what came before it.
+    A, Bt, C = p1[:B], p1[B: 2 * B], [(t + 3) % V for t in p1[:B]]
+    D = [(t + 5) % V for t in Bt]
+    Y, Z, W = A + D + [7, 8, 9], C + Bt + [7, 8], A + Bt + [9, 9, 9]
+    eng = Engine(model, "ar", max_batch=1, block_size=B, kv_budget=8 * B * 4)
+    with torch.inference_mode():
+        for prompt in (Y, Z):
+            rid = eng.add(prompt, max_new_tokens=2, eos=False)
+            while eng.has_work:
+                eng.step()
+            eng.result(rid)
+        w = eng.add(W, max_new_tokens=6, eos=False)
+        while not eng._table[w].generated:
+            eng.step()
+    assert eng._table[w].stats.cached_tokens == B
+    assert all(torch.equal(x, y) for x, y in zip(eng.executor.requests[w].cache.save(), _alone_rows(model, W)))
 
 
 @pytest.mark.parametrize("change", [dict(init_scale=0.5), dict(state_seed=3), dict(num_steps=4)])

@@ -481,13 +481,13 @@ def test_incremental_text_holds_back_split_characters_and_stop_prefixes(model):
     assert IncrementalText(lambda ids: "x\ufffd\ufffd" if ids else "").feed([1]) == "x"
 
 
-def test_a_request_without_max_tokens_reserves_a_bounded_cache():
-    """Without max_tokens a chat gets CHAT_DEFAULT_MAX_TOKENS (not the rest of a long context: a request
-    preallocates its cache for all of it), a completion OpenAI's 16; both within the room left and the cap."""
+def test_a_request_without_max_tokens_gets_openais_default():
+    """Without max_tokens a chat may run to the end of the context (OpenAI's rule: the paged cache holds only what
+    is written), a completion gets OpenAI's 16; both within the room left and the server's cap."""
     from types import SimpleNamespace
 
     from dasspec.serve.schema import ChatRequest, CompletionRequest
-    from dasspec.serve.service import CHAT_DEFAULT_MAX_TOKENS, Service
+    from dasspec.serve.service import Service
 
     chat = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     completion = CompletionRequest.model_validate({"prompt": "hi"})
@@ -496,11 +496,37 @@ def test_a_request_without_max_tokens_reserves_a_bounded_cache():
         service = SimpleNamespace(context=context, options=SimpleNamespace(max_tokens_cap=cap))
         return Service._max_tokens(service, req, P, endpoint)
 
-    assert CHAT_DEFAULT_MAX_TOKENS < 4096 - 10
-    assert limit(chat, 10, "chat") == CHAT_DEFAULT_MAX_TOKENS
+    assert limit(chat, 10, "chat") == 4096 - 10
     assert limit(completion, 10, "completions") == 16
     assert limit(chat, 4090, "chat") == 6                       # the room left
     assert limit(chat, 10, "chat", cap=100) == 100              # the server's cap
+
+
+def test_unseeded_sampled_requests_draw_their_own_seed(client, model):
+    """Two users sending the same prompt at temperature 0.8 without a seed get independent draws; each response
+    names its seed, and sending it back reproduces the answer (= AR sampling at that seed).  Greedy requests decode
+    with seed 0 (the seed cannot matter)."""
+    ids = model.tokenizer.encode(PROMPT)
+    outs = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.8) for _ in range(3)]
+    seeds = [o.dasspec["seed"] for o in outs]
+    assert len(set(seeds)) == 3 and all(isinstance(s, int) and s >= 0 for s in seeds)
+    for out, seed in zip(outs, seeds):
+        assert out.choices[0].text == ar(model, ids, 12, do_sample=True, temperature=0.8, seed=seed).text
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.8, seed=seeds[0])
+    assert again.choices[0].text == outs[0].choices[0].text and again.dasspec["seed"] == seeds[0]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4).dasspec["seed"] == 0
+
+
+def test_requests_that_start_alike_share_prompt_blocks(client, model):
+    """Automatic prefix sharing through the server: a second request with the same long prefix takes its prompt
+    blocks from the first (dasspec.cached_tokens) and still answers exactly AR."""
+    head = (PROMPT + " ") * 8
+    first = client.completions.create(model="tiny", prompt=head + "A", max_tokens=6)
+    second = client.completions.create(model="tiny", prompt=head + "B", max_tokens=6)
+    ids = model.tokenizer.encode(head + "B")
+    assert second.choices[0].text == ar(model, ids, 6).text
+    assert second.dasspec["cached_tokens"] >= 16 and first.choices[0].text == ar(
+        model, model.tokenizer.encode(head + "A"), 6).text
 
 
 def test_an_ouro_checkpoint_is_served_with_its_chat_template(tmp_path):
@@ -544,10 +570,10 @@ def test_an_ouro_checkpoint_is_served_with_its_chat_template(tmp_path):
 def test_a_failed_step_still_answers_every_request_it_touched(monkeypatch):
     """The decode worker, in process: a step that raises after it had finished a request (one cancelled while it
     waited for a batch slot) fails the running ones and still delivers the finished one's end - nobody waits
-    forever and the worker's counts come back to zero."""
+    forever, the worker's counts come back to zero and no request is left in the engine's table."""
     import asyncio
 
-    import dasspec.engine.engine as engine_mod
+    import dasspec.engine.executor as engine_mod
     from dasspec.engine.engine import Engine
     from dasspec.serve.worker import Cancelled, Done, DecodeWorker, Failed, Job
     from dasspec.testing import random_model
@@ -592,3 +618,4 @@ def test_a_failed_step_still_answers_every_request_it_touched(monkeypatch):
     assert isinstance(a, Failed) and isinstance(b, Failed) and "boom" in str(a.error)
     assert isinstance(c, Cancelled)
     assert counts == (0, 0)
+    assert not engine._table and not engine._results

@@ -233,6 +233,11 @@ class Engine:
             events.append(self._finish(e))
         started = {s.id for s in plan.start}
         events += [StepEvent(rid, [], started=True) for rid in started]
+        progress = plan.rows or plan.swap_in or any(w.prefill is None and w.room for w in plan.work)
+        if not progress and not plan.start and not ended and self.has_work:
+            raise RuntimeError("the engine planned a step that moves no request (a scheduler bug): "
+                               f"running {[(e.id, e.computed, len(e.generated)) for e in self.scheduler.running]}, "
+                               f"waiting {len(self.scheduler.waiting)}")
         if not plan.work and not plan.swap_out and not plan.swap_in:
             return self.take_events()
         out = self.executor.execute(plan)

@@ -101,7 +101,7 @@ class Executor:
                     raise RuntimeError(f"request {w.id}: prefill planned from row {a}, but {req.prefilled} are done")
                 for s0 in range(a, b, B):             # one segment per block (rows independent of the plan)
                     chunks.append(PrefillChunk(req, s0, min(B, b - s0), last=min(s0 + B, b) == req.P))
-                out.requests[w.id].prefilled = b - a
+                    out.requests[w.id].prefilled += chunks[-1].size
             elif w.id in self.sessions:
                 req.room = w.room if not w.cap else min(w.room, w.cap + 1)
                 req.cap = w.cap

@@ -1,0 +1,171 @@
+"""The paged engine: requests take blocks as they write and give them back; when blocks run out the most recently
+admitted request is swapped out (its rows to host memory) and resumes with exactly its own tokens; a per-step token
+budget decides when prompt blocks run, never where a prompt is cut, so running streams keep committing while a long
+prompt prefills; rows a request never wrote are never read (static shapes zero the blocks they get); a request's
+blocks may lie anywhere in the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.engine.engine import Engine
+from dasspec.testing import random_model
+
+METHODS = [("ar", {}), ("mature-spec", {"draft_depth": 2, "block": 3}),
+           ("das-wave", {"gamma": 6, "rounds": 3, "w_init": 6, "k": 1, "guesses": "copy", "seed_branch": 4}),
+           ("pld", {}), ("token-recycling", {}), ("sam", {}), ("lookahead", {"window": 3, "ngram": 3,
+                                                                            "guess_set": 3})]
+
+
+def _prompts(vocab: int, count: int, seed: int, lo: int = 10, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        L = int(torch.randint(lo, hi, (1,), generator=g))
+        base = torch.randint(2, vocab, (max(2, L // 4),), generator=g)
+        out.append(base.repeat(5)[:L].tolist() if i % 2 else torch.randint(2, vocab, (L,), generator=g).tolist())
+    return out
+
+
+def _drain(engine: Engine, ids: list[int]) -> list:
+    while engine.has_work:
+        engine.step()
+    return [engine.result(i) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("huginn", seed=11, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_preempted_requests_resume_with_their_own_tokens(model, sampled):
+    """A pool far too small for every request at once: requests are swapped out and back in, mid-prefill and
+    mid-decode, and every answer is still its own batch-1 AR decode (its rows come back bit for bit)."""
+    prompts = _prompts(model.config.vocab_size, 6, seed=3)
+    kw = dict(max_new_tokens=40, eos=False)
+    if sampled:
+        kw.update(do_sample=True, temperature=0.8)
+    refs = [dasspec.generate(model, p, "ar", seed=i, **kw).tokens for i, p in enumerate(prompts)]
+    preempted = 0
+    for method, knobs in METHODS:
+        engine = Engine(model, method, knobs, max_batch=6, block_size=8, kv_budget=160, max_step_tokens=32)
+        ids = [engine.add(p, seed=i, **kw) for i, p in enumerate(prompts)]
+        outs = _drain(engine, ids)
+        assert [o.tokens for o in outs] == refs, method
+        preempted += engine.scheduler.preemptions
+        assert engine.pool.available == engine.pool.capacity_blocks
+    assert preempted >= len(METHODS), "the pool never ran out: preemption went untested"
+
+
+def test_swapped_rows_come_back_bit_for_bit(model):
+    """save / restore through a block table: the rows a preempted request had, into other blocks."""
+    engine = Engine(model, "ar", max_batch=2, block_size=8, kv_budget=200)
+    rid = engine.add(list(range(3, 30)), max_new_tokens=5, eos=False)
+    with torch.inference_mode():
+        engine.step()
+        req = engine.executor.requests[rid]
+        before = req.cache.save()
+        blocks = req.cache.table.clear()
+        new = engine.pool.allocate(len(blocks))
+        assert not set(new) & set(blocks)
+        req.cache.table.append(new)
+        req.cache.restore(before)
+        assert all(torch.equal(a, b) for a, b in zip(before, req.cache.save()))
+
+
+def test_the_step_budget_decides_when_prompt_blocks_run_not_where_they_are_cut(model):
+    """Each step verifies the running requests' drafts first, then prompt blocks with what is left of
+    max_step_tokens; prefill ranges start on block boundaries; a decoding request commits a token at every step
+    while a long prompt prefills beside it; the long prompt's answer is its own AR decode."""
+    from dasspec.engine import scheduler as sched
+
+    short = [5, 6, 7, 8]
+    long = _prompts(model.config.vocab_size, 1, seed=5, lo=180, hi=181)[0]
+    engine = Engine(model, "ar", max_batch=2, block_size=8, max_step_tokens=24)
+    a = engine.add(short, max_new_tokens=60, eos=False)
+    engine.step()                                            # a is decoding
+    b = engine.add(long, max_new_tokens=4, eos=False)
+    plans = []
+    real = sched.Scheduler.schedule
+
+    def spy(self, events):
+        plan, ended = real(self, events)
+        plans.append(plan)
+        return plan, ended
+
+    sched.Scheduler.schedule = spy
+    try:
+        committed = []
+        while engine._table[b].computed < len(long):
+            evs = engine.step()
+            committed.append(sum(len(e.tokens) for e in evs if e.id == a))
+    finally:
+        sched.Scheduler.schedule = real
+    assert len(plans) >= len(long) // 24                     # the prompt took several steps
+    for plan in plans:
+        pre = [w.prefill for w in plan.work if w.prefill]
+        decode_rows = sum(1 for w in plan.work if w.prefill is None and w.room)
+        assert all(s % 8 == 0 for s, _ in pre)               # block boundaries, whatever the budget
+        assert sum(e - s for s, e in pre) + decode_rows <= 24
+    assert all(c >= 1 for c in committed)                    # the stream never stalled
+    outs = _drain(engine, [a, b])
+    assert outs[1].tokens == dasspec.generate(model, long, max_new_tokens=4, eos=False).tokens
+    assert outs[0].tokens == dasspec.generate(model, short, max_new_tokens=60, eos=False).tokens
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-shapes"])
+def test_rows_left_by_earlier_requests_never_leak(model, static):
+    """A pool full of NaN (what a diverged earlier request may leave): requests that get those blocks decode their
+    own AR tokens - eager attention reads only rows the request wrote, static shapes zero every block handed out."""
+    prompts = _prompts(model.config.vocab_size, 3, seed=8)
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=12, eos=False).tokens for p in prompts]
+    runtime = dasspec.Runtime(static_shapes=True) if static else None
+    engine = Engine(model, "das-wave", {"gamma": 4, "rounds": 2, "k": 1}, max_batch=3, block_size=8,
+                    runtime=runtime)
+    for t in engine.pool.tensors():
+        t[..., 8:, :] = float("nan")                         # every block but the null block
+    ids = [engine.add(p, max_new_tokens=12, eos=False) for p in prompts]
+    assert [o.tokens for o in _drain(engine, ids)] == refs
+
+
+def test_blocks_anywhere_in_the_pool_give_the_same_rows(model):
+    """A request whose blocks are scattered (read by a gather) computes bit for bit the rows of one whose blocks
+    lie in order (read as a slice)."""
+    prompt = _prompts(model.config.vocab_size, 1, seed=9, lo=35, hi=36)[0]
+
+    def rows(scatter: bool):
+        engine = Engine(model, "ar", max_batch=1, block_size=8, kv_budget=8 * 16)
+        if scatter:                                          # hold every other block while the request runs
+            held = engine.pool.allocate(16)
+            engine.pool.free(held[::2])
+        rid = engine.add(prompt, max_new_tokens=6, eos=False)
+        with torch.inference_mode():
+            for _ in range(4):
+                engine.step()
+        cache = engine.executor.requests[rid].cache
+        return cache.table.base, cache.save()
+
+    base_a, a = rows(False)
+    base_b, b = rows(True)
+    assert base_a is not None and base_b is None             # a slice in one, a gather in the other
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_more_requests_run_at_once_than_their_worst_cases_fit(model):
+    """Concurrency: chat-like requests with a large allowance (the rest of the context) that stop early hold only
+    what they write, so many run at once in a pool that holds two of their worst cases."""
+    prompts = _prompts(model.config.vocab_size, 8, seed=10)
+    ctx = model.config.block_size
+    engine = Engine(model, "ar", max_batch=8, block_size=8, kv_budget=2 * ctx + 64)
+    ids = [engine.add(p, max_new_tokens=ctx - len(p), stop=[p[0]], eos=False) for p in prompts]
+    most = 0
+    while engine.has_work:
+        engine.step()
+        most = max(most, len(engine.running))
+    assert most >= 6
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=ctx - len(p), stop=[p[0]], eos=False).tokens
+            for p in prompts]
+    assert [engine.result(i).tokens for i in ids] == refs
