@@ -169,3 +169,14 @@ def test_more_requests_run_at_once_than_their_worst_cases_fit(model):
     refs = [dasspec.generate(model, p, "ar", max_new_tokens=ctx - len(p), stop=[p[0]], eos=False).tokens
             for p in prompts]
     assert [engine.result(i).tokens for i in ids] == refs
+
+
+def test_a_request_that_fills_the_whole_pool_finishes(model):
+    """Prompt + max_new_tokens exactly the pool: near the end there is no room for the drafter's scratch, so the
+    request takes plain AR steps there - it is never refused for its draft width - and still equals AR."""
+    prompt = _prompts(model.config.vocab_size, 1, seed=12, lo=20, hi=21)[0]
+    engine = Engine(model, "das-wave", {"gamma": 8, "rounds": 3, "w_init": 8, "k": 1}, max_batch=1, block_size=16,
+                    kv_budget=64)
+    rid = engine.add(prompt, max_new_tokens=64 - len(prompt), eos=False)
+    out = _drain(engine, [rid])[0]
+    assert out.tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=64 - len(prompt), eos=False).tokens

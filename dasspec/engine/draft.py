@@ -160,7 +160,9 @@ class Drafter:
     ``session`` (the class ``start`` instantiates) and override ``propose_batch`` to batch model passes."""
 
     name = "ar"
-    width = 1                 # most verifier inputs a draft of this drafter needs
+    width = 1                 # verifier inputs the engine always backs for a draft of this drafter
+    reach: int | None = None  # longest chain it may propose, when longer than ``width`` (backed when memory allows;
+                              # otherwise the chain is cut to the rows backed this step, as to ``room``)
     width_knobs: tuple[str, ...] = ()     # the knobs that set ``width`` (named when it cannot fit a context)
     stateful = False          # keeps state across requests (benchmarks then bootstrap over blocks of requests)
     session: type[Session] = Session

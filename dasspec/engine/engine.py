@@ -223,6 +223,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def cache_usage(self) -> dict[str, int]:
+        """Blocks held, cached for sharing and in all; requests preempted so far (read from another thread: a
+        snapshot, not a consistent one)."""
+        p = self.pool
+        return {"used": p.in_use, "cached": p.cached, "total": p.capacity_blocks,
+                "preemptions": self.scheduler.preemptions}
+
     # --- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Plan, execute, apply: the events of this step.  If the step raises, the events it had made are kept for

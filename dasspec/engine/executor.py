@@ -78,7 +78,10 @@ class Executor:
             req.cache.restore(self._saved.pop(rid))
         work = [w for w in plan.work if w.id not in failed]
         for w in work:
-            self.requests[w.id].cache.table.append(w.new_blocks)
+            table = self.requests[w.id].cache.table
+            if w.keep is not None:
+                table.truncate(w.keep)
+            table.append(w.new_blocks)
         for s in plan.start:                          # shared rows are in place; copied ones are copied now
             if s.id in failed:
                 continue

@@ -25,12 +25,15 @@ from .verify import Placed, PrefillChunk, verify_step
 def place(req: Request, draft: Draft) -> Placed:
     """Put the draft's tokens after the anchor (unless the drafter wrote them there) and return it placed for the
     verifier.  A chain is cut to the budget rule (every verifier input at depth <= room - 1: no pass computes a
-    position whose token would be dropped; ``room`` includes the step's draft cap); a tree that breaks the rule is
-    refused (its drafter must cut it).  The cache capacity is checked before anything runs."""
+    position whose token would be dropped; ``room`` includes the step's draft cap) and to the rows its request's
+    blocks back this step (a drafter's ``reach`` past its ``width`` is backed only when memory allows); a tree that
+    breaks the rule is refused (its drafter must cut it, and fit its ``width``).  The cache capacity is checked before anything runs."""
     tokens = draft.tokens
     w = len(tokens)
     if draft.layout is None:
         w = min(w, req.room - 1 if draft.bonus else req.room)
+        backed = req.cache.capacity - req.n               # rows the step's blocks back past the anchor (and it)
+        w = max(0, min(w, backed - 1 if draft.bonus else backed))
         layout = TreeLayout.chain(w + 1, req.device)
         inputs = w + 1 if draft.bonus or w == 0 else w
     else:

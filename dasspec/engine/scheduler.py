@@ -7,12 +7,13 @@ the executor (``executor.py``), which runs it and answers with plain data.
 
 Each step: requests cancelled or past their deadline end; every running request that decodes gets the blocks its
 verification may write (its anchor plus its drafter's ``width`` of scratch; just the anchor when the step's draft cap
-is 0) - oldest first, and when blocks run out the most recently admitted request is preempted (its rows are swapped
+is 0, or when only its own preemption could free the scratch: it takes an AR step) - oldest first, and when blocks
+run out the most recently admitted request is preempted (its rows are swapped
 to host memory, bit for bit, and it resumes later with exactly the tokens it would have produced); then prompt
 blocks are prefilled under what is left of the step's token budget (``max_step_tokens``): requests still prefilling
 first, then waiting ones, first in first out, each admitted only while a batch slot and its first blocks are
 free.  The budget decides when a block runs, never where a prompt is cut: chunk boundaries are block boundaries.
-A request that could never fit the pool alone is refused by ``add``.
+A request whose prompt + max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
 """
@@ -52,7 +53,8 @@ class StartRequest:
 
 @dataclass
 class Work:
-    """One request's work this step: blocks appended to its table, then either prompt rows [start, end) to
+    """One request's work this step: its table cut to ``keep`` blocks (when set) and ``new_blocks`` appended, then
+    either prompt rows [start, end) to
     prefill (whole blocks; ``end`` may be the prompt's end) or one drafting + verification round under ``room``
     (tokens it may still commit) and ``cap`` (proposals; 0: a plain AR step)."""
 
@@ -61,6 +63,7 @@ class Work:
     prefill: tuple[int, int] | None = None
     room: int = 0
     cap: int | None = None
+    keep: int | None = None            # its table keeps only its first ``keep`` blocks (scratch handed back)
 
 
 @dataclass
@@ -160,12 +163,13 @@ class Scheduler:
 
     def add(self, e: Entry) -> None:
         B = self.pool.B
-        if self.pool.blocks_for(e.max_rows) > self.pool.capacity_blocks:
+        rows = e.P + e.rule.max_new_tokens        # alone, it can always decode (AR steps when drafts do not fit)
+        if self.pool.blocks_for(rows) > self.pool.capacity_blocks:
             from ..model.cache import CacheCapacityError
             raise CacheCapacityError(
-                f"the request needs up to {e.max_rows} cache positions (prompt {e.P} + max_new_tokens "
-                f"{e.rule.max_new_tokens} + the {e.drafter.name} drafter's {e.drafter.width + 1}) but the engine's "
-                f"pool holds {self.pool.describe()}; lower max_new_tokens or raise kv_budget")
+                f"the request needs up to {rows} cache positions (prompt {e.P} + max_new_tokens "
+                f"{e.rule.max_new_tokens}) but the engine's pool holds {self.pool.describe()}; lower "
+                "max_new_tokens or raise kv_budget")
         e.keys = block_keys(e.prompt, B, e.salt, e.P // B)
         self.waiting.append(e)
 
@@ -187,15 +191,30 @@ class Scheduler:
         for e in list(self.running):                      # decoding requests first, oldest first
             if e.status != "running" or not e.generated:
                 continue
-            width = 0 if cap == 0 else e.drafter.width
-            need = min(e.n + 1 + width, e.max_rows)
-            got = self._grow(e, need, plan, planned)
+            c = cap
+            width = 0 if c == 0 else e.drafter.width
+            reach = e.drafter.reach or 0
+            keep = None
+            if reach > e.drafter.width:                   # last step's longer scratch is handed back first
+                k = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
+                if len(e.blocks) > k:
+                    self.pool.free(e.blocks[k:])
+                    e.blocks, keep = e.blocks[:k], k
+            got = None
+            if c != 0 and reach > width:                  # a longer chain, if free blocks allow (no preemption)
+                got = self._grow(e, min(e.n + 1 + reach, e.max_rows), plan, planned, preempt=False)
+                width = reach if got is not None else width
+            if got is None:
+                got = self._grow(e, min(e.n + 1 + width, e.max_rows), plan, planned, spare=width > 0)
+            if got is None and e.status == "running":    # only itself left to preempt: an AR step, no scratch
+                c, width = 0, 0
+                got = self._grow(e, e.n + 1, plan, planned)
             if got is None:
                 continue                                  # preempted itself
             room = e.rule.max_new_tokens - len(e.generated)
-            planned[e.id] = w = Work(e.id, got, room=room, cap=cap)
+            planned[e.id] = w = Work(e.id, got, room=room, cap=c, keep=keep)
             plan.work.append(w)
-            budget -= 1 + (width if cap != 0 else 0)
+            budget -= 1 + width
         for e in list(self.running):                      # then prompts still prefilling
             if e.status == "running" and not e.generated and e.computed < e.P:
                 budget = self._prefill(e, budget, plan, planned)
@@ -219,9 +238,11 @@ class Scheduler:
             claimed.update(e.keys[e.computed // B:])
         return plan, ended
 
-    def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict) -> list[int] | None:
+    def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,
+              preempt: bool = True) -> list[int] | None:
         """Blocks so that ``e`` holds ``rows`` rows, preempting the most recently admitted requests if needed;
-        None if ``e`` itself was preempted."""
+        None if ``e`` itself was preempted (or, with ``spare``, would have been: it is not; without ``preempt``,
+        if the free blocks do not suffice)."""
         need = self.pool.blocks_for(rows) - len(e.blocks)
         if need <= 0:
             return []
@@ -230,7 +251,11 @@ class Scheduler:
             if got is not None:
                 e.blocks += got
                 return got
+            if not preempt:
+                return None
             victim = self.running[-1]
+            if victim is e and spare:
+                return None
             self._preempt(victim, plan, planned)
             if victim is e:
                 return None

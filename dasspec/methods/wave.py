@@ -281,6 +281,8 @@ class WaveDrafter(Drafter):
         self.knobs = knobs
         self.seed_len = max(knobs.w, knobs.seed_branch)      # the window's guesses, and the branch past the window
         self.width = knobs.w + knobs.seed_branch + 1
+        if knobs.copy_run:                                   # a copy run: a seed of up to this many, plus bonus
+            self.reach = max(self.width, COPY_RUN_GROWTH * self.seed_len + 1)
         self._reads: dict[int, list] = {}
 
     def reads(self, R: int) -> list:

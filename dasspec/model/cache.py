@@ -149,6 +149,15 @@ class BlockTable:
         self.base = None if self.static or first is None or any(
             b != first + j for j, b in enumerate(self.blocks)) else first * B
 
+    def truncate(self, k: int) -> None:
+        """Keep the first ``k`` blocks (rows past them point into the null block again)."""
+        B = self.B
+        self.rows[k * B: len(self.blocks) * B] = torch.arange(k * B, len(self.blocks) * B,
+                                                              device=self.rows.device) % B
+        del self.blocks[k:]
+        if not self.blocks:
+            self.base = None
+
     def clear(self) -> list[int]:
         """Drop every block (returned, in order); rows point into the null block again."""
         blocks, self.blocks, self.base = self.blocks, [], None

@@ -139,7 +139,8 @@ class ServerMetrics:
     """What ``GET /metrics`` reports: requests by endpoint and outcome, tokens, the queue, accepted and committed
     tokens per verification, time to first token and time per generated token - per method where it matters."""
 
-    def __init__(self, queue_length: Callable[[], int], running: Callable[[], int]):
+    def __init__(self, queue_length: Callable[[], int], running: Callable[[], int],
+                 cache: Callable[[], dict[str, int]] | None = None):
         self._lock = threading.Lock()
         self._recent: list[tuple[float, int]] = []      # (time, tokens) committed within the last RATE_WINDOW
         r = self.registry = Registry()
@@ -147,6 +148,15 @@ class ServerMetrics:
                                 "client went away; invalid: 4xx; rejected: 429 queue full; error: 5xx)",
                                 ("endpoint", "outcome"))
         self.prompt_tokens = Counter(r, "dasspec_prompt_tokens_total", "Prompt tokens of decoded requests")
+        self.cached_tokens = Counter(r, "dasspec_prompt_tokens_cached_total", "Prompt tokens taken from prompt blocks "
+                                     "shared with earlier requests instead of prefilled")
+        if cache is not None:
+            Gauge(r, "dasspec_cache_blocks_used", "Depth-cache blocks held by requests", lambda: cache()["used"])
+            Gauge(r, "dasspec_cache_blocks_cached", "Unreferenced prompt blocks kept for sharing (freed when "
+                  "memory is needed)", lambda: cache()["cached"])
+            Gauge(r, "dasspec_cache_blocks_total", "Depth-cache blocks in the pool", lambda: cache()["total"])
+            Gauge(r, "dasspec_preemptions_total", "Requests swapped out to host memory when blocks ran out",
+                  lambda: cache()["preemptions"])
         self.generated_tokens = Counter(r, "dasspec_generated_tokens_total", "Tokens generated", ("method",))
         Gauge(r, "dasspec_queue_length", "Requests waiting for the decode worker", queue_length)
         Gauge(r, "dasspec_running_requests", "Requests being decoded together (the engine's batch)", running)

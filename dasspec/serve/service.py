@@ -117,7 +117,8 @@ class Service:
             except APIError as err:
                 raise ValueError(f"--method {self.method} --set: {err.message}"
                                  + (" (with the model's sampled defaults)" if sampled else "")) from None
-        self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running)
+        self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running,
+                                     lambda: self.engine.cache_usage())
         self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
                              max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
                              max_step_tokens=options.max_step_tokens, drafters=self.drafters)

@@ -296,6 +296,7 @@ class DecodeWorker:
         s = result.stats
         self._count(job.endpoint, "cancelled" if cancelled else "ok")
         m.prompt_tokens.inc(s.prompt_tokens)
+        m.cached_tokens.inc(s.cached_tokens)
         m.generated_tokens.inc(s.new_tokens, method=s.method)
         m.accepted.observe_many(s.accepted, method=s.method)
         m.committed.observe_many([a + u for a, u in zip(s.accepted, s.target_tokens)], method=s.method)
