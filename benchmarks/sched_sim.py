@@ -24,6 +24,9 @@ bandwidth), ``b`` the compute of one verifier or prefill row (2 FLOP per paramet
 ``--tflops``), ``c`` reading one position's K/V at every depth (attention reads each request's context once per
 step), ``swap`` the PCIe copy of preempted rows (out and back).  Drafting is not charged: the throughput columns
 compare memory policies under one method, not methods.
+
+``GatedScheduler`` (engine "after-gated", ``--gated B ...``) is a variant the simulation suggests, not the engine's:
+admission waits until the step's token budget can prefill a block of the request.
 """
 
 from __future__ import annotations
@@ -326,7 +329,7 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
     reqs = {r.id: r for r in trace}
     ex = FakeExecutor(fam, Decode(drafter, seed), reqs)
     pending = deque(sorted(trace, key=lambda r: (r.arrival, r.id)))
-    entries, clock, m, first = {}, 0.0, Meter(), {}
+    entries, clock, m, first, cpu = {}, 0.0, Meter(), {}, 0.0
     finished: dict[int, Entry] = {}
     while pending or sched.has_work:
         while pending and pending[0].arrival <= clock:
@@ -336,7 +339,9 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
         if not sched.has_work:
             clock = pending[0].arrival
             continue
+        t = time.perf_counter()
         plan, ended = sched.schedule([])
+        cpu += time.perf_counter() - t
         assert not ended
         if not plan.work and not plan.swap_out and not plan.swap_in:
             if not pending:
@@ -349,10 +354,12 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
         if refs < pool.in_use:
             raise AssertionError(f"step {sched.steps}: {pool.in_use} blocks in use, {refs} referenced")
         written = sum(e.n for e in running) - B * (refs - pool.in_use)      # a shared (full) block once
-        queued = sum(1 for e in sched.waiting if e.status == "waiting")
+        queued = any(e.status == "waiting" for e in sched.waiting)
         m.sample(dt, len(running), sum(1 for e in running if e.generated), pool.in_use * B, written, queued)
         clock += dt
+        t = time.perf_counter()
         _, done = sched.update(plan, out)
+        cpu += time.perf_counter() - t
         for e in running:
             if e.generated and e.id not in first:
                 first[e.id] = clock
@@ -366,6 +373,7 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
                      prefix_hit=round(sched.shared_rows / prompt_rows, 3) if prompt_rows else 0.0,
                      evictions=pool.evictions, blocks_left=pool.in_use,
                      segments_per_request=round(ex.segments / len(trace), 1),
+                     scheduler_ms_per_step=round(1e3 * cpu / max(m.steps, 1), 2),
                      wrong_lengths=sum(len(finished[r.id].generated) != r.answer for r in trace if r.id in finished),
                      unfinished=len(trace) - len(finished))
 
@@ -465,7 +473,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--models", nargs="+", default=["huginn-0125", "ouro-1.4b"])
     ap.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
     ap.add_argument("--methods", nargs="+", default=["ar", "das-wave"], choices=["ar", "das-wave"])
-    ap.add_argument("--blocks", nargs="+", type=int, default=list(BLOCK_SIZES))
+    ap.add_argument("--blocks", nargs="*", type=int, default=list(BLOCK_SIZES))
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per trace (default: the pool's positions / 250, within 100..300)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
@@ -476,8 +484,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--accept", type=float, default=3.5, help="das-wave stand-in: mean tokens per step")
     ap.add_argument("--tflops", type=float, default=400.0, help="sustained bf16 TFLOP/s of the GPU")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gated", type=int, default=16, metavar="B",
-                    help="also run GatedScheduler (admission gated by the step budget) at this block size (0: no)")
+    ap.add_argument("--gated", nargs="*", type=int, default=[16], metavar="B",
+                    help="also run GatedScheduler (admission gated by the step budget) at these block sizes")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -496,8 +504,7 @@ def main(argv=None) -> dict:
                 befores = [("before-1024", True), ("before-rest", False)] if tname == "chat" else [("before", False)]
                 tasks += [(name, tname, mname, label, None) for label, _ in befores]
                 tasks += [(name, tname, mname, "after", B) for B in args.blocks]
-                if args.gated:
-                    tasks.append((name, tname, mname, "after-gated", args.gated))
+                tasks += [(name, tname, mname, "after-gated", B) for B in args.gated if B]
     runs = []
     if args.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
@@ -578,16 +585,18 @@ def markdown(res: dict) -> str:
     lines += ["", "running: admitted requests (batch slot and blocks held); decoding: those past their prompt; "
               "saturated: mean running while requests wait; blocks: mean held; fragmentation: 1 - positions "
               "written / positions held; segments: prompt blocks prefilled per request (one attention segment "
-              "each); all means weighted by simulated time.", "",
+              "each); scheduler ms/step: this CPU's wall time in Scheduler.schedule + update; all means weighted by "
+              "simulated time.", "",
               "| model | trace | method | engine | B | running mean | max | decoding mean | saturated | blocks | "
               "held share | fragmentation | prefix hit | preemptions | segments/req | tok/s | latency (s) | "
-              "TTFT (s) |", "|" + "---|" * 18]
+              "TTFT (s) | scheduler ms/step |", "|" + "---|" * 19]
     for r in res["runs"]:
         lines.append(f"| {r['model']} | {r['trace']} | {r['method']} | {r['engine']} | {r['B'] or ''} | "
                      f"{r['mean_running']} | {r['max_running']} | {r['mean_decoding']} | {r['saturated_running']} | "
                      f"{r.get('mean_blocks', '')} | {r['held_share']} | {r['fragmentation']} | "
                      f"{r['prefix_hit']} | {r['preemptions']} | {r.get('segments_per_request', '')} | "
-                     f"{r['tokens_per_s']:.0f} | {r['mean_latency']} | {r['mean_ttft']} |")
+                     f"{r['tokens_per_s']:.0f} | {r['mean_latency']} | {r['mean_ttft']} | "
+                     f"{r.get('scheduler_ms_per_step', '')} |")
     lines += ["", "After / before (mean running, mean decoding, throughput):", "",
               "| model | trace | method | engine | B | vs | running | decoding | throughput |", "|" + "---|" * 9]
     for q in res["ratios"]:
@@ -633,10 +642,14 @@ def plot(res: dict, path: Path) -> None:
             ax.set_xlabel("block size B (positions)")
             ax.set_ylabel("mean requests decoding")
             ax.set_ylim(bottom=0)
-            ax.legend(fontsize=6)
+    seen: dict = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=4, fontsize=7)
     fig.suptitle(f"Concurrent requests on an 80 GB GPU, before (contiguous reservation) and after (paged), "
                  f"{res['date']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
