@@ -309,6 +309,14 @@ def entry(r: Req, drafter: SimDrafter, fam: Family, salt: bytes, max_new: int) -
                  drafter.width), salt, None, None, GenerationStats(method=drafter.name, prompt_tokens=len(r.prompt)))
 
 
+def plan_summary(plan: StepPlan) -> tuple:
+    """What a plan decides: who starts (and how many rows it shares), each request's blocks, prompt rows and room,
+    who is swapped out and in (tests compare the real engine's plans with the simulation's)."""
+    return (tuple((s.id, s.cached) for s in plan.start),
+            tuple((w.id, tuple(w.new_blocks), w.prefill, w.room) for w in plan.work),
+            tuple(plan.swap_out), tuple((i, tuple(b)) for i, b in plan.swap_in))
+
+
 class GatedScheduler(Scheduler):
     """A variant the simulation suggests (not the engine's): admit a request only when this step's token budget
     lets it prefill at least one block.  The engine's scheduler admits every waiting request it has a batch slot
@@ -322,7 +330,10 @@ class GatedScheduler(Scheduler):
 
 
 def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_batch: int, max_step_tokens: int,
-              seed: int, pool: BlockPool | None = None, scheduler: type[Scheduler] = Scheduler) -> dict:
+              seed: int, pool: BlockPool | None = None, scheduler: type[Scheduler] = Scheduler,
+              record: list | None = None) -> dict:
+    """The trace through the real scheduler and the fake executor; ``record``: a list each step's plan is added
+    to (``plan_summary``)."""
     pool = pool or BlockPool.accounting(fam.positions, B, fam.bytes_per_token)
     sched = scheduler(pool, max_batch, max_step_tokens)
     salt = prefix_salt(fam.R, 1.0, 0, None, torch.bfloat16, B)
@@ -348,6 +359,8 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
                 raise RuntimeError(f"stalled at step {sched.steps}: nothing runs and nothing will arrive")
             clock = max(clock, pending[0].arrival)
             continue
+        if record is not None:
+            record.append(plan_summary(plan))
         out, dt = ex.execute(plan, B)
         running = sched.running
         refs = sum(len(e.blocks) for e in running)

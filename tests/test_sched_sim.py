@@ -86,3 +86,45 @@ def test_the_real_configs_bytes_per_token():
     ouro = sim.family("ouro-1.4b", 400)
     assert ouro.bytes_per_token == 2 * 16 * 128 * 2 * 24 * 4
     assert 20_000 < huginn.positions < 30_000 and 80_000 < ouro.positions < 110_000
+
+
+def test_the_fake_executor_answers_as_the_real_one():
+    """The real engine (a tiny random model, AR, a pool small enough to preempt, shared prompt prefixes) and the
+    simulation of the same requests get the same plan at every step: same starts, blocks, prompt rows, rooms and
+    swaps - so the fake executor's answers drive the scheduler exactly as the real executor's do."""
+    import torch
+
+    from dasspec.engine.engine import Engine
+    from dasspec.testing import random_model
+
+    sim = _sim()
+    model = random_model("huginn", seed=2, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    engine = Engine(model, "ar", max_batch=4, kv_budget=64, block_size=4, max_step_tokens=16)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, model.config.vocab_size, 9).tolist()
+    prompts = [(shared if i % 2 else []) + rng.integers(3, model.config.vocab_size, int(n)).tolist()
+               for i, n in enumerate(rng.integers(3, 16, 6))]
+    news = [int(n) for n in rng.integers(4, 14, 6)]
+    real: list = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(events):
+        plan, ended = schedule(events)
+        real.append(sim.plan_summary(plan))
+        return plan, ended
+
+    engine.scheduler.schedule = recorded
+    for p, n in zip(prompts, news):
+        engine.add(p, max_new_tokens=n, eos=False)
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+    assert engine.scheduler.preemptions > 0 and engine.pool.hits > 0        # the case is not trivial
+
+    fam = sim.Family("tiny", 3, model.config.block_size, 1, 0, 64, a=1e-3, b=1e-5, c=1e-8)
+    trace = [sim.Req(i, 0.0, p, n, n, n) for i, (p, n) in enumerate(zip(prompts, news))]
+    simulated: list = []
+    res = sim.run_after(fam, trace, sim.SimDrafter("ar", engine._default.width), 4, 4, 16, seed=0,
+                        record=simulated)
+    assert res["unfinished"] == 0 and res["wrong_lengths"] == 0
+    assert simulated == real
