@@ -566,8 +566,8 @@ def _progress(r: dict) -> None:
     dt = r["wall_s"]
     b = f"B={r['B']:<3}" if r["B"] else "     "
     print(f"  {r['model']:<11} {r['trace']:<11} {r['method']:<8} {r['engine']:<11} {b} running mean "
-          f"{r['mean_running']:6.1f} max {r['max_running']:3}  decoding {r['mean_decoding']:6.1f}  frag {r['fragmentation']:.3f}  hit "
-          f"{r['prefix_hit']:.2f}  preempt {r['preemptions']:3}  {r['tokens_per_s']:8.0f} tok/s  ({dt:.1f} s)",
+          f"{r['mean_running']:6.1f} max {r['max_running']:3}  decoding {r['mean_decoding']:6.1f}  "
+          f"frag {r['fragmentation']:.3f}  hit {r['prefix_hit']:.2f}  preempt {r['preemptions']:3}  {r['tokens_per_s']:8.0f} tok/s  ({dt:.1f} s)",
           flush=True)
 
 
