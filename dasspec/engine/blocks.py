@@ -46,18 +46,30 @@ def block_keys(tokens: list[int], B: int, salt: bytes, count: int) -> list[bytes
 
 class BlockPool:
     def __init__(self, model: LoopedLM, R: int, positions: int, block_size: int = BLOCK_SIZE):
-        for name, v in (("kv_budget", positions), ("block_size", block_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
-        self.B = block_size
-        self.num_blocks = -(-positions // block_size) + 1          # + the null block
+        self._books(positions, block_size, bytes_per_token(model.config, R, model.dtype))
         check_cache_fits(model, R, self.num_blocks * block_size,
                          "lower kv_budget (positions kept for running requests) or use bfloat16")
         self.R = R
         self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype)
         for t in self.cache.tensors():
             t[..., :block_size, :].zero_()                          # the null block
-        self.bytes_per_block = bytes_per_token(model.config, R, model.dtype) * block_size
+
+    @classmethod
+    def accounting(cls, positions: int, block_size: int, bytes_per_token: int) -> "BlockPool":
+        """A pool that keeps the books only - no depth cache, no model: the scheduler runs on it unchanged
+        (``benchmarks/sched_sim.py`` simulates a GPU's pool with it).  ``tensors`` raises."""
+        pool = cls.__new__(cls)
+        pool._books(positions, block_size, bytes_per_token)
+        pool.R, pool.cache = None, None
+        return pool
+
+    def _books(self, positions: int, block_size: int, bytes_per_token: int) -> None:
+        for name, v in (("kv_budget", positions), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+        self.B = block_size
+        self.num_blocks = -(-positions // block_size) + 1          # + the null block
+        self.bytes_per_block = bytes_per_token * block_size
         self._free: set[int] = set(range(1, self.num_blocks))      # unreferenced, unkeyed
         self._ref = [0] * self.num_blocks
         self._key_of: dict[int, bytes] = {}
@@ -90,7 +102,7 @@ class BlockPool:
 
     def describe(self) -> str:
         return (f"{self.capacity_blocks} blocks of {self.B} positions "
-                f"({self.capacity_blocks * self.B} positions, {format_bytes(self.cache.nbytes)})")
+                f"({self.capacity_blocks * self.B} positions, {format_bytes(self.num_blocks * self.bytes_per_block)})")
 
     # --- taking and returning blocks ----------------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None) -> list[int] | None:
@@ -169,4 +181,6 @@ class BlockPool:
             self._key_of[block] = key
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self.cache is None:
+            raise RuntimeError("an accounting-only pool (BlockPool.accounting) holds no tensors")
         return self.cache.tensors()
