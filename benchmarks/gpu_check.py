@@ -68,7 +68,8 @@ def pass_costs(model, prompt: list[int], widths: list[int], reps: int) -> dict[i
 
     P, R, dev = len(prompt), model.R, model.device
     cache = DepthCache(model.config, R, P + max(widths) + 1, dev, model.dtype)
-    ids = torch.tensor([prompt + prompt[: max(widths)]], device=dev)
+    extra = (prompt * (max(widths) // P + 1))[: max(widths)]         # the block's tokens: any will do
+    ids = torch.tensor([prompt + extra], device=dev)
     h0 = model.initial_state(torch.arange(P + max(widths)), 1.0, 0).unsqueeze(0)
     out = {}
     with torch.inference_mode():

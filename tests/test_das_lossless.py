@@ -260,6 +260,7 @@ def test_wave_seed_branch_tree_layout() -> None:
     n = stepper.n
     dec = stepper.req
 
+    @torch.inference_mode()
     def layout(props, seed, max_len):
         dec.tokens[n + 1: n + 1 + len(props)] = torch.tensor(props)
         return seed_branch_layout(stepper.ctx, torch.tensor(props), np.array(seed), max_len)

@@ -85,7 +85,7 @@ def test_greedy_continuation_seeded_state(pairs):
     model, ref = pairs["huginn"]
     prompt = ids_of(12, seed=5)[0].tolist()
     want = ref.greedy(prompt, 8, 4, state_fn=lambda n: model.initial_state(torch.arange(n), 1.0, seed=2))
-    got = dasspec.generate(model, prompt, max_new_tokens=8, num_steps=4, init_scale=1.0, seed=2, eos=False)
+    got = dasspec.generate(model, prompt, max_new_tokens=8, num_steps=4, init_scale=1.0, state_seed=2, eos=False)
     assert got.tokens == want
 
 

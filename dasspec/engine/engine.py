@@ -100,6 +100,7 @@ class Engine:
         self.model = model
         self.R = model.depth(num_steps)
         self.runtime = runtime or DEFAULT
+        self.runtime.primitives(model)                        # what the runtime needs (CUDA graphs: CUDA) fails here
         self.max_batch = max_batch
         self.tokenizer = tokenizer or model.tokenizer
         if drafters is None:

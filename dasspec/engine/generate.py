@@ -79,7 +79,14 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
                          exit_at_step=exit_at_step)
         while engine.has_work:
             engine.step()
-    return engine.result(rid)
+    return _raised(engine.result(rid))
+
+
+def _raised(result: GenerationResult) -> GenerationResult:
+    """A request that failed (its streamer raised, its set-up failed) raises its error to the caller."""
+    if result.error is not None:
+        raise result.error
+    return result
 
 
 def check_kept(model: LoopedLM, drafter: Drafter, R: int) -> None:
@@ -193,4 +200,4 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                 for p, c, s, sd, pc in zip(ids, caps, stops, seeds, prefixes)]
         while engine.has_work:
             engine.step()
-    return [engine.result(r) for r in rids]
+    return [_raised(engine.result(r)) for r in rids]

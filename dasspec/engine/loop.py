@@ -64,14 +64,14 @@ def traced(p: Placed, draft: Draft) -> Draft:
     return replace(draft, tokens=p.req.tokens[n + 1: n + p.layout.size].tolist(), layout=p.layout)
 
 
-def propose(groups: dict[Drafter, list[Session]]) -> list[tuple[Session, Draft]]:
+def propose(groups: dict[Drafter, list[Session]]) -> list[tuple[Session, Draft | None]]:
     """Every session's draft for this step, each drafter asked once for the sessions it may draft for (a request
-    whose cap is 0 takes a plain AR step)."""
+    whose cap is 0 takes a plain AR step: None, and its session is not asked)."""
     out: list[tuple[Session, Draft]] = []
     for drafter, sessions in groups.items():
         drafting = [s for s in sessions if s.ctx.cap != 0]
         out.extend(zip(drafting, drafter.propose_batch(drafting) if drafting else []))
-        out.extend((s, Draft()) for s in sessions if s.ctx.cap == 0)
+        out.extend((s, None) for s in sessions if s.ctx.cap == 0)
     return out
 
 
@@ -93,10 +93,10 @@ def step(sessions: Sequence[Session], requests: dict, prefills: Sequence[Prefill
             req = requests[s]
             if req.stopping() is not None:       # cancelled or out of time while drafting: not verified
                 continue
-            p = place(req, d)
+            p = place(req, d or Draft())
             placed.append(p)
-            live.append(s)
-            drafts.append(traced(p, d) if req.trace is not None else None)
+            live.append(s if d is not None else None)      # a session observes the verdicts of its own drafts
+            drafts.append(traced(p, d or Draft()) if req.trace is not None else None)
     phase = "verify" if placed else "prefill"
     with timer(phase, [p.req for p in placed] + [c.req for c in prefills]):
         verdicts, first = verify_step(placed, list(prefills))
@@ -104,6 +104,7 @@ def step(sessions: Sequence[Session], requests: dict, prefills: Sequence[Prefill
         for s, p, d, v in zip(live, placed, drafts, verdicts):
             if d is not None:
                 p.req.trace.append((d, v))
-            s.observe(v)
+            if s is not None:
+                s.observe(v)
     return list(zip(live, placed, verdicts)), first
 

@@ -193,7 +193,7 @@ class Scheduler:
                 continue
             c = cap
             width = 0 if c == 0 else e.drafter.width
-            reach = e.drafter.reach or 0
+            reach = getattr(e.drafter, "reach", None) or 0
             keep = None
             if reach > e.drafter.width:                   # last step's longer scratch is handed back first
                 k = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
@@ -226,6 +226,8 @@ class Scheduler:
                 if not self._swap_in(e, plan, planned):
                     break
                 continue
+            if budget < B and plan.rows:                  # no budget left to prefill it: it would only hold blocks
+                break
             usable = (e.P - 1) // B
             hit = self.pool.cached_run(e.keys[:usable])
             if hit < usable and e.keys[hit] in claimed:   # its next block is being computed: share it next step
@@ -330,15 +332,15 @@ class Scheduler:
             e.error = err
 
     def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
-        """Plan the next prompt blocks of ``e`` within ``budget`` rows (at least one block when nothing else of
-        this step is prefilled yet, so every prompt moves); returns what is left of the budget."""
+        """Plan the next prompt blocks of ``e`` within ``budget`` rows (at least one block when no prompt has moved
+        yet this step, so prefill never starves behind drafts); returns what is left of the budget."""
         B = self.pool.B
         start = e.computed
         k = budget // B
         if k < 1:
-            if plan.rows or any(w.prefill is None and w.id != e.id and w.room for w in plan.work):
+            if plan.rows:
                 return budget
-            k = 1
+            k = 1                                 # no prompt moved yet this step: one block, whatever the drafts took
         end = min(e.P, start + k * B)
         if end <= start:
             return budget
@@ -373,12 +375,13 @@ class Scheduler:
         that committed something, and the entries that finished."""
         kept_now, finished = [], []
         B = self.pool.B
+        running = {x.id: x for x in self.running}
         for rid, err in out.failed:
-            e = next((x for x in self.running if x.id == rid), None)
+            e = running.get(rid)
             if e is not None:
                 e.error = err
         for w in plan.work:
-            e = next((x for x in self.running if x.id == w.id), None)
+            e = running.get(w.id)
             o = out.requests.get(w.id)
             if e is None or o is None:
                 continue
