@@ -214,7 +214,7 @@ class Scheduler:
             room = e.rule.max_new_tokens - len(e.generated)
             planned[e.id] = w = Work(e.id, got, room=room, cap=c, keep=keep)
             plan.work.append(w)
-            budget -= 1 + width
+            budget -= 1 + min(width, e.drafter.width)    # a longer reach is backed, not charged: rarely used whole
         for e in list(self.running):                      # then prompts still prefilling
             if e.status == "running" and not e.generated and e.computed < e.P:
                 budget = self._prefill(e, budget, plan, planned)
