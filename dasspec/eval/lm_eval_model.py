@@ -30,6 +30,7 @@ a knob of the method (``gamma=32,rounds=24``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from lm_eval.api.registry import model_registry
 
 from .logprobs import score
 
+log = logging.getLogger("dasspec.eval")
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 MODEL_NAME = "dasspec"
 DEFAULT_MAX_GEN_TOKS = 256
@@ -77,8 +79,15 @@ class DasspecLM(TemplateLM):
 
         if threads is not None:
             set_threads(int(threads))
+        device = _none(device)
+        if device is not None and str(device).startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():     # lm-eval's command line passes cuda:0 unless told otherwise
+                log.warning("device %s is not available; dasspec picks the device (CPU here)", device)
+                device = None
         if model is None:
-            model = dasspec.load_model(_none(pretrained), device=_none(device), dtype=_none(dtype))
+            model = dasspec.load_model(_none(pretrained), device=device, dtype=_none(dtype))
         if model.tokenizer is None:
             raise ValueError("dasspec's lm-eval model needs the checkpoint's tokenizer.json")
         self.model, self.tok = model, model.tokenizer
