@@ -23,8 +23,12 @@ the bundled model), ``method`` (default ``das-wave``), ``num_steps`` (the recurr
 ``init_scale``, ``seed`` (initial states and sampling noise; default 0, as ``dasspec.generate``),
 ``exit_threshold`` / ``exit_at_step`` (Ouro's early-exit targets), ``device``, ``dtype``, ``batch_size`` (requests
 decoded together, and sequences per scoring forward; default 8), ``max_length`` (default the model's context),
-``max_gen_toks`` (default cap when a task gives none: 256), ``threads`` (CPU threads); any other ``name=value`` is
-a knob of the method (``gamma=32,rounds=24``).
+``max_gen_toks`` (default cap when a task gives none: 256), ``threads`` (CPU threads), ``add_bos_token`` (encode
+prompts with the tokenizer's BOS; default false, as lm-eval's HF and API models), ``prefix_cache`` (prefill the
+shared token prefix of a task's prompts - its few-shot exemplars - once for all of them with
+``dasspec.PrefixCache``; every method's tokens still equal AR's under it, but against a run without it they may
+differ where float rounding flips a near-tie, so it is off by default); any other ``name=value`` is a knob of the
+method (``gamma=32,rounds=24``).
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class DasspecLM(TemplateLM):
                  init_scale: float = 1.0, seed: int = 0, exit_threshold: float | None = None,
                  exit_at_step: int | None = None, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str = 8, max_batch_size: int | None = None, max_length: int | None = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, threads: int | None = None, model=None, **knobs):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, threads: int | None = None, prefix_cache: bool = False,
+                 add_bos_token: bool = False, model=None, **knobs):
         super().__init__()
         import dasspec
         from ..host import set_threads
@@ -106,6 +111,7 @@ class DasspecLM(TemplateLM):
         if not 2 <= self.max_length <= self.context:
             raise ValueError(f"max_length must be in [2, {self.context}] (the model's context), got {max_length!r}")
         self.max_gen_toks = int(max_gen_toks)
+        self.prefix_cache, self.add_bos_token = bool(prefix_cache), bool(add_bos_token)
         self.knobs = {k: v for k, v in knobs.items()}
         # one kept drafter per (greedy, sampled): checks the knobs now, and keeps Token Recycling's table / SAM's
         # corpus across requests, as the server and the benchmark do (outputs never depend on it)
@@ -128,6 +134,8 @@ class DasspecLM(TemplateLM):
         return str(self.model.config.name_or_path if hasattr(self.model.config, "name_or_path") else MODEL_NAME)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
         return self.tok.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def tok_decode(self, ids) -> str:
@@ -202,6 +210,19 @@ class DasspecLM(TemplateLM):
             sampling = {"do_sample": True, "temperature": 1.0 if t is None else float(t), **filters}
         return [u for u in until if u], cap, sampling
 
+    def _shared_prefix(self, prompts: list[list[int]]):
+        """With ``prefix_cache``: a ``dasspec.PrefixCache`` of the prompts' shared token prefix (a task's few-shot
+        exemplars), prefilled once for all of them; else None."""
+        if not self.prefix_cache or len(prompts) < 2:
+            return None
+        n = common_prefix(prompts)
+        if n < 2:
+            return None
+        from .. import PrefixCache
+
+        return PrefixCache(self.model, prompts[0][:n], num_steps=self.num_steps, init_scale=self.init_scale,
+                           seed=self.seed)
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from ..engine.generate import generate_batch
 
@@ -219,7 +240,8 @@ class DasspecLM(TemplateLM):
             results = generate_batch(
                 self.model, prompts, drafter=self._drafters["do_sample" in sampling], max_new_tokens=cap,
                 num_steps=self.num_steps, init_scale=self.init_scale, stop=until or None, seed=self.seed,
-                tokenizer=self.tok, max_batch=self.batch_size, **self.exit, **sampling)
+                tokenizer=self.tok, max_batch=self.batch_size, prefix_cache=self._shared_prefix(prompts),
+                **self.exit, **sampling)
             for i, result in zip(members, results):
                 text = result.text or ""
                 out[i] = text
@@ -227,8 +249,16 @@ class DasspecLM(TemplateLM):
         return out  # type: ignore[return-value]
 
 
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest token prefix every sequence shares."""
+    first, n = seqs[0], min(len(s) for s in seqs)
+    return next((i for i in range(n) if any(s[i] != first[i] for s in seqs[1:])), n)
+
+
 def register() -> None:
     """Put ``DasspecLM`` in lm-eval's model registry as ``dasspec`` (``--model dasspec``); idempotent."""
+    import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
+
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target=DasspecLM)
 
