@@ -56,8 +56,11 @@ class Scorer:
 
     def _run(self, seqs, seed, exit, top) -> list[Scored]:
         with self._lock:
-            return score(self.service.model, seqs, seed=seed, top=top, max_batch=self.service.engine.max_batch,
-                         **exit)
+            try:
+                return score(self.service.model, seqs, seed=seed, top=top,
+                             max_batch=self.service.engine.max_batch, **exit)
+            except ValueError as err:          # (checked before: a request the forward refuses is still a 400)
+                raise APIError(400, str(err)) from None
 
 
 def scorer(service) -> Scorer:
@@ -73,6 +76,20 @@ def _exit(req) -> dict[str, Any]:
         return {}
     return {k: v for k, v in (("exit_threshold", opts.exit_threshold), ("exit_at_step", opts.exit_at_step))
             if v is not None}
+
+
+def check_exit(service, req) -> None:
+    """The request's exit options, checked as a generating request's are (``Service.job``): a 400 naming the
+    option on a model without an exit gate or a bad value."""
+    options = _exit(req)
+    if not options:
+        return
+    try:
+        service.model.exit_rule(options.get("exit_threshold"), options.get("exit_at_step"))
+    except ValueError as err:
+        param = "dasspec.exit_at_step" if "exit_at_step" in str(err) and "exit_threshold" not in options \
+            else "dasspec.exit_threshold"
+        raise APIError(400, f"'{param}': {err}", param=param) from None
 
 
 # --- the token strings --------------------------------------------------------------------------------------------
@@ -205,6 +222,7 @@ async def completions(service, request: Request, req: CompletionRequest, prompts
         if decoded is None:
             return Response(status_code=499)
     else:
+        check_exit(service, req)
         for p in prompts:
             if len(p) > service.context:
                 raise APIError(400, f"the prompt has {len(p)} tokens; the model's context is {service.context} "
