@@ -1,4 +1,4 @@
-"""Command line: ``dasspec generate | bench | probe NAME | train | serve``.
+"""Command line: ``dasspec generate | bench | probe NAME | train | serve | eval``.
 
 Every command that writes results takes ``--out DIR`` and writes its files (markdown, JSONL, CSV, PNG) directly
 into DIR.  A bad input ends any command with one line ``dasspec: error: ...`` and exit code 2 (argparse's code for
@@ -262,6 +262,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("mechanism probes (maturity, channels, grid, factorial, sweep, cost)", "dasspec.eval.probes.cli"),
     "train": ("train the bundled looped model (or a bigger preset on a GPU); rerun to resume", "dasspec.train.cli"),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, metrics)", "dasspec.serve.cli"),
+    "eval": ("lm-evaluation-harness with dasspec's model and offline tasks (lm-eval's own arguments)",
+             "dasspec.eval.lm_eval_cli"),
 }
 
 

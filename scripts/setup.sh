@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install dasspec with its test extras. torch is pinned to 2.13.0: an unpinned torch pulls a
+# Create .venv and install dasspec with its test extras (and lm-eval, so the evaluation tests run). torch is pinned to 2.13.0: an unpinned torch pulls a
 # multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +8,4 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,ray]"
+python -m pip install -q -e ".[test,ray,eval]"

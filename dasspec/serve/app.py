@@ -2,6 +2,9 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending with ``data: [DONE]``)
     GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
+    GET  /tokenizer_info, POST /tokenize, /detokenize   (lm-eval's remote tokenizer: serve/logprobs.py)
+
+echo, logprobs, max_tokens 0 and lists of prompts are answered by ``serve/logprobs.py``.
 
 A request body is read up to the server's limit (larger: 413 at once), then parsed, checked and tokenized - its
 chat template rendered in the sandbox - in a thread, so no body and no template can stall the event loop (errors
@@ -22,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import logprobs
 from .responses import Reply, decoding_stats, sse
 from .schema import APIError, ChatRequest, CompletionRequest, parse_json, parse_request
 from .service import Service
@@ -117,6 +121,8 @@ def create_app(service: Service) -> FastAPI:
 
     def completion_input(raw: bytes):
         req = parse_request(CompletionRequest, parse_json(raw))
+        if logprobs.extended(req):           # echo, logprobs, max_tokens 0, several prompts: a list of prompts
+            return req, logprobs.completion_prompts(service, req)
         return req, service.completion_prompt(req)
 
     def chat_input(raw: bytes):
@@ -126,12 +132,18 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req, prompt = await asyncio.to_thread(completion_input, await read_body(request))
+        if logprobs.extended(req):
+            return await logprobs.completions(service, request, req, prompt)
         return await generate(request, req, prompt, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req, prompt = await asyncio.to_thread(chat_input, await read_body(request))
+        if logprobs.extended(req):
+            return await logprobs.chat(service, request, req, prompt)
         return await generate(request, req, prompt, "chat")
+
+    logprobs.add_routes(app, service, read_body)      # /tokenizer_info, /tokenize, /detokenize
 
     async def generate(request: Request, req, prompt: list[int], endpoint: str) -> Response:
         job = service.job(req, prompt, endpoint, asyncio.get_running_loop())

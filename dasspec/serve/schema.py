@@ -2,8 +2,10 @@
 
 Strict on purpose: a wrong type (``"max_tokens": "10"``) is an error, not a conversion, and a field the server
 does not know is refused rather than ignored (``tools`` ignored would silently answer a different question).
-OpenAI fields the server cannot honour are accepted only at their no-op values (``n`` 1, ``logprobs`` off,
-``echo`` false, penalties 0, ...); any other value is refused with a message naming the field.
+OpenAI fields the server cannot honour are accepted only at their no-op values (``n`` 1, ``best_of`` 1, no
+``suffix``, penalties 0, ...); any other value is refused with a message naming the field.  ``echo``,
+``logprobs`` / ``top_logprobs`` (at most ``MAX_LOGPROBS``), ``max_tokens: 0`` (with ``echo``) and a list of
+prompts are answered by ``serve/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -80,24 +82,41 @@ class _Common(_Strict):
         return out
 
 
+# The most alternatives a logprobs / top_logprobs field may ask for at each token (OpenAI's chat limit; vLLM's
+# default --max-logprobs): each costs a sort over the vocabulary and a decoded string per token.
+MAX_LOGPROBS = 20
+
+
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)    # 0: score the prompt only (with echo)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echoing the prompt is not supported"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "0 only with echo: true (score the prompt without generating)"))
         if self.suffix is not None:
             out.append(("suffix", "insertion (a suffix) is not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "one candidate per request (best_of = 1)"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "log-probabilities are not returned"))
+        if self.stream and (self.echo or self.logprobs is not None):
+            out.append(("echo" if self.echo else "logprobs", "not supported with stream: true (send the request "
+                        "without streaming)"))
+        if self.stream and isinstance(self.prompt, list) and len(self.prompt) > 1 \
+                and isinstance(self.prompt[0], (str, list)):
+            out.append(("prompt", "several prompts are not supported with stream: true (one per streamed request)"))
         return out
+
+    @property
+    def extended(self) -> bool:
+        """Asks for echo, log-probabilities, no generation or several prompts (``serve/logprobs.py`` answers)."""
+        p = self.prompt
+        return bool(self.echo) or self.logprobs is not None or self.max_tokens == 0 or (
+            isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list)))
 
 
 class TextPart(_Strict):
@@ -120,14 +139,14 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)    # the newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs:
-            out.append(("logprobs", "log-probabilities are not returned"))
-        if self.top_logprobs is not None:
-            out.append(("top_logprobs", "log-probabilities are not returned"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "only with logprobs: true"))
+        if self.logprobs and self.stream:
+            out.append(("logprobs", "not supported with stream: true (send the request without streaming)"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             out.append(("max_completion_tokens", "give max_tokens or max_completion_tokens, not both"))
         return out
@@ -139,7 +158,7 @@ class ChatRequest(_Common):
 
 # What a field takes, for messages about unions (pydantic names each member's failure instead).
 _EXPECTED = {
-    "prompt": "a string, a list of token ids, or a one-element list of either",
+    "prompt": "a string, a list of token ids, or a list of either (one choice per prompt)",
     "stop": "a string or a list of strings",
     "content": "a string or a list of {'type': 'text', 'text': ...} parts",
 }

@@ -1,0 +1,184 @@
+"""lm-evaluation-harness through dasspec, with lm-eval itself: the in-process model (``DasspecLM``), the offline
+tasks shipped in ``dasspec/eval/lm_eval_tasks``, ``dasspec eval``, and ``local-completions`` against
+``dasspec serve``.
+
+* log-likelihoods (and rolling ones) equal a plain full-depth forward ``model(ids)`` to float32 precision, and
+  ``is_greedy`` is the target's argmax;
+* a generate_until task gives the same per-sample outputs and scores with method ``ar`` and ``das-wave``, each
+  output the text of ``dasspec.generate(method="ar")`` with the task's stop string and cap;
+* the in-process model (ar, das-wave) and ``local-completions`` against the server give the same samples and
+  scores on a generate_until task and a log-likelihood (multiple-choice) task.
+
+Needs lm-eval (the ``eval`` extra; scripts/setup.sh installs it) and the evaluation data ($DASSPEC_DATA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'dasspec[eval]' "
+                              "(scripts/setup.sh installs it)")
+
+import dasspec  # noqa: E402
+from dasspec.eval.lm_eval_model import DasspecLM, task_manager  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+BUNDLED = Path(dasspec.__file__).parent / "assets" / "dasspec-tiny"
+TOL = dict(rel=1e-5, abs=2e-5)
+GSM8K, MC = "dasspec_gsm8k_cot", "dasspec_mbpp_mc"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dasspec.load_model(device="cpu")
+
+
+def forward(model, ids, **options) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]), **options)[0].float(), -1)
+
+
+def instance(kind: str, args: tuple) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def test_loglikelihood_is_the_full_depth_forward(model):
+    tok = model.tokenizer
+    context = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
+    ctx = tok.encode(context, add_special_tokens=False)
+    greedy = dasspec.generate(model, ctx, method="ar", max_new_tokens=4).text
+    pairs = [(context, greedy), (context, " He has 7 apples."), ("def add(a, b):", "\n    return a + b")]
+    for num_steps in (None, 8):
+        lm = DasspecLM(model=model, method="das-wave", num_steps=num_steps, batch_size=2)
+        got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
+        for (c, x), (lp, is_greedy) in zip(pairs, got):
+            whole = tok.encode(c + x, add_special_tokens=False)
+            n = len(whole) - len(tok.encode(c, add_special_tokens=False))
+            ref = forward(model, whole, num_steps=num_steps)
+            positions = range(len(whole) - n, len(whole))
+            assert lp == pytest.approx(sum(ref[t - 1, whole[t]].item() for t in positions), **TOL)
+            assert is_greedy == all(ref[t - 1].argmax().item() == whole[t] for t in positions)
+        assert got[0][1] is True and got[1][1] is False             # AR's own continuation is the greedy one
+
+
+def test_loglikelihood_rolling_is_the_full_depth_forward(model):
+    tok = model.tokenizer
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    whole = [tok.bos_id] + ids                           # conditioned on the prefix token (BOS)
+    ref = forward(model, whole)
+    want = sum(ref[t - 1, whole[t]].item() for t in range(1, len(whole)))
+    lm = DasspecLM(model=model, method="ar")
+    assert lm.loglikelihood_rolling([instance("loglikelihood_rolling", (text,))]) == [pytest.approx(want, **TOL)]
+    # windows of 8 tokens: every token is scored once, with less context, so the total differs
+    short = DasspecLM(model=model, method="ar", max_length=8).loglikelihood_rolling(
+        [instance("loglikelihood_rolling", (text,))])[0]
+    assert short != pytest.approx(want, abs=1e-3)
+
+
+def samples(result, task):
+    return [(s["doc_id"], s["arguments"], s["resps"], s["filtered_resps"]) for s in result["samples"][task]]
+
+
+def test_generate_until_same_outputs_for_ar_and_das_wave(model, eval_data):
+    eval_data("gsm8k/test.jsonl")
+    tm = task_manager()
+    # the bundled model ends its answers with EOS before the task's "Question:"; a stop at the end of the first
+    # line (lm-eval's gen_kwargs override the task's) exercises the stop strings, and one at "$" only some answers
+    cap, until = 40, ["\n", "$"]
+    runs = {}
+    for method in ("ar", "das-wave"):
+        lm = DasspecLM(model=model, method=method, batch_size=3)
+        runs[method] = lm_eval.simple_evaluate(model=lm, tasks=[GSM8K], task_manager=tm, limit=3, num_fewshot=2,
+                                               gen_kwargs={"max_gen_toks": cap, "until": until}, bootstrap_iters=0)
+    a, b = samples(runs["ar"], GSM8K), samples(runs["das-wave"], GSM8K)
+    assert a == b and runs["ar"]["results"] == runs["das-wave"]["results"]
+    # each output is AR's decode of the prompt (no BOS, as lm-eval's models) cut at the task's stop string
+    stopped = 0
+    for _doc, args, resps, _f in a:
+        prompt, gen = args[0]
+        assert gen["until"] == until
+        ref = dasspec.generate(model, model.tokenizer.encode(prompt, add_special_tokens=False), method="ar",
+                               max_new_tokens=cap, stop=gen["until"])
+        assert resps == [[ref.text]]
+        stopped += ref.stop_reason == "stop_string"
+    assert stopped >= 1                                   # the stop string is exercised
+
+
+# --- the server ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_serve import start_server
+
+    srv = start_server(BUNDLED, tmp_path_factory.mktemp("lm-eval-serve") / "server.log", "--method", "das-wave")
+    yield srv
+    srv.stop()
+
+
+def close(a, b) -> bool:
+    """Two samples' responses equal: texts exactly, log-likelihoods to float32 precision, is_greedy exactly."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, **TOL)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_in_process_and_local_completions_agree(model, server, eval_data):
+    eval_data("gsm8k/test.jsonl", "mbpp/mbpp.jsonl")
+    tm = task_manager()
+    options = dict(tasks=[MC, GSM8K], task_manager=tm, limit=2, num_fewshot=2, gen_kwargs={"max_gen_toks": 32},
+                   bootstrap_iters=0)
+    runs = {m: lm_eval.simple_evaluate(model=DasspecLM(model=model, method=m, batch_size=4), **options)
+            for m in ("ar", "das-wave")}
+    runs["local-completions"] = lm_eval.simple_evaluate(
+        model="local-completions", model_args=f"base_url={server.url}/v1/completions,model=dasspec-tiny,seed=0,"
+        "batch_size=4,max_length=4096,max_retries=1", **options)
+    ref = runs["ar"]
+    for name, run in runs.items():
+        for task in (MC, GSM8K):
+            got, want = samples(run, task), samples(ref, task)
+            assert len(got) == len(want) == (2 if task == MC else 4), name      # GSM8K: two filters
+            assert close(got, want), (name, task)
+            assert run["results"][task] == ref["results"][task], (name, task)
+
+
+def test_dasspec_eval_command(tmp_path, eval_data):
+    root = eval_data("mbpp/mbpp.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DASSPEC_DATA=str(root))
+    run = [sys.executable, "-m", "dasspec.cli", "eval", "--model", "dasspec", "--model_args",
+           "method=das-wave,threads=1", "--tasks", MC, "--limit", "2", "--batch_size", "4", "--output_path",
+           str(tmp_path / "out"), "--log_samples"]
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = list((tmp_path / "out").rglob("results_*.json"))
+    assert len(results) == 1 and list((tmp_path / "out").rglob(f"samples_{MC}_*.jsonl"))
+    body = json.loads(results[0].read_text())
+    assert 0 <= body["results"][MC]["acc,none"] <= 1 and body["config"]["model"] == "dasspec"
+    bad = run[:7] + ["method=nope"] + run[8:10]
+    done = subprocess.run(bad, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("dasspec: error:")
+    assert "nope" in done.stderr.strip().splitlines()[-1]
+
+
+def test_tasks_read_the_local_data_only(monkeypatch, tmp_path):
+    from dasspec.eval.data import DataError
+    from dasspec.eval.lm_eval_tasks import utils
+
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    with pytest.raises(DataError, match="DASSPEC_DATA"):
+        utils.gsm8k()
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "2\n#### 2"}) + "\n")
+    ds = utils.gsm8k(data=str(tmp_path))
+    assert ds["test"][0]["question"] == "1 + 1?"
+    with pytest.raises(DataError, match="mbpp"):
+        utils.mbpp_mc(data=str(tmp_path))

@@ -1,0 +1,68 @@
+"""``dasspec.eval.logprobs.score``: the log-probabilities behind lm-eval's log-likelihoods and the server's
+``logprobs`` are a plain full-depth forward's (``model(ids)``), to float32 precision, for sequences of different
+lengths scored together, at any depth, seed and (Ouro) exit target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dasspec.eval.logprobs import score
+from dasspec.testing import random_model
+
+
+def forward_logprobs(model, ids, **options) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]), **options)[0].float(), -1)
+
+
+def check(model, seqs, top=0, grouping=None, **options):
+    out = score(model, seqs, top=top, **(grouping or {}), **options)
+    assert [s.ids for s in out] == seqs                                  # input order
+    for s, ids in zip(out, seqs):
+        lp = forward_logprobs(model, ids, **options)
+        want = [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+        assert s.logprobs == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert s.greedy == [lp[t - 1].argmax().item() == ids[t] for t in range(1, len(ids))]
+        if top:
+            for t, alts in enumerate(s.top):
+                v, k = lp[t].topk(top)
+                assert [a for a, _ in alts] == k.tolist()
+                assert [b for _, b in alts] == pytest.approx(v.tolist(), rel=1e-5, abs=1e-5)
+    return out
+
+
+def test_scores_equal_a_plain_forward_batched_or_not():
+    model = random_model("huginn", seed=1)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (9, 3, 17, 17, 2, 11)]
+    # greedy continuations too, so is_greedy is true somewhere
+    with torch.no_grad():
+        lp = forward_logprobs(model, seqs[0])
+    seqs.append(seqs[0][:1] + lp[:-1].argmax(-1).tolist()[:1])
+    a = check(model, seqs, top=3)
+    assert any(all(s.greedy) for s in a) and not all(all(s.greedy) for s in a)
+    b = check(model, seqs, grouping=dict(max_batch=2, max_tokens=20))                   # other groupings, same numbers
+    assert [x for s in a for x in s.logprobs] == pytest.approx([x for s in b for x in s.logprobs], rel=1e-5, abs=1e-5)
+    check(model, seqs[:3], num_steps=3, seed=7, init_scale=0.5)
+
+
+def test_scores_follow_the_exit_target():
+    model = random_model("ouro", seed=2)
+    seqs = [[5, 9, 13, 2, 40], [7, 7, 1]]
+    for options in ({}, {"exit_threshold": 0.5}, {"exit_at_step": 1}):
+        check(model, seqs, top=2, **options)
+    a = score(model, seqs, exit_at_step=0)[0].logprobs
+    assert a != pytest.approx(score(model, seqs)[0].logprobs, abs=1e-3)   # the exit changes the target
+
+
+def test_refusals():
+    model = random_model("huginn")
+    with pytest.raises(ValueError, match="empty"):
+        score(model, [[]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        score(model, [[1, 97]])
+    with pytest.raises(ValueError, match="context"):
+        score(model, [[1] * 257])
+    with pytest.raises(ValueError, match="top"):
+        score(model, [[1, 2]], top=98)
