@@ -117,6 +117,9 @@ def build_drafter(model, method: str, user: dict | None = None, num_steps: int |
     fit the model's context, naming the knobs that size them."""
     knobs = resolve_knobs(model, method, user, num_steps, sampled)
     drafter = get_method(method).drafter(knobs)
+    bind = getattr(drafter, "bind", None)       # a drafter that needs the model itself (auto: its sub-drafters)
+    if callable(bind):
+        bind(model, num_steps, sampled)
     context = model.config.block_size
     if drafter.width > context:
         named = ", ".join(_show(n, getattr(knobs, n)) for n in drafter.width_knobs)
