@@ -14,8 +14,9 @@ Parts (``--parts``, comma-separated):
   max_batch B for B in ``--batches``: ar, das-wave (the model's defaults), auto.
 * ``bundled``: the bundled model on ``--prompts`` development prompts of each of GSM8K (2-shot) and MBPP, cap
   ``--max-new-tokens``, greedy and sampled (T 0.7, top-p 0.95, seed per prompt), B = 1: ar, das-wave, auto.
-* ``trace``: auto on the bundled model and on the mid-size Ouro, one prompt whose text turns repetitive halfway
-  (a question, then a block repeated): which drafter each step used, what it committed.
+* ``trace``: auto on a GSM8K question (``--trace-tokens`` greedy tokens) on each model - the random Ouros' output
+  falls into loops after a while: which drafter each step used, what it committed, and how much of it a
+  prompt-lookup draft would have matched (where the text starts repeating itself).
 
 Tokens/s is the new tokens of a cell (all its prompts) over its wall time, prefill included; ratios are per round
 (paired: the same prompts, one after the other), the median over rounds with the range.  Writes runs.jsonl,
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--arms", default="ar,das-wave,auto")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--trace-tokens", type=int, default=96)
     args = p.parse_args(argv)
 
     import torch
@@ -157,31 +159,32 @@ def main(argv: list[str] | None = None) -> int:
             dasspec.generate_batch(model, ids[:2], "auto", max_new_tokens=4)
             bench(part, model, ids, [pr.task.cap for pr in prompts], stops, [False, True])
         elif part == "trace":
-            for name in ("bundled", "ouro-mid"):
-                model = dasspec.load_model() if name == "bundled" else ouro_model("ouro-mid")
-                tok = model.tokenizer
-                text = ("Q: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-                        "in May. How many clips did Natalia sell altogether?\nA: ")
-                ids = tok.encode(text)
-                n = 96 if name == "bundled" else 48
-                # the continuation is forced to repeat: a prompt that already holds the model's own greedy
-                # continuation twice makes the lookups pay on the third copy, which the model then decodes
-                first = dasspec.generate(model, ids, "ar", max_new_tokens=n // 2)
-                ids2 = ids + first.tokens + ids + first.tokens[: n // 4]
-                # the prompt: a question, its own answer, then the question again: the answer repeats halfway
-                res = dasspec.generate(model, ids + first.tokens + ids, "auto", max_new_tokens=n, trace=True)
-                ar = dasspec.generate(model, ids + first.tokens + ids, "ar", max_new_tokens=n)
-                del ids2
-                lines = [f"# {name}: auto on a question, its answer and the question again ({len(ids)} + "
-                         f"{len(first.tokens)} + {len(ids)} prompt tokens), {n} greedy tokens; equal to AR: "
-                         f"{res.tokens == ar.tokens}; choices {res.stats.choices}; auto {res.stats.tokens_per_second:.1f}"
-                         f" tok/s, AR {ar.stats.tokens_per_second:.1f} tok/s",
-                         "# step  drafter   probe  proposed  committed  tokens so far"]
-                done = 0
+            import numpy as np
+            from dasspec.methods.pld import find_draft
+            for name in ("ouro-mid", "ouro-small", "bundled"):
+                model = dasspec.load_model() if name == "bundled" else ouro_model(name)
+                pr = dev_prompts(model, "gsm8k", 1, args.trace_tokens, ["gsm8k=0"], args.data)[0]
+                res = dasspec.generate(model, pr.ids, "auto", max_new_tokens=args.trace_tokens, trace=True)
+                ar = dasspec.generate(model, pr.ids, "ar", max_new_tokens=args.trace_tokens)
+                text = list(pr.ids) + res.tokens
+                lines = [f"# {name}: auto on a GSM8K question ({len(pr.ids)} prompt tokens), {args.trace_tokens} "
+                         f"greedy tokens; equal to AR: {res.tokens == ar.tokens}; steps per drafter "
+                         f"{res.stats.choices}; auto {res.stats.tokens_per_second:.1f} tok/s, AR "
+                         f"{ar.stats.tokens_per_second:.1f} tok/s",
+                         "# repeats: how many of the tokens this step committed a prompt-lookup draft made at its "
+                         "start would have matched (the text repeating itself)",
+                         "# step  position  drafter  probe  proposed  committed  repeats"]
+                pos = len(pr.ids) + 1                 # the first token came from the prefill
                 for i, (d, v) in enumerate(res.trace):
-                    done += v.kept
-                    lines.append(f"{i:5d}  {d.notes.get('auto', '?'):>8}  {'yes' if d.notes.get('probe') else '':>5}"
-                                 f"  {len(d.tokens):8d}  {v.kept:9d}  {done:5d}")
+                    guess = find_draft(np.array(text[:pos], dtype=np.int64), 3, 64).tolist()
+                    got = v.tokens[: v.kept]
+                    m = 0
+                    while m < min(len(guess), len(got)) and guess[m] == got[m]:
+                        m += 1
+                    lines.append(f"{i:5d}  {pos - len(pr.ids):8d}  {d.notes.get('auto', '?'):>7}  "
+                                 f"{'yes' if d.notes.get('probe') else '':>5}  {len(d.tokens):8d}  {v.kept:9d}  "
+                                 f"{m:7d}")
+                    pos += v.kept
                 (out / f"trace-{name}.txt").write_text("\n".join(lines) + "\n")
                 print("\n".join(lines), file=sys.stderr)
     log.close()

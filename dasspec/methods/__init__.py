@@ -72,7 +72,7 @@ def method_names() -> list[str]:
 
 
 # The paper's order (Table 1): the target-model decoders, then the model-agnostic baselines.
-ORDER = ("ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam")
+ORDER = ("ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam", "auto")
 
 
 def all_knobs() -> list[type[Knobs]]:
