@@ -260,6 +260,7 @@ PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
 STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
 PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
 MIN_INTERVAL, MAX_INTERVAL = 2, 256
+MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
 HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
 EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
 
@@ -316,6 +317,8 @@ class AutoSession(Session):
                 return arm, True
         known = {a: v for a, v in vals.items() if v is not None}
         best = max(known, key=lambda a: known[a][0])
+        if best != "ar" and known[best][0] < (1.0 + MARGIN) * known["ar"][0]:
+            best = "ar"                    # AR's value is certain, the others' estimated: a drafter must win clearly
         if d.knobs.explore <= 0:
             return best, False
         j_best, t_best, _ = known[best]
@@ -372,7 +375,7 @@ class AutoSession(Session):
             m = 0
             while m < len(seen) and seen[m] == toks[m]:
                 m += 1
-            if m < len(seen) or m == len(toks) or m >= EARLY_RESOLVE or self.req.done:
+            if m < len(seen) or m == len(toks) or m >= EARLY_RESOLVE:
                 del self.pending[arm]
                 rows = len(toks) + 1 if toks else 1
                 self.arms[arm].add(m + 1, rows, self.steps, STEP_ALPHA)
@@ -567,7 +570,9 @@ class AutoDrafter(Drafter):
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(sessions):
             s.arm, s.probe = s.choose(B)
-            s.req.stats.choices[s.arm] = s.req.stats.choices.get(s.arm, 0) + 1
+            choices = getattr(s.req.stats, "choices", None)
+            if choices is not None:
+                choices[s.arm] = choices.get(s.arm, 0) + 1
             groups.setdefault(s.arm, []).append(i)
         drafts: list[Draft] = [Draft()] * B
         spent = 0.0
