@@ -6,29 +6,33 @@ chooses (greedy, sampled per seed, batched); only the speed depends on the measu
 The cost model, per step (one ``propose_batch`` call to the next = drafting + one verification pass):
 
 * **what a pass costs**: the step's time minus the sub-drafters' drafting time is the verification (and engine)
-  time V; it is modelled as ``V = c * (k + rows)`` over the step's verifier rows, where ``k`` (the fixed part of a
-  pass in row units) comes from the calibration below and ``c`` is fitted online (a ratio of moving averages).  A
-  request is charged ``c * (k / B + its rows)`` of it in a batch of B.
-* **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it), per session,
-  as a moving average per drafter (the drafter's cost is a property of the model and the machine, shared by its
-  requests).
+  time V; it is modelled as ``V = scale * full(rows)`` over the step's verifier rows, where ``full(W)`` is the
+  calibrated model time of a full-depth pass over W rows (below; without a calibration ``DEFAULT_K + W``) and
+  ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).
+* **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
+  per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
+  per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
+  its requests).
 * **what drafts earn**: each request keeps a moving average of tokens committed per step and of verifier rows per
   arm, from its verdicts (``len(verdict.tokens)``).  The lookup arms (SAM, PLD) are also scored *off-policy* every
   step they are not used: their draft costs no model pass, and since the committed tokens do not depend on the
   draft, the tokens the chain would have committed (its longest prefix that matches what was committed, plus one)
   are known exactly once the next tokens are.  So a lookup drafter that starts paying (text turning repetitive) is
   noticed within a few steps without spending a step on it.
-* **the choice**: per request the arm with the most estimated tokens per second (AR: one token per step, no drafting
-  cost, one row).  DAS-Wave, which needs model passes to draft, is re-measured by *probes*: one block every
+* **the choice**: per request the arm that gives the step the most tokens per second, the other requests taken as
+  they were last step (B = 1: the request's own tokens per second; AR: one token per step, no drafting cost, one
+  row); a drafter replaces a plain step only when it wins by ``MARGIN`` (AR's value is certain, the others' are
+  estimates).  DAS-Wave, which needs model passes to draft, is re-measured by *probes*: one block every
   ``interval`` steps, where the interval keeps the expected cost of probing under ``explore`` (a fraction of the
-  step time: a probe of an arm that loses by x seconds is made every x / (explore * step time) steps), and at once
+  step time over the batch: a probe of an arm that loses by x seconds is made every B x / (explore * step time)
+  steps, and at most one request probes an arm per step), and at once
   (at most every few steps) when a lookup arm's acceptance overtakes DAS-Wave's last measured one (its seeds come
   from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
   earlier requests, so a batch of requests pays one probe, not one each.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
-which (a) ``k`` above and the first value of ``c``, and (b) DAS-Wave's window for this model: gamma = W_init = the
+which (a) ``full(W)`` above, and (b) DAS-Wave's window for this model: gamma = W_init = the
 widest window whose round costs at most ``WIDE_ROUND`` times a one-row round (wider rows stop being nearly free), and
 the rounds J cut so a block's rounds cost at most one full-depth one-row pass (an AR step), so a block that gains a
 token already pays - both only ever lowering the model's own DAS-Wave defaults, and never knobs given in the
