@@ -25,7 +25,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   estimates).  DAS-Wave, which needs model passes to draft, is re-measured by *probes*: one block every
   ``interval`` steps, where the interval keeps the expected cost of probing under ``explore`` (a fraction of the
   step time over the batch: a probe of an arm that loses by x seconds is made every B x / (explore * step time)
-  steps, and at most one request probes an arm per step), and at once
+  steps, at most one request probes an arm per step, and every probe after the first is refused while the probes'
+  estimated losses would exceed ``explore`` of the time decoded so far), and soon
   (at most every few steps) when a lookup arm's acceptance overtakes DAS-Wave's last measured one (its seeds come
   from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
   earlier requests, so a batch of requests pays one probe, not one each.
@@ -335,17 +336,17 @@ class AutoSession(Session):
             # the lookup drafters now accept more than this arm did when last measured, and it would be the best
             # arm if it accepted that much too (its seeds come from the same text): measure it again soon, once
             # per such rise
+            # what one probe costs against the best arm
+            loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
             own = self.tok_rows(arm)[0] or 0.0
             if d.seeded(arm) and since >= HINT_EVERY and look > max(own + 0.5, self.hint_level + 0.5) \
-                    and (tok_a - own + look) / t_a > j_best:
+                    and (tok_a - own + look) / t_a > j_best and d.may_probe(loss):
                 self.hint_level = look
                 d.probed.add(arm)
                 return arm, True
-            # what one probe costs against the best arm, and the interval that keeps B requests' probes within
-            # ``explore`` of the step time
-            loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
+            # the interval that keeps B requests' probes within ``explore`` of the step time
             interval = min(max(loss * B / (d.knobs.explore * t_best), MIN_INTERVAL), MAX_INTERVAL)
-            if since >= interval:
+            if since >= interval and d.may_probe(loss):
                 d.probed.add(arm)
                 return arm, True
         if look < self.hint_level - 1.0:
@@ -421,6 +422,8 @@ class AutoDrafter(Drafter):
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
         self.probed: set[str] = set()            # arms probed this step (one request each)
+        self.elapsed = 0.0                       # seconds of the steps measured so far
+        self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
         self.prior: dict[str, tuple[float, float]] = {}
         self.step_tok = self.step_rows = 0       # the step being verified: tokens, rows (from the verdicts)
         self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
@@ -539,6 +542,14 @@ class AutoDrafter(Drafter):
             return None
         return d + others[2] + scale * self.pass_cost(others[1] + rows)
 
+    def may_probe(self, loss: float) -> bool:
+        """Whether a probe estimated to cost ``loss`` seconds over the best arm keeps every probe so far within
+        ``explore`` of the time decoded so far (whatever triggered them, over all requests); takes it if so."""
+        if self.explored + loss > self.knobs.explore * self.elapsed:
+            return False
+        self.explored += loss
+        return True
+
     def add_draft_cost(self, arm: str, seconds: float, m: int = 1) -> None:
         old = self.dcost.get(arm)
         u = self.draft_units(arm, m)
@@ -554,6 +565,8 @@ class AutoDrafter(Drafter):
         """Fold the last step (its interval minus its drafting = verification and engine time) into ``scale``."""
         now = self.clock()
         ids = {id(s) for s in sessions}
+        if self._t_prev is not None:
+            self.elapsed += now - self._t_prev
         if self._t_prev is not None and self.step_rows:
             self.last = (len(self._ids_prev), self.step_tok, self.step_rows, self._d_prev)
             if ids <= self._ids_prev:             # no request joined (its prefill rode in that pass)
