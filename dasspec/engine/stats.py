@@ -32,6 +32,7 @@ class GenerationStats:
     stop_reason: str = ""
     cache_bytes: int = 0                 # the depth cache allocated for this request
     peak_memory: int | None = None       # CUDA: peak allocated; CPU: peak resident set of the process
+    choices: dict[str, int] = field(default_factory=dict)   # method auto: steps per drafter it chose
 
     def count(self, phase: str, passes: int, updates: int) -> None:
         """Sequential core passes and position-updates spent in ``phase`` (prefill, draft or verify)."""
@@ -82,6 +83,7 @@ class GenerationStats:
             "prefill_time": self.prefill_time, "draft_time": self.draft_time, "verify_time": self.verify_time,
             "wall_time": self.wall_time, "tokens_per_second": self.tokens_per_second,
             "stop_reason": self.stop_reason, "cache_bytes": self.cache_bytes, "peak_memory": self.peak_memory,
+            "choices": dict(self.choices),
         }
 
 

@@ -72,7 +72,7 @@ def method_names() -> list[str]:
 
 
 # The paper's order (Table 1): the target-model decoders, then the model-agnostic baselines.
-ORDER = ("ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam")
+ORDER = ("ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam", "auto")
 
 
 def all_knobs() -> list[type[Knobs]]:
@@ -117,6 +117,9 @@ def build_drafter(model, method: str, user: dict | None = None, num_steps: int |
     fit the model's context, naming the knobs that size them."""
     knobs = resolve_knobs(model, method, user, num_steps, sampled)
     drafter = get_method(method).drafter(knobs)
+    bind = getattr(drafter, "bind", None)       # a drafter that needs the model itself (auto: its sub-drafters)
+    if callable(bind):
+        bind(model, num_steps, sampled)
     context = model.config.block_size
     if drafter.width > context:
         named = ", ".join(_show(n, getattr(knobs, n)) for n in drafter.width_knobs)

@@ -158,6 +158,8 @@ class ServerMetrics:
             Gauge(r, "dasspec_preemptions_total", "Requests swapped out to host memory when blocks ran out",
                   lambda: cache()["preemptions"])
         self.generated_tokens = Counter(r, "dasspec_generated_tokens_total", "Tokens generated", ("method",))
+        self.choices = Counter(r, "dasspec_auto_steps_total", "Decode steps of method auto by the drafter it "
+                               "chose (ar: a plain full-depth step)", ("method", "drafter"))
         Gauge(r, "dasspec_queue_length", "Requests waiting for the decode worker", queue_length)
         Gauge(r, "dasspec_running_requests", "Requests being decoded together (the engine's batch)", running)
         Gauge(r, "dasspec_generation_tokens_per_second", f"Tokens committed per second over the last "

@@ -298,6 +298,8 @@ class DecodeWorker:
         m.prompt_tokens.inc(s.prompt_tokens)
         m.cached_tokens.inc(s.cached_tokens)
         m.generated_tokens.inc(s.new_tokens, method=s.method)
+        for drafter, steps in s.choices.items():
+            m.choices.inc(steps, method=s.method, drafter=drafter)
         m.accepted.observe_many(s.accepted, method=s.method)
         m.committed.observe_many([a + u for a, u in zip(s.accepted, s.target_tokens)], method=s.method)
         if job.first_token is not None:

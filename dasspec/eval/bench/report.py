@@ -17,7 +17,7 @@ from .records import RECORDS, Records, read_records
 
 METHOD_LABELS = {"ar": "AR", "lookahead": "Lookahead", "pld": "PLD", "token-recycling": "Token Recycling",
                  "sam": "SAM-Decoding", "self-spec": "Self-speculative", "mature-spec": "Mature-Spec",
-                 "das-wave": "DAS-Wave"}
+                 "das-wave": "DAS-Wave", "auto": "auto (DAS-Wave / SAM / PLD / AR per step)"}
 TASK_LABELS = {"gsm8k": "GSM8K", "math500": "MATH-500", "humaneval": "HumanEval", "mbpp": "MBPP"}
 METHOD_ORDER = list(METHOD_LABELS)
 TASK_ORDER = list(TASK_LABELS)

@@ -1,0 +1,629 @@
+"""``auto``: choose, per request and per step, among DAS-Wave, SAM-Decoding, prompt lookup and plain AR, from a cost
+model measured while decoding - so the default is never meaningfully slower than AR and as fast as the drafter that
+pays where one does.  Every choice is verified by the same full-depth target, so the tokens are AR's whatever it
+chooses (greedy, sampled per seed, batched); only the speed depends on the measurements.
+
+The cost model, per step (one ``propose_batch`` call to the next = drafting + one verification pass):
+
+* **what a pass costs**: the step's time minus the sub-drafters' drafting time is the verification (and engine)
+  time V; it is modelled as ``V = scale * full(rows)`` over the step's verifier rows, where ``full(W)`` is the
+  calibrated model time of a full-depth pass over W rows (below; without a calibration ``DEFAULT_K + W``) and
+  ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).
+* **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
+  per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
+  per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
+  its requests).
+* **what drafts earn**: each request keeps a moving average of tokens committed per step and of verifier rows per
+  arm, from its verdicts (``len(verdict.tokens)``).  The lookup arms (SAM, PLD) are also scored *off-policy* every
+  step they are not used: their draft costs no model pass, and since the committed tokens do not depend on the
+  draft, the tokens the chain would have committed (its longest prefix that matches what was committed, plus one)
+  are known exactly once the next tokens are.  So a lookup drafter that starts paying (text turning repetitive) is
+  noticed within a few steps without spending a step on it.
+* **the choice**: per request the arm that gives the step the most tokens per second, the other requests taken as
+  they were last step (B = 1: the request's own tokens per second; AR: one token per step, no drafting cost, one
+  row); a drafter replaces a plain step only when it wins by ``MARGIN`` (AR's value is certain, the others' are
+  estimates).  DAS-Wave, which needs model passes to draft, is re-measured by *probes*: one block every
+  ``interval`` steps, where the interval keeps the expected cost of probing under ``explore`` (a fraction of the
+  step time over the batch: a probe of an arm that loses by x seconds is made every B x / (explore * step time)
+  steps, at most one request probes an arm per step, and every probe after the first is refused while the probes'
+  estimated losses would exceed ``explore`` of the time decoded so far), and soon
+  (at most every few steps) when a lookup arm's acceptance overtakes DAS-Wave's last measured one (its seeds come
+  from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
+  earlier requests, so a batch of requests pays one probe, not one each.
+
+Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
+bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
+which (a) ``full(W)`` above, and (b) DAS-Wave's window for this model: gamma = W_init = the
+widest window whose round costs at most ``WIDE_ROUND`` times a one-row round (wider rows stop being nearly free), and
+the rounds J cut so a block's rounds cost at most one full-depth one-row pass (an AR step), so a block that gains a
+token already pays - both only ever lowering the model's own DAS-Wave defaults, and never knobs given in the
+model's generation_config.json.  ``benchmarks/tune_wave.py`` stays the way to tune a schedule explicitly.
+
+What was chosen: each draft's ``notes["auto"]`` (the arm; ``probe`` when it was an exploration) in a trace, and
+``stats.choices`` (arm -> steps) per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..engine.draft import Draft, Drafter, Session, Verdict
+from . import Method, build_drafter, register
+from .knobs import Knobs, Most, boolean, brief, knob
+
+ARMS = ("das-wave", "sam", "pld")        # the drafters auto may use besides AR
+LOOKUP = ("sam", "pld")                   # drafters that need no model pass: scored off-policy every step
+CALIBRATION_BUDGET_S = 3.0
+CAL_WIDTHS = (1, 8, 32, 2, 4, 16)       # the most telling first: a slow model measures only what the budget allows
+WIDE_ROUND = 1.5          # a window is "nearly free" while a round over it costs at most this x a one-row round
+DEFAULT_K = 4.0           # the fixed part of a pass in row units, without a calibration
+CAL_VERSION = 2
+
+
+@dataclass(frozen=True)
+class AutoKnobs(Knobs):
+    method = "auto"
+    arms: str = knob(",".join(ARMS), "auto: the drafters it chooses among besides AR, comma-separated (of "
+                     + ", ".join(ARMS) + ")", parse=str)
+    explore: float = knob(0.05, "auto: the most of the step time re-measuring switched-off drafters may cost",
+                          most=Most("1", "it is a fraction of the step time", lambda kn, s: 1.0))
+    calibrate: bool = knob(True, "auto: measure pass costs when the drafter is built (cached per model and "
+                           "machine) and size DAS-Wave's window from them")
+
+    def validate(self, R: int) -> "AutoKnobs":
+        arms = self.arms
+        if isinstance(arms, (list, tuple)):
+            arms = ",".join(map(str, arms))
+        if not isinstance(arms, str):
+            raise ValueError(f"arms must be a comma-separated list of {', '.join(ARMS)}, got {brief(arms)}")
+        names = [a.strip() for a in arms.split(",") if a.strip()]
+        bad = [a for a in names if a not in ARMS]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"arms must name each of {', '.join(ARMS)} at most once, got {brief(self.arms)}")
+        e = self.explore
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e <= 1:
+            raise ValueError(f"explore must be a number in [0, 1], got {brief(e)}")
+        boolean(self, "calibrate")
+        return replace(self, arms=",".join(names), explore=float(e))
+
+    @property
+    def arm_list(self) -> list[str]:
+        return [a for a in self.arms.split(",") if a]
+
+
+# --- calibration -------------------------------------------------------------------------------------------------
+
+def _cache_file() -> Path:
+    root = os.environ.get("DASSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dasspec")
+    return Path(root) / "calibration.json"
+
+
+def _keys(model) -> tuple[str, str]:
+    cfg = model.config
+    shape = {k: v for k, v in sorted(vars(cfg).items()) if isinstance(v, (int, float, str, bool))}
+    shape.update(dtype=str(model.dtype), device=str(model.device))
+    mkey = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    machine = f"{platform.node()}|{platform.machine()}|{platform.processor()}|{os.cpu_count()}|" \
+              f"threads={torch.get_num_threads()}|torch={torch.__version__}"
+    if model.device.type == "cuda":
+        machine += "|" + torch.cuda.get_device_name(model.device)
+    return mkey, hashlib.sha256(machine.encode()).hexdigest()[:16]
+
+
+def measure_costs(model, budget_s: float = CALIBRATION_BUDGET_S, widths=CAL_WIDTHS) -> dict[str, dict[int, float]]:
+    """Seconds of the prelude, one core step and the readout over W rows (no cache: own rows only), for each W in
+    ``widths`` while the budget lasts (the minimum of a few repetitions)."""
+    cuda = model.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(model.device)
+
+    t_start = time.perf_counter()
+    out: dict[str, dict[int, float]] = {"prelude": {}, "core": {}, "head": {}}
+    with torch.no_grad():
+        for W in widths:
+            if out["core"] and time.perf_counter() - t_start > budget_s * 0.5:
+                break
+            ids = torch.zeros(1, W, dtype=torch.long, device=model.device)
+            span = model.span(0, 0, W)
+            h0 = model.initial_state(torch.arange(W, device=model.device)).unsqueeze(0)
+            best = {"prelude": math.inf, "core": math.inf, "head": math.inf}
+            for rep in range(4 if not out["core"] else 3):
+                sync()
+                t0 = time.perf_counter()
+                e = model.prelude(ids, span)
+                sync()
+                t1 = time.perf_counter()
+                h = model.core_step(model.start_state(h0, e), e, span)
+                sync()
+                t2 = time.perf_counter()
+                model.readout(h, span)
+                sync()
+                t3 = time.perf_counter()
+                if rep or out["core"]:                   # the very first repetition warms up
+                    best["prelude"] = min(best["prelude"], t1 - t0)
+                    best["core"] = min(best["core"], t2 - t1)
+                    best["head"] = min(best["head"], t3 - t2)
+                if math.isfinite(best["core"]) and time.perf_counter() - t_start > budget_s:
+                    break
+            if math.isfinite(best["core"]):
+                for name in out:
+                    out[name][W] = best[name]
+            if time.perf_counter() - t_start > budget_s:
+                break
+    return out
+
+
+def calibration(model, use_cache: bool = True) -> dict[str, dict[int, float]]:
+    """``measure_costs`` for this model on this machine, from the JSON cache when it has them."""
+    mkey, machine = _keys(model)
+    key = f"v{CAL_VERSION}:{mkey}:{machine}"
+    path = _cache_file()
+    table: dict[str, Any] = {}
+    if use_cache:
+        try:
+            table = json.loads(path.read_text())
+            hit = table.get(key)
+            if hit:
+                return {name: {int(w): float(t) for w, t in part.items()} for name, part in hit.items()}
+        except (OSError, ValueError, AttributeError):
+            table = {}
+    costs = measure_costs(model)
+    if use_cache and costs["core"]:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table = table if isinstance(table, dict) else {}
+            table[key] = {name: {str(w): t for w, t in part.items()} for name, part in costs.items()}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass                                        # a read-only home: measured again next time
+    return costs
+
+
+def _interp(table: dict[int, float], W: float) -> float:
+    """``table`` (width -> seconds) at width W: piecewise linear, extrapolated along the last two widths."""
+    ws = sorted(table)
+    if len(ws) == 1:
+        return table[ws[0]] * max(W, 1) / ws[0] if W > ws[0] else table[ws[0]]
+    if W <= ws[0]:
+        return table[ws[0]]
+    for lo, hi in zip(ws, ws[1:]):
+        if W <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (W - lo) / (hi - lo)
+    lo, hi = ws[-2], ws[-1]
+    return table[hi] + max(table[hi] - table[lo], 0.0) * (W - hi) / (hi - lo)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the calibration implies: the model time of a full-depth pass over W rows (``full(W)``, seconds), of a
+    DAS-Wave round, and DAS-Wave's window for this model."""
+    costs: dict[str, dict[int, float]]
+    R: int
+    window: int | None          # the widest nearly-free window (None: only one width measured)
+
+    @classmethod
+    def of(cls, costs: dict[str, dict[int, float]], R: int) -> "Sizing | None":
+        core = costs.get("core", {})
+        if 1 not in core:
+            return None
+        s = cls(costs, R, None)
+        if max(core) > 1:
+            window = max(W for W in sorted(core) if s.round_cost(W, 1) <= WIDE_ROUND * s.round_cost(1, 1))
+            s = cls(costs, R, window)
+        return s
+
+    def full(self, W: float) -> float:
+        c = self.costs
+        return _interp(c["prelude"], W) + self.R * _interp(c["core"], W) + _interp(c["head"], W)
+
+    def round_cost(self, W: float, k: int) -> float:
+        c = self.costs
+        return _interp(c["prelude"], W) + k * _interp(c["core"], W) + _interp(c["head"], W)
+
+    @property
+    def full1(self) -> float:
+        return self.full(1)
+
+
+# --- the drafter ---------------------------------------------------------------------------------------------------
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+class ArmStats:
+    __slots__ = ("tok", "rows", "n", "last")   # per request and arm
+
+    def __init__(self):
+        self.tok: float | None = None      # tokens committed per step (moving average)
+        self.rows: float | None = None     # verifier rows per step
+        self.n = 0
+        self.last = 0                      # the step of the last measurement (the session's start: none yet)
+
+    def add(self, tok: float, rows: float, step: int, alpha: float) -> None:
+        self.tok = _ema(self.tok, tok, alpha)
+        self.rows = _ema(self.rows, rows, alpha)
+        self.n += 1
+        self.last = step
+
+
+PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
+STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
+PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
+MIN_INTERVAL, MAX_INTERVAL = 2, 256
+MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
+HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
+EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
+
+
+class AutoSession(Session):
+    """One request: a session of every sub-drafter (they keep their own text indexes; only the chosen one proposes),
+    the request's per-arm measurements and its exploration clock."""
+
+    def __init__(self, drafter: "AutoDrafter", req):
+        super().__init__(drafter, req)
+        self.subs: dict[str, Session] = {arm: sub.start(req) for arm, sub in drafter.subs.items()}
+        self.arms = {arm: ArmStats() for arm in drafter.subs}
+        self.steps = 0
+        self.arm = "ar"                    # this step's arm
+        self.prev = "ar"                   # the last step's
+        self.probe = False
+        self.pending: dict[str, tuple[int, list[int]]] = {}   # lookup arm -> (generated length, its draft then)
+        self.last_hint = 0
+        self.hint_level = 0.0              # the lookup acceptance that triggered the last hinted probe
+
+    # -- estimates --
+    def tok_rows(self, arm: str) -> tuple[float | None, float | None]:
+        """Tokens and verifier rows per step of ``arm`` for this request (the drafter's average over its requests
+        while this one has not measured it; None when nobody has)."""
+        if arm == "ar":
+            return 1.0, 1.0
+        st = self.arms[arm]
+        if st.n:
+            return st.tok, st.rows
+        prior = self.drafter.prior.get(arm)
+        return (prior[0], prior[1]) if prior is not None else (None, None)
+
+    def values(self, B: int) -> dict[str, tuple[float, float, float] | None]:
+        """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` and the
+        others as last step, or None while unknown."""
+        d = self.drafter
+        others = d.others(B)
+        out = {}
+        for arm in ("ar", *d.subs):
+            tok, rows = self.tok_rows(arm)
+            m = d.groups_last.get(arm, 0) + (self.prev != arm)        # the group it would draft in
+            t = d.step_time(arm, rows, others, m) if tok is not None else None
+            out[arm] = None if t is None else ((others[0] + tok) / t, t, others[0] + tok)
+        return out
+
+    def choose(self, B: int) -> tuple[str, bool]:
+        d = self.drafter
+        vals = self.values(B)
+        if vals["ar"] is None:             # no pass measured yet (no calibration): a plain step measures one
+            return "ar", False
+        for arm in d.subs:                 # a model-drafting arm nobody has measured yet: probe it (one request)
+            if arm not in LOOKUP and vals[arm] is None and arm not in d.probed:
+                d.probed.add(arm)
+                return arm, True
+        known = {a: v for a, v in vals.items() if v is not None}
+        best = max(known, key=lambda a: known[a][0])
+        if best != "ar" and known[best][0] < (1.0 + MARGIN) * known["ar"][0]:
+            best = "ar"                    # AR's value is certain, the others' estimated: a drafter must win clearly
+        if d.knobs.explore <= 0:
+            return best, False
+        j_best, t_best, _ = known[best]
+        look = max([self.tok_rows(a)[0] or 0.0 for a in LOOKUP if a in d.subs] or [0.0])
+        for arm in d.subs:
+            if arm in LOOKUP or arm == best or arm not in known or arm in d.probed:    # one probe a step
+                continue
+            _, t_a, tok_a = known[arm]
+            since = self.steps - self.arms[arm].last
+            # the lookup drafters now accept more than this arm did when last measured, and it would be the best
+            # arm if it accepted that much too (its seeds come from the same text): measure it again soon, once
+            # per such rise
+            # what one probe costs against the best arm
+            loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
+            own = self.tok_rows(arm)[0] or 0.0
+            if d.seeded(arm) and since >= HINT_EVERY and look > max(own + 0.5, self.hint_level + 0.5) \
+                    and (tok_a - own + look) / t_a > j_best and d.may_probe(loss):
+                self.hint_level = look
+                d.probed.add(arm)
+                return arm, True
+            # the interval that keeps B requests' probes within ``explore`` of the step time
+            interval = min(max(loss * B / (d.knobs.explore * t_best), MIN_INTERVAL), MAX_INTERVAL)
+            if since >= interval and d.may_probe(loss):
+                d.probed.add(arm)
+                return arm, True
+        if look < self.hint_level - 1.0:
+            self.hint_level = look
+        return best, False
+
+    # -- off-policy scoring of lookup drafts --
+    def shadow(self) -> None:
+        """Ask each lookup arm not used this step for its draft (host work only) and keep it, to score once the
+        next tokens are committed."""
+        gen = len(self.req.generated)
+        for arm in LOOKUP:
+            if arm not in self.subs or arm == self.arm or arm in self.pending:
+                continue
+            t0 = time.perf_counter()
+            draft = self.subs[arm].propose()
+            self.drafter.add_draft_cost(arm, time.perf_counter() - t0)
+            if draft.layout is not None:              # a tree (SAM's static corpus): not scored off-policy
+                continue
+            toks = draft.tokens
+            toks = toks.tolist() if hasattr(toks, "tolist") else list(toks)
+            self.pending[arm] = (gen, [int(t) for t in toks][: max(self.req.room - 1, 0)])
+
+    def resolve(self) -> None:
+        """Score the pending lookup drafts whose outcome the committed tokens now decide: the chain would have
+        committed its longest prefix that matches them, plus the target's token (a lower bound once the first
+        ``EARLY_RESOLVE`` matched, so a run of matches counts at once)."""
+        gen = self.req.generated
+        for arm, (at, toks) in list(self.pending.items()):
+            seen = gen[at: at + len(toks)]
+            m = 0
+            while m < len(seen) and seen[m] == toks[m]:
+                m += 1
+            if m < len(seen) or m == len(toks) or m >= EARLY_RESOLVE:
+                del self.pending[arm]
+                rows = len(toks) + 1 if toks else 1
+                self.arms[arm].add(m + 1, rows, self.steps, STEP_ALPHA)
+                self.drafter.add_prior(arm, m + 1, rows)
+
+    def observe(self, verdict: Verdict) -> None:
+        arm = self.arm
+        tok, rows = len(verdict.tokens), int(verdict.pred.shape[0])
+        self.drafter.step_tok += tok
+        self.drafter.step_rows += rows
+        if arm != "ar":
+            self.arms[arm].add(tok, rows, self.steps, STEP_ALPHA if arm in LOOKUP else PROBE_ALPHA)
+            self.drafter.add_prior(arm, tok, rows)
+            self.subs[arm].observe(verdict)
+            self.pending.pop(arm, None)
+        self.resolve()
+        self.prev = arm
+        self.steps += 1
+
+
+class AutoDrafter(Drafter):
+    """Sub-drafters for DAS-Wave, SAM and PLD (built with the model's knobs for each, by ``bind``), the shared cost
+    model and the drafter-wide averages of what each arm earns.  ``clock``: the time source (tests pass their
+    own)."""
+
+    name = "auto"
+    session = AutoSession
+    width_knobs = ("arms",)
+    stateful = True           # its cost model and acceptance averages carry over from request to request
+
+    def __init__(self, knobs: AutoKnobs, clock: Callable[[], float] = time.perf_counter):
+        self.knobs = knobs
+        self.subs: dict[str, Drafter] = {}
+        self.width = 1
+        self.clock = clock
+        self.sizing: Sizing | None = None
+        self.ema_v: float | None = None          # verification (+ engine) seconds per step, measured
+        self.ema_f: float | None = None          # the model's pass cost of those steps' rows (``pass_cost``)
+        self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
+        self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
+        self.probed: set[str] = set()            # arms probed this step (one request each)
+        self.elapsed = 0.0                       # seconds of the steps measured so far
+        self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
+        self.prior: dict[str, tuple[float, float]] = {}
+        self.step_tok = self.step_rows = 0       # the step being verified: tokens, rows (from the verdicts)
+        self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
+        self._t_prev: float | None = None
+        self._d_prev = 0.0
+        self._ids_prev: set[int] = set()
+        self.bound = False
+        self.cuda = False
+
+    # -- building --
+    def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
+        """Build the sub-drafters on ``model`` (each method's knobs as ``build_drafter`` resolves them) and size
+        DAS-Wave's window from the calibration."""
+        self.cuda = model.device.type == "cuda"
+        R = model.depth(num_steps)
+        if self.knobs.calibrate:
+            self.sizing = Sizing.of(calibration(model), R)
+        if self.sizing is not None:
+            self.ema_v = self.ema_f = self.sizing.full1        # the first estimate: the calibrated pass
+        for arm in self.knobs.arm_list:
+            user = self.wave_window(model, R, sampled) if arm == "das-wave" else {}
+            self.subs[arm] = build_drafter(model, arm, user, num_steps, sampled)
+        self.width = max([1] + [d.width for d in self.subs.values()])
+        self.bound = True
+
+    def wave_window(self, model, R: int, sampled: bool) -> dict:
+        """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a
+        block's rounds cost at most one full-depth one-row pass; knobs the model's generation_config.json sets are
+        kept."""
+        from . import resolve_knobs
+        s = self.sizing
+        if s is None or s.window is None:
+            return {}
+        kn = resolve_knobs(model, "das-wave", {}, R, sampled)
+        gd = model.generation_defaults if isinstance(model.generation_defaults, dict) else {}
+        section = gd.get("dasspec") if isinstance(gd.get("dasspec"), dict) else {}
+        given = set(section.get("das-wave") or {})
+        if sampled:
+            given |= set(section.get("das-wave:sampled") or {})
+        out: dict[str, Any] = {}
+        if not given & {"gamma", "w_init"} and s.window < kn.gamma:
+            out.update(gamma=s.window, w_init=min(kn.w_init, s.window))
+        if "rounds" not in given:
+            g, w0 = out.get("gamma", kn.gamma), out.get("w_init", kn.w_init)
+            J, spent = 0, 0.0
+            while J < kn.rounds:
+                c = s.round_cost(min(g, w0 + J), kn.k)
+                if J and spent + c > s.full1:
+                    break
+                spent += c
+                J += 1
+            if J < kn.rounds:
+                out["rounds"] = J
+        return out
+
+    def seeded(self, arm: str) -> bool:
+        kn = getattr(self.subs.get(arm), "knobs", None)
+        return getattr(kn, "guesses", "anchor") != "anchor"
+
+    def start(self, req) -> AutoSession:
+        if not self.bound:
+            raise RuntimeError("the auto drafter is built by dasspec.build_drafter (it needs the model)")
+        return AutoSession(self, req)
+
+    # -- the cost model --
+    def pass_cost(self, rows: float) -> float:
+        """The model's cost of one verification pass over ``rows`` rows, in the calibration's seconds (without
+        one: a fixed part of ``DEFAULT_K`` rows plus one per row)."""
+        return self.sizing.full(rows) if self.sizing is not None else DEFAULT_K + rows
+
+    @property
+    def scale(self) -> float | None:
+        """Measured verification seconds per unit of ``pass_cost`` (engine overhead and load included)."""
+        return None if self.ema_v is None else self.ema_v / self.ema_f
+
+    def others(self, B: int) -> tuple[float, float, float]:
+        """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
+        last step's totals, scaled to B - 1 of its sessions)."""
+        if B <= 1:
+            return 0.0, 0.0, 0.0
+        if self.last is None or not self.last[0]:
+            return float(B - 1), float(B - 1), 0.0
+        n, tok, rows, dt = self.last
+        f = (B - 1) / n
+        return tok * f, rows * f, dt * f
+
+    def draft_units(self, arm: str, m: int) -> float:
+        """The model's cost of ``arm`` drafting for m requests at once, in the calibration's seconds: DAS-Wave's
+        rounds over m windows (without a calibration: a fixed part of one request plus one per request); a lookup
+        drafter's host work, one unit per request."""
+        if arm in LOOKUP:
+            return float(m)
+        kn = getattr(self.subs.get(arm), "knobs", None)
+        if self.sizing is None or kn is None or not hasattr(kn, "w"):
+            return 1.0 + m
+        return sum(self.sizing.round_cost(min(kn.gamma, kn.w_init + j) * m, kn.k) for j in range(kn.rounds))
+
+    def draft_time(self, arm: str, m: int) -> float | None:
+        """Expected drafting seconds per request of ``arm`` in a group of m requests (None: never measured)."""
+        if arm == "ar":
+            return 0.0
+        got = self.dcost.get(arm)
+        if got is None:
+            return None
+        m = max(m, 1)
+        return got[0] / got[1] * self.draft_units(arm, m) / m
+
+    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int = 1) -> float | None:
+        """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
+        requests drafting with it) beside ``others``."""
+        scale = self.scale
+        if scale is None or rows is None:
+            return None
+        d = self.draft_time(arm, m)
+        if d is None:
+            return None
+        return d + others[2] + scale * self.pass_cost(others[1] + rows)
+
+    def may_probe(self, loss: float) -> bool:
+        """Whether a probe estimated to cost ``loss`` seconds over the best arm keeps every probe so far within
+        ``explore`` of the time decoded so far (whatever triggered them, over all requests); takes it if so."""
+        if self.explored + loss > self.knobs.explore * self.elapsed:
+            return False
+        self.explored += loss
+        return True
+
+    def add_draft_cost(self, arm: str, seconds: float, m: int = 1) -> None:
+        old = self.dcost.get(arm)
+        u = self.draft_units(arm, m)
+        self.dcost[arm] = (seconds, u) if old is None else (_ema(old[0], seconds, STEP_ALPHA),
+                                                            _ema(old[1], u, STEP_ALPHA))
+
+    def add_prior(self, arm: str, tok: float, rows: float) -> None:
+        old = self.prior.get(arm)
+        self.prior[arm] = (tok, rows) if old is None else (_ema(old[0], tok, PRIOR_ALPHA),
+                                                           _ema(old[1], rows, PRIOR_ALPHA))
+
+    def _step_time(self, sessions: list[AutoSession]) -> None:
+        """Fold the last step (its interval minus its drafting = verification and engine time) into ``scale``."""
+        now = self.clock()
+        ids = {id(s) for s in sessions}
+        if self._t_prev is not None:
+            self.elapsed += now - self._t_prev
+        if self._t_prev is not None and self.step_rows:
+            self.last = (len(self._ids_prev), self.step_tok, self.step_rows, self._d_prev)
+            if ids <= self._ids_prev:             # no request joined (its prefill rode in that pass)
+                v = max(now - self._t_prev - self._d_prev, 0.0)
+                f = self.pass_cost(self.step_rows)
+                scale = self.scale
+                if scale is not None:
+                    v = min(v, 3.0 * scale * f)   # a step that also prefilled a waiting prompt, or a pause: clipped
+                self.ema_v = _ema(self.ema_v, v, STEP_ALPHA)
+                self.ema_f = _ema(self.ema_f, f, STEP_ALPHA)
+        self._t_prev, self._ids_prev = now, ids
+        self.step_tok = self.step_rows = 0
+
+    def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
+        self._step_time(sessions)
+        self.probed = set()
+        B = len(sessions)
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(sessions):
+            s.arm, s.probe = s.choose(B)
+            choices = getattr(s.req.stats, "choices", None)
+            if choices is not None:
+                choices[s.arm] = choices.get(s.arm, 0) + 1
+            groups.setdefault(s.arm, []).append(i)
+        drafts: list[Draft] = [Draft()] * B
+        spent = 0.0
+        for arm, idx in groups.items():
+            if arm == "ar":
+                continue
+            subs = [sessions[i].subs[arm] for i in idx]
+            for i, sub in zip(idx, subs):
+                if sessions[i].prev != arm and hasattr(sub, "copying"):
+                    sub.copying = False           # DAS-Wave's copy run follows its own last block only
+            t0 = self.clock()
+            got = self.subs[arm].propose_batch(subs)
+            if self.cuda:
+                torch.cuda.synchronize()
+            dt = self.clock() - t0
+            spent += dt
+            self.add_draft_cost(arm, dt, len(idx))
+            for i, dr in zip(idx, got):
+                drafts[i] = dr
+        out = []
+        for s, dr in zip(sessions, drafts):
+            s.shadow()
+            notes = dict(dr.notes or {})
+            notes["auto"] = s.arm
+            if s.probe:
+                notes["probe"] = True
+            out.append(replace(dr, notes=notes))
+        self._d_prev = spent
+        self.groups_last = {arm: len(idx) for arm, idx in groups.items()}
+        return out
+
+
+def _build(knobs: AutoKnobs) -> AutoDrafter:
+    return AutoDrafter(knobs)
+
+
+register(Method("auto", AutoKnobs, _build, stateful=True))

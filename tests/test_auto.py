@@ -1,0 +1,263 @@
+"""Method ``auto`` (dasspec/methods/auto.py): whatever it chooses, every output is full-depth AR's (greedy, sampled
+per seed, batched; random checkpoints and the bundled model, float32); it records what it chose; its chooser
+switches back to a drafter that starts paying (re-measured by probes, or scored off-policy for the lookup
+drafters); its calibration is cached, skippable, and only lowers DAS-Wave's window where the model's own knobs are
+defaults.  No timing assertions: the choice tests run on a simulated clock."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.engine.draft import Draft, Drafter, Session, Verdict
+from dasspec.engine.stats import GenerationStats
+from dasspec.methods import auto as auto_mod
+from dasspec.methods import build_drafter
+from dasspec.methods.auto import AutoDrafter, AutoKnobs, Sizing
+from dasspec.methods.pld import PLDDrafter, PLDKnobs
+from dasspec.testing import random_model
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """The calibration cache of these tests lives in their own folder, never in the user's home."""
+    monkeypatch.setenv("DASSPEC_CACHE", str(tmp_path / "cache"))
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        L = int(torch.randint(6, 24, (1,), generator=g))
+        if i % 2:                      # repeats, so the lookup drafters have something to accept
+            out.append(torch.randint(2, vocab, (max(2, L // 3),), generator=g).repeat(4)[:L].tolist())
+        else:
+            out.append(torch.randint(2, vocab, (L,), generator=g).tolist())
+    return out
+
+
+def _all_choices(results) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in results:
+        for k, v in r.stats.choices.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_random_checkpoints_match_ar(family: str) -> None:
+    """Six prompts, greedy and sampled (a seed per prompt), one at a time with a kept drafter and all together
+    (generate_batch, max_batch 3): every output equals that prompt's AR decode.  ``explore=1`` makes the chooser
+    switch among the drafters often, so every arm's drafts are verified; with calibration (the cached path)."""
+    model = random_model(family, seed=6)
+    prompts = _prompts(model.config.vocab_size, 6, seed=11)
+    for sampled in (False, True):
+        opts = dict(do_sample=True, temperature=0.8, top_p=0.95) if sampled else {}
+        refs = [dasspec.generate(model, p, "ar", max_new_tokens=20, eos=False, seed=i, **opts).tokens
+                for i, p in enumerate(prompts)]
+        kept = build_drafter(model, "auto", {"explore": 1.0}, sampled=sampled)
+        for i, p in enumerate(prompts[:3]):
+            out = dasspec.generate(model, p, drafter=kept, max_new_tokens=20, eos=False, seed=i, **opts)
+            assert out.tokens == refs[i], (family, sampled, i)
+        outs = dasspec.generate_batch(model, prompts, "auto", max_new_tokens=20, eos=False, max_batch=3,
+                                      seed=list(range(len(prompts))), explore=1.0, **opts)
+        assert [o.tokens for o in outs] == refs, (family, sampled)
+        # the same on a clock that ticks per reading, so the choices are deterministic: several drafters' drafts
+        # are verified, not only AR steps
+        ticking = build_drafter(model, "auto", {"explore": 1.0, "calibrate": False}, sampled=sampled)
+        ticking.clock = TickClock()
+        outs = dasspec.generate_batch(model, prompts, drafter=ticking, max_new_tokens=20, eos=False, max_batch=3,
+                                      seed=list(range(len(prompts))), **opts)
+        assert [o.tokens for o in outs] == refs, (family, sampled)
+        used = _all_choices(outs)
+        assert len(used) >= (2 if sampled else 3), (family, sampled, used)
+
+
+def test_bundled_model_matches_ar(eval_data) -> None:
+    """The bundled model on GSM8K questions, greedy and sampled, batched: AR's tokens; and auto does speculate
+    there (its drafts are accepted)."""
+    root = eval_data("gsm8k/test.jsonl")
+    model = dasspec.load_model()
+    tok = dasspec.load_tokenizer()
+    with open(root / "gsm8k" / "test.jsonl") as f:
+        qs = [json.loads(next(f))["question"] for _ in range(3)]
+    prompts = [tok.encode(f"Question: {q}\nAnswer:") for q in qs]
+    for sampled in (False, True):
+        opts = dict(do_sample=True, temperature=0.7, top_p=0.95) if sampled else {}
+        seeds = [3, 4, 5]
+        refs = dasspec.generate_batch(model, prompts, "ar", max_new_tokens=40, seed=seeds, **opts)
+        outs = dasspec.generate_batch(model, prompts, "auto", max_new_tokens=40, seed=seeds, max_batch=3, **opts)
+        assert [o.tokens for o in outs] == [r.tokens for r in refs], sampled
+        if not sampled:
+            assert sum(sum(o.stats.accepted) for o in outs) > 0
+
+
+def test_choices_are_recorded() -> None:
+    """Each draft's notes name the drafter auto chose (``probe`` on explorations) and ``stats.choices`` counts the
+    steps per drafter."""
+    model = random_model("huginn", seed=6)
+    prompt = _prompts(model.config.vocab_size, 2, seed=3)[1]
+    out = dasspec.generate(model, prompt, "auto", max_new_tokens=24, eos=False, trace=True, explore=1.0,
+                           calibrate=False)
+    arms = [d.notes["auto"] for d, _ in out.trace]
+    assert set(arms) <= {"ar", "das-wave", "sam", "pld"}
+    counts = {a: arms.count(a) for a in set(arms)}
+    assert out.stats.choices == counts
+    assert out.stats.to_dict()["choices"] == counts
+    assert any(d.notes.get("probe") for d, _ in out.trace)
+
+
+# --- the chooser, on a simulated clock ------------------------------------------------------------------------
+
+class TickClock:
+    """A clock that advances 1 ms per reading."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeWaveSession(Session):
+    pass
+
+
+class FakeWave(Drafter):
+    """A drafter that needs model passes: its drafts cost ``cost`` seconds on the fake clock."""
+
+    name = "das-wave"
+    session = FakeWaveSession
+    width = 9
+
+    def __init__(self, clock: FakeClock, cost: float):
+        self.clock, self.cost = clock, cost
+
+    def propose_batch(self, sessions):
+        self.clock.t += self.cost
+        return [Draft([0] * 8) for _ in sessions]
+
+
+def _fake_req(text: list[int], P: int, budget: int):
+    return SimpleNamespace(P=P, prompt=text[:P], generated=[text[P]], budget=budget, room=budget, done=False,
+                           stats=GenerationStats(method="auto"), device=torch.device("cpu"))
+
+
+def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_tokens) -> list[str]:
+    """Drive one session for ``steps`` steps: drafts are judged against ``text`` (the target's tokens), the fake
+    wave's by ``wave_tokens(step)``; a verification costs 0.1 x (4 + rows) seconds.  Returns the arm per step."""
+    clock = drafter.clock
+    s = drafter.start(req)
+    arms = []
+    for step in range(steps):
+        [d] = drafter.propose_batch([s])
+        at = len(req.generated) + req.P           # the position of the next token
+        toks = d.tokens.tolist() if hasattr(d.tokens, "tolist") else list(d.tokens)
+        if s.arm == "das-wave":
+            m = wave_tokens(step) - 1
+        else:
+            m = 0
+            while m < len(toks) and toks[m] == text[at + m]:
+                m += 1
+        committed = text[at: at + m + 1]
+        rows = len(toks) + 1
+        clock.t += 0.1 * (4 + rows)
+        req.generated.extend(committed)
+        req.room = req.budget = req.budget - len(committed)
+        s.observe(Verdict(kept=len(committed), accepted=m, path=list(range(m + 1)), tokens=committed,
+                          pred=torch.zeros(rows, dtype=torch.long), logits=torch.zeros(rows, 1)))
+        arms.append(s.arm)
+    return arms
+
+
+def _auto(arms: str, explore: float, subs: dict) -> AutoDrafter:
+    d = AutoDrafter(AutoKnobs(arms=arms, explore=explore, calibrate=False).validate(8), clock=FakeClock())
+    d.subs = subs(d.clock)
+    d.width = max(x.width for x in d.subs.values())
+    d.bound = True
+    return d
+
+
+def test_switches_back_to_a_model_drafter_that_starts_paying() -> None:
+    """A drafter whose drafts cost 1 s and commit 1 token per step for 120 steps (AR: 1 token for 0.5 s, the
+    drafter's steps 2.3 s) is switched off; from step 120 its drafts commit 9 tokens, and auto is back on it within
+    25 steps (with ``explore=0.2`` a probe costing 1.8 s is made every 18 steps) and stays there - because
+    switched-off drafters are re-measured (fails when the chooser never explores)."""
+    d = _auto("das-wave", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0)})
+    text = list(range(10, 2000))
+    arms = _simulate(d, _fake_req(text, 5, 1500), text, 200, lambda step: 1 if step < 120 else 9)
+    before = arms[20:120]
+    assert before.count("das-wave") <= 0.2 * len(before), before
+    after = arms[120:]
+    back = next((i for i, a in enumerate(after) if a == "das-wave"), None)
+    assert back is not None and back <= 25, after
+    assert after[back:].count("das-wave") >= 0.9 * len(after[back:]), after
+
+
+def test_lookup_drafter_is_noticed_within_a_few_steps() -> None:
+    """Text that turns repetitive at token 80: prompt lookup (never used while nothing repeats) is chosen within
+    a few steps of the first repeated stretch, because its drafts are scored off-policy every step (fails when
+    the lookup drafts are not scored while another arm runs)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    period = list(range(3000, 3011))
+    text = list(range(100, 180)) + period * 60
+    arms = _simulate(d, _fake_req(text, 4, 600), text, 140, lambda step: 1)
+    first = arms.index("pld") if "pld" in arms else None
+    assert "pld" not in arms[:60], arms
+    # the repeat starts at token 80; the first copy of the period (11 tokens) must pass before anything matches
+    steps_to_repeat = 80 - 5
+    assert first is not None and first <= steps_to_repeat + 11 + 6, arms
+    assert arms[first:].count("pld") >= 0.8 * len(arms[first:]), arms
+
+
+# --- calibration ------------------------------------------------------------------------------------------------
+
+def test_calibration_is_cached_and_optional(monkeypatch) -> None:
+    model = random_model("ouro", seed=2)
+    costs = auto_mod.calibration(model)
+    assert set(costs) == {"prelude", "core", "head"} and 1 in costs["core"]
+    assert auto_mod._cache_file().is_file()
+
+    def refuse(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(auto_mod, "measure_costs", refuse)
+    assert auto_mod.calibration(model) == costs                      # from the cache
+    d = build_drafter(model, "auto", {"calibrate": False})           # skipped: nothing measured
+    assert d.sizing is None
+    d = build_drafter(model, "auto")
+    assert d.sizing is not None and d.width >= max(s.width for s in d.subs.values())
+
+
+def _table(core_wide: float) -> dict:
+    """Costs where a round over W rows costs 1 + core_wide x (W - 1) one-row rounds' worth."""
+    ws = (1, 2, 4, 8, 16, 32)
+    return {"prelude": {w: 0.0 for w in ws}, "core": {w: 1e-3 * (1 + core_wide * (w - 1)) for w in ws},
+            "head": {w: 1e-3 for w in ws}}
+
+
+def test_window_follows_pass_costs_but_keeps_the_models_own_knobs(monkeypatch) -> None:
+    """Where wide rounds cost more, DAS-Wave's window (gamma, W_init) under auto narrows, and its rounds fit one AR
+    step; knobs a model's generation_config.json sets (the bundled model's tuned schedule) are kept."""
+    assert Sizing.of(_table(0.01), 4).window == 32
+    assert Sizing.of(_table(2.0), 4).window == 1
+    monkeypatch.setattr(auto_mod, "calibration", lambda model: _table(2.0))
+    ouro = random_model("ouro", seed=2)
+    own = build_drafter(ouro, "das-wave").knobs
+    wave = build_drafter(ouro, "auto").subs["das-wave"].knobs
+    assert wave.gamma == wave.w_init == 1 < own.gamma
+    assert wave.rounds <= own.rounds
+    bundled = dasspec.load_model()
+    assert build_drafter(bundled, "auto").subs["das-wave"].knobs == build_drafter(bundled, "das-wave").knobs
