@@ -152,8 +152,12 @@ class FakeWave(Drafter):
 
 
 def _fake_req(text: list[int], P: int, budget: int):
+    stats = GenerationStats(method="auto")
+
+    def count_choice(name):
+        stats.choices[name] = stats.choices.get(name, 0) + 1
     return SimpleNamespace(P=P, prompt=text[:P], generated=[text[P]], budget=budget, room=budget, done=False,
-                           stats=GenerationStats(method="auto"), device=torch.device("cpu"))
+                           stats=stats, device=torch.device("cpu"), count_choice=count_choice, cap=None)
 
 
 def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_tokens) -> list[str]:

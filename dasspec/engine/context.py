@@ -114,3 +114,8 @@ class DraftContext:
     def count(self, passes: int, updates: int) -> None:
         """Core passes and position-updates spent drafting."""
         self._req.stats.count("draft", passes, updates)
+
+    def count_choice(self, name: str) -> None:
+        """A step drafted by ``name`` (method auto's choice, in ``stats.choices``)."""
+        choices = self._req.stats.choices
+        choices[name] = choices.get(name, 0) + 1

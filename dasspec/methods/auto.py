@@ -357,7 +357,7 @@ class AutoSession(Session):
     def shadow(self) -> None:
         """Ask each lookup arm not used this step for its draft (host work only) and keep it, to score once the
         next tokens are committed."""
-        gen = len(self.req.generated)
+        gen = len(self.ctx.generated)
         for arm in LOOKUP:
             if arm not in self.subs or arm == self.arm or arm in self.pending:
                 continue
@@ -368,13 +368,13 @@ class AutoSession(Session):
                 continue
             toks = draft.tokens
             toks = toks.tolist() if hasattr(toks, "tolist") else list(toks)
-            self.pending[arm] = (gen, [int(t) for t in toks][: max(self.req.room - 1, 0)])
+            self.pending[arm] = (gen, [int(t) for t in toks][: max(self.ctx.room - 1, 0)])
 
     def resolve(self) -> None:
         """Score the pending lookup drafts whose outcome the committed tokens now decide: the chain would have
         committed its longest prefix that matches them, plus the target's token (a lower bound once the first
         ``EARLY_RESOLVE`` matched, so a run of matches counts at once)."""
-        gen = self.req.generated
+        gen = self.ctx.generated
         for arm, (at, toks) in list(self.pending.items()):
             seen = gen[at: at + len(toks)]
             m = 0
@@ -587,9 +587,7 @@ class AutoDrafter(Drafter):
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(sessions):
             s.arm, s.probe = s.choose(B)
-            choices = getattr(s.req.stats, "choices", None)
-            if choices is not None:
-                choices[s.arm] = choices.get(s.arm, 0) + 1
+            s.ctx.count_choice(s.arm)
             groups.setdefault(s.arm, []).append(i)
         drafts: list[Draft] = [Draft()] * B
         spent = 0.0
