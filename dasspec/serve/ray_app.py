@@ -46,7 +46,7 @@ from .worker import Cancelled, Delta, Done, Failed, Job, Started
 RAY_HINT = "--ray needs Ray Serve: pip install 'dasspec[ray]' (or pip install 'ray[serve]>=2.9')"
 APP_NAME = "dasspec"
 REPLICA = "DasspecReplica"
-CONTROL_TIMEOUT_S = 5.0          # a replica's health / metrics answer; past it the replica counts as unhealthy
+CONTROL_TIMEOUT_S = 15.0         # a replica's health / metrics answer; past it the replica counts as unhealthy
 CONTROL_SLOTS = 4                # Ray Serve slots per replica beyond its queue, kept for health and metrics calls
 _SEED_RNG = random.SystemRandom()
 
@@ -225,6 +225,7 @@ class ClusterService(Frontend):
 
     def __init__(self, handle, tok, context: int, vocab_size: int, cluster: ClusterOptions):
         from ..methods import get_method
+        from . import routing
         from .metrics import Counter, Gauge, Registry
 
         super().__init__(tok, context, vocab_size, cluster.serve_options())
@@ -248,9 +249,9 @@ class ClusterService(Frontend):
         Gauge(r, "dasspec_replicas", "Replicas that answered the last health or metrics call",
               lambda: self.replicas_gauge)
         Gauge(r, "dasspec_route_prefix_requests_total", "Requests routed by a prompt prefix (this ingress)",
-              lambda: getattr(self._router(), "keyed", 0))
+              lambda: routing.locality["keyed"])
         Gauge(r, "dasspec_route_prefix_local_total", "Requests routed by a prefix to the replica that had that "
-              "prefix's previous request", lambda: getattr(self._router(), "local", 0))
+              "prefix's previous request", lambda: routing.locality["local"])
 
     def _router(self):
         from .routing import router_for
@@ -385,7 +386,9 @@ class ClusterService(Frontend):
                 return rid, await asyncio.wait_for(call, CONTROL_TIMEOUT_S)
             except Exception as err:
                 return rid, err
-        answers = list(await asyncio.gather(*(ask(i) for i in ids)))
+        # one at a time: calls made while serving one HTTP request share its request id, and Ray Serve's router
+        # matches a chosen replica to a pending call by that id (concurrent calls would take each other's replica)
+        answers = [await ask(i) for i in ids]
         self.replicas_gauge = sum(not isinstance(a, Exception) for _, a in answers)
         return answers
 
@@ -531,12 +534,14 @@ def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log:
         kw = {"include_dashboard": False, "configure_logging": False, "log_to_driver": log}
         if local:
             cpus = max(os.cpu_count() or 1, int(cluster.num_cpus * cluster.replicas + 0.999))
-            gpus = None
-            ray.init(num_cpus=cpus, num_gpus=gpus, object_store_memory=256 * 2**20, runtime_env=local_ray_env(),
-                     **kw)
+            ray.init(num_cpus=cpus, object_store_memory=256 * 2**20, runtime_env=local_ray_env(),
+                     _node_ip_address="127.0.0.1", **kw)          # a local instance listens on loopback only
         else:
             ray.init(address=address, **kw)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)           # SIGTERM as Ctrl-C: the application and a local Ray go down
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -16,6 +16,11 @@ from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_PREFIX_TOKENS, POLICIES, HashR
 class PrefixAwareRouter(RequestRouter):
     """Ray Serve request router: prefix-aware (consistent hashing with bounded loads), else least loaded."""
 
+    # Ray Serve asks a replica for its queue length before sending (0.1 s by default): a replica busy decoding on
+    # a loaded CPU answers later than that and would be passed over as unavailable
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 10.0
+
     def initialize_state(self, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
                          load_factor: float = DEFAULT_LOAD_FACTOR, policy: str = "prefix", **_):
         if policy not in POLICIES:
@@ -24,8 +29,7 @@ class PrefixAwareRouter(RequestRouter):
         self._inflight: dict[str, str] = {}                 # internal request id -> replica id
         self._load: dict[str, int] = defaultdict(int)
         self._ring: HashRing | None = None
-        self._last: dict[str, str] = {}                     # prefix key -> replica of its last request
-        self.keyed = self.local = self.routed = 0           # locality: keyed requests, those on the last one's
+        self.routed = 0
         self.per_replica: dict[str, int] = defaultdict(int)
         self._rng = random.Random(0)
         routing.register(self._deployment_id.name, self)
@@ -77,9 +81,7 @@ class PrefixAwareRouter(RequestRouter):
         self.per_replica[rid] += 1
         key = kwargs.get("route_key")
         if key is not None:
-            self.keyed += 1
-            self.local += self._last.get(key) == rid
-            self._last[key] = rid
+            routing.record_keyed(key, rid)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         rid = self._inflight.pop(internal_request_id, None)

@@ -102,6 +102,22 @@ def is_dead(replica_id: str) -> bool:
         return t is not None
 
 
+# requests routed by a prefix key, and those that went where that key's previous request went (every router of this
+# process together: Ray Serve may keep one per handle)
+locality = {"keyed": 0, "local": 0}
+_last: dict[str, str] = {}
+
+
+def record_keyed(key: str, replica_id: str) -> None:
+    with _lock:
+        locality["keyed"] += 1
+        locality["local"] += _last.get(key) == replica_id
+        _last[key] = replica_id
+        if len(_last) > 100_000:              # bounded: forget the oldest keys
+            for k in list(_last)[:50_000]:
+                del _last[k]
+
+
 def register(deployment: str, router) -> None:
     with _lock:
         _routers[deployment] = router
