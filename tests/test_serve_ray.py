@@ -235,6 +235,29 @@ def test_health_and_metrics_add_up_the_replicas(cluster, client):
     assert cluster.metric("dasspec_replicas") == 2
 
 
+def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
+    import http.client
+
+    cancelled = 'dasspec_requests_total{endpoint="completions",outcome="cancelled"}'
+    before = cluster.metric(cancelled)
+    conn = http.client.HTTPConnection("127.0.0.1", int(cluster.url.rsplit(":", 1)[1]), timeout=60)
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 400, "stream": True, "dasspec": {"method": "ar"}}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    line = b""
+    while b'"text": "' not in line:                   # the first chunk with text: it is decoding
+        line = r.fp.readline()
+        assert line, "the stream ended before its first text"
+    assert sum(x["running"] for x in cluster.health()["replicas"] if x["status"] == "ok") == 1
+    conn.close()                                      # 400 AR tokens take tens of seconds: gone long before
+    deadline = time.monotonic() + 15
+    while sum(x["running"] for x in cluster.health()["replicas"] if x["status"] == "ok") > 0 \
+            or cluster.metric(cancelled) == before:
+        assert time.monotonic() < deadline, cluster.health()
+        time.sleep(0.2)
+    assert cluster.metric(cancelled) == before + 1
+
+
 # --- failover --------------------------------------------------------------------------------------------------------
 
 def test_a_replica_killed_mid_stream_costs_no_client_a_character(cluster, client, model):

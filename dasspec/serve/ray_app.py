@@ -320,8 +320,8 @@ class ClusterService(Frontend):
                         elif "done" in ev:
                             d = ev["done"]
                             tail, seen = _skip(d["tail"], seen, sent)
-                            if job.stream and seen < sent:
-                                raise RuntimeError("the re-run's text is shorter than what the client has")
+                            if job.stream and seen < sent:          # cannot happen: the decode is deterministic
+                                raise _Diverged("a re-run's text is shorter than what the client already has")
                             result = RemoteResult(d["text"], d["tokens"], d["stop_reason"], d["stats"])
                             job.post(Done(result, tail, d["cancelled"]))
                             return
@@ -337,7 +337,7 @@ class ClusterService(Frontend):
                                              "queue are full; retry shortly", type="rate_limit_error",
                                              code="queue_full")))
                     return
-                except ray.exceptions.RayTaskError:
+                except (ray.exceptions.RayTaskError, _Diverged):
                     raise
                 except (ray.exceptions.RayError, RuntimeError) as err:
                     # the replica died (actor or node lost) or stopped: the same request, seed included, elsewhere
@@ -409,6 +409,10 @@ class ClusterService(Frontend):
 
     def close(self) -> None:
         super().close()
+
+
+class _Diverged(Exception):
+    """A re-run's answer disagrees with what was streamed (a bug: the request's 500, not a failover)."""
 
 
 def _skip(text: str, seen: int, sent: int) -> tuple[str, int]:

@@ -56,8 +56,8 @@ class PrefixAwareRouter(RequestRouter):
         if target is not None:
             return [[by_id[target]]] if target in by_id else []
         avoid = set(kwargs.get("avoid") or ())
-        live = [i for i in by_id if i not in avoid and not routing.is_dead(i)] or list(by_id)
-        if not live:
+        live = [i for i in by_id if i not in avoid and not routing.is_dead(i)]
+        if not live:             # every replica failed: wait (Ray Serve backs off) for the restarted ones
             return []
         # least loaded; among equals the one given fewest requests so far (sequential requests alternate)
         ranked = sorted(live, key=lambda i: (self._load.get(i, 0), self.per_replica.get(i, 0), i))
