@@ -8,9 +8,10 @@ thread per replica: one run, ratios side by side.
    has text, the replica running the most of them is killed (SIGKILL); for each stream that was on it, the time
    from the kill to its next token, and whether every client's text equals its AR decode.
 3. Prefix locality on a few-shot workload (``--shots`` exemplar blocks x ``--questions`` questions, shuffled,
-   4 clients): prefix-aware routing against random routing.  If the replicas report a prefix-hit metric
-   (``prefix_hit_tokens``), its rate; otherwise the routing's own locality - the fraction of requests sharing a
-   prefix that landed on the replica that had that prefix's previous request - and the report says which.
+   4 clients): prefix-aware routing against random routing (and the wall time of each).  If the replicas report a prefix-hit metric
+   (``prefix_hit_tokens``), its rate; otherwise the routing's own locality - of the requests whose prefix an
+   earlier request had, the fraction that landed on the replica that had that prefix's previous request - and
+   the report says which.
 
     python benchmarks/serve_ray.py --out runs/serve-ray
 
@@ -73,8 +74,7 @@ def deploy(serve, port: int, **args) -> str:
         time.sleep(0.5)
 
 
-def throughput(client, model, clients: int, requests: int, max_tokens: int) -> dict:
-    import dasspec
+def throughput(client, refs: dict, clients: int, requests: int, max_tokens: int) -> dict:
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     lock, out = threading.Lock(), []
 
@@ -95,8 +95,6 @@ def throughput(client, model, clients: int, requests: int, max_tokens: int) -> d
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    refs = {p: dasspec.generate(model, model.tokenizer.encode(p), method="ar", max_new_tokens=max_tokens).text
-            for p in set(PROMPTS)}
     return {"requests": len(out), "tokens": sum(n for *_, n in out), "wall_s": wall,
             "tokens_per_s": sum(n for *_, n in out) / wall, "requests_per_s": len(out) / wall,
             "equal_to_ar": sum(text == refs[p] for p, text, _ in out)}
@@ -165,12 +163,14 @@ def locality(client, url: str, prompts: list[str], max_tokens: int) -> dict:
                        if "prefix_hit_tokens" in line and not line.startswith("#")), None)
     hits0 = metric(url, hit_metric) if hit_metric else 0.0
     prompt0 = metric(url, "dasspec_prompt_tokens_total")
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: client.completions.create(model="dasspec-tiny", prompt=p, max_tokens=max_tokens),
                       prompts))
+    wall = time.perf_counter() - t0
     keyed = metric(url, "dasspec_route_prefix_requests_total") - keyed0
     local = metric(url, "dasspec_route_prefix_local_total") - local0
-    out = {"requests": len(prompts), "keyed": keyed, "local": local,
+    out = {"requests": len(prompts), "wall_s": wall, "keyed": keyed, "local": local,
            "locality": local / keyed if keyed else None, "hit_metric": hit_metric}
     if hit_metric:
         out["prefix_hit_rate"] = (metric(url, hit_metric) - hits0) / max(1.0, metric(url, "dasspec_prompt_tokens_total")
@@ -201,6 +201,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = dasspec.load_model()
+    refs = {p: dasspec.generate(model, model.tokenizer.encode(p), method="ar", max_new_tokens=args.max_tokens).text
+            for p in PROMPTS}                    # greedy AR, before any replica runs
     port = free_port()
     ray.init(num_cpus=3, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              configure_logging=False, runtime_env=local_ray_env(), _node_ip_address="127.0.0.1")
@@ -211,7 +213,7 @@ def main() -> int:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
         for n in (1, 2):
             url = deploy(serve, port, replicas=n, routing="least-loaded")
-            results[f"throughput_{n}"] = throughput(client, model, args.clients, args.requests, args.max_tokens)
+            results[f"throughput_{n}"] = throughput(client, refs, args.clients, args.requests, args.max_tokens)
             print(f"{n} replica(s): {results[f'throughput_{n}']}", flush=True)
         results["throughput_ratio"] = results["throughput_2"]["tokens_per_s"] / results["throughput_1"]["tokens_per_s"]
         results["failover"] = failover(client, model, url, args.streams, 96)
@@ -241,7 +243,8 @@ def main() -> int:
           f"{', '.join(f'{g} s' for g in f['death_to_next_token_s'])}; {f['equal_to_ar']}/{f['streams']} texts equal AR.",
           "", f"Few-shot workload ({len(prompts)} requests, {args.shots} prefixes), {what}: prefix-aware "
           f"{(lp.get('prefix_hit_rate') or lp['locality'] or 0):.2f} vs random "
-          f"{(lr.get('prefix_hit_rate') or lr['locality'] or 0):.2f}."]
+          f"{(lr.get('prefix_hit_rate') or lr['locality'] or 0):.2f} (of the requests whose prefix an earlier "
+          f"request had); wall time {lp['wall_s']:.1f} s vs {lr['wall_s']:.1f} s."]
     (out / "results.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -132,6 +132,7 @@ def test_prefix_key_and_bounded_consistent_hashing():
     home = ring.choose(key, {})
     assert ring.choose(key, {"r1": 1, "r2": 1, "r3": 1}) == home    # under ceil(1.25 x 4 / 3) = 2: stays home
     assert ring.choose(key, {home: 9}) != home                # over ceil(1.25 x (9 + 1) / 3) = 5: passed over
+    assert ring.choose(key, {home: 9}, floor=10) == home      # under the floor (free batch slots): stays home
     assert HashRing(["r1", "r2"]).order(key)[0] in ("r1", "r2")
     # a member leaving moves only its own keys
     smaller = HashRing(["r1", "r2"])

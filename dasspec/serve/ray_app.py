@@ -76,7 +76,8 @@ class ClusterOptions:
     threads: int | None = None               # torch threads per replica (None: num_cpus, at least 1)
     routing: str = "prefix"                  # prefix | least-loaded | random
     prefix_tokens: int = 32                  # the routing key: the prompt's first K tokens
-    load_factor: float = 1.25                # bounded loads: no replica above this x the mean (+ 1)
+    load_factor: float = 1.25                # bounded loads: no replica above this x the mean (+ 1) ...
+    spill_at: int | None = None              # ... unless it holds fewer than this (None: half of max_batch)
     max_failovers: int = 3                   # replica deaths one request survives
     warmup: bool = True
     runtime: dict = field(default_factory=dict)      # Runtime options: static_shapes, compile, cuda_graphs
@@ -248,7 +249,8 @@ class ClusterService(Frontend):
         self.replicas_gauge = 0
         Gauge(r, "dasspec_replicas", "Replicas that answered the last health or metrics call",
               lambda: self.replicas_gauge)
-        Gauge(r, "dasspec_route_prefix_requests_total", "Requests routed by a prompt prefix (this ingress)",
+        Gauge(r, "dasspec_route_prefix_requests_total", "Requests routed by a prompt prefix an earlier request had "
+              "(this ingress)",
               lambda: routing.locality["keyed"])
         Gauge(r, "dasspec_route_prefix_local_total", "Requests routed by a prefix to the replica that had that "
               "prefix's previous request", lambda: routing.locality["local"])
@@ -319,11 +321,13 @@ class ClusterService(Frontend):
                                 job.post(Delta(text, ev["tokens"]))
                         elif "done" in ev:
                             d = ev["done"]
+                            if d["cancelled"]:             # not by us (that cancels this task): it is stopping
+                                raise RuntimeError("the replica stopped the request (it is shutting down)")
                             tail, seen = _skip(d["tail"], seen, sent)
                             if job.stream and seen < sent:          # cannot happen: the decode is deterministic
                                 raise _Diverged("a re-run's text is shorter than what the client already has")
                             result = RemoteResult(d["text"], d["tokens"], d["stop_reason"], d["stats"])
-                            job.post(Done(result, tail, d["cancelled"]))
+                            job.post(Done(result, tail, False))
                             return
                         elif "error" in ev:
                             err = APIError(ev["error"], ev["body"]["error"]["message"], ev["body"]["error"]["param"],
@@ -398,6 +402,9 @@ class ClusterService(Frontend):
                     else {k: a[k] for k in ("replica", "status", "pid", "queue_length", "running", "requests")}
                     for rid, a in answers]
         good = [a for _, a in answers if not isinstance(a, Exception) and a["ok"]]
+        loads = self._router().loads() if self._router() is not None else {}
+        for r in replicas:
+            r["routed_in_flight"] = loads.get(r["replica"], 0)     # this ingress's count, which routing uses
         ok = bool(good)
         return {"status": "ok" if ok else "no replica is answering", "model": self.model_name,
                 "method": self.method, "queue_length": sum(a["queue_length"] for a in good) + self._waiting,
@@ -487,6 +494,7 @@ def build_app(args: dict | None = None):
         if name in ServeOptions.__dataclass_fields__ and name not in ClusterOptions.__dataclass_fields__:
             server[name] = args.pop(name)
     for name, kind in (("replicas", int), ("num_cpus", float), ("num_gpus", float), ("prefix_tokens", int),
+                       ("spill_at", int),
                        ("load_factor", float), ("max_failovers", int), ("threads", int)):
         if isinstance(args.get(name), str):          # serve run's key=value arguments are strings
             args[name] = kind(args[name])
@@ -507,11 +515,12 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": c.num_cpus, "num_gpus": c.num_gpus},
         max_ongoing_requests=per_replica + CONTROL_SLOTS,
         max_queued_requests=o.max_queue if o.max_queue > 0 else -1,
-        graceful_shutdown_timeout_s=5, health_check_period_s=2, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=30, health_check_period_s=2, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
             request_router_class="dasspec.serve.ray_router.PrefixAwareRouter",
             request_router_kwargs={"prefix_tokens": c.prefix_tokens, "load_factor": c.load_factor,
-                                   "policy": c.routing}),
+                                   "policy": c.routing,
+                                   "spill_at": c.spill_at if c.spill_at is not None else max(1, o.max_batch // 2)}),
         **scale)
     ingress = serve.deployment(name="DasspecIngress")(serve.ingress()(DasspecIngress)).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(1000, 2 * c.capacity))

@@ -22,10 +22,12 @@ class PrefixAwareRouter(RequestRouter):
     max_queue_len_response_deadline_s = 10.0
 
     def initialize_state(self, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-                         load_factor: float = DEFAULT_LOAD_FACTOR, policy: str = "prefix", **_):
+                         load_factor: float = DEFAULT_LOAD_FACTOR, policy: str = "prefix", spill_at: int = 0,
+                         **_):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.prefix_tokens, self.load_factor, self.policy = prefix_tokens, load_factor, policy
+        self.spill_at = spill_at
         self._inflight: dict[str, str] = {}                 # internal request id -> replica id
         self._load: dict[str, int] = defaultdict(int)
         self._ring: HashRing | None = None
@@ -65,7 +67,7 @@ class PrefixAwareRouter(RequestRouter):
         if self.policy == "random":
             first = self._rng.choice(live)
         elif key is not None and self.policy == "prefix":
-            first = self._ring_of(live).choose(key, self._load, self.load_factor)
+            first = self._ring_of(live).choose(key, self._load, self.load_factor, self.spill_at)
         else:
             first = ranked[0]
         return [[by_id[first]], [by_id[i] for i in ranked if i != first]]

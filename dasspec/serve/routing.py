@@ -4,7 +4,8 @@ Requests that share the first ``prefix_tokens`` tokens of their prompt (few-shot
 the replica most likely to hold those tokens' blocks - consistent hashing of the prefix onto a ring of the live
 replicas, so a replica joining or leaving moves only its share of the prefixes - with a bound on load: a replica
 whose in-flight requests would pass ``load_factor`` x the mean (plus one) is passed over for the next one on the
-ring (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018).  Requests without such a
+ring (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018) - unless it holds fewer than
+``spill_at`` requests (default half a batch): a replica with free batch slots is not flooded.  Requests without such a
 prefix (shorter prompts) go to the least loaded replica.  Loads are this router's own count of requests in flight
 per replica; Ray Serve then still refuses a replica whose queue is full (``max_ongoing_requests``) and tries the
 next rank.
@@ -67,12 +68,15 @@ class HashRing:
                 break
         return list(seen)
 
-    def choose(self, key: str, loads: dict[str, int], load_factor: float = DEFAULT_LOAD_FACTOR) -> str | None:
-        """The first member in ring order whose load is under the bound ceil(load_factor x (total + 1) / n)."""
+    def choose(self, key: str, loads: dict[str, int], load_factor: float = DEFAULT_LOAD_FACTOR,
+               floor: int = 0) -> str | None:
+        """The first member in ring order whose load is under the bound: ceil(load_factor x (total + 1) / n), or
+        ``floor`` if that is larger (a replica with fewer requests than that has free batch slots: it is not
+        flooded, and sending the request elsewhere would only lose its prefix)."""
         order = self.order(key)
         if not order:
             return None
-        bound = math.ceil(load_factor * (sum(loads.get(m, 0) for m in order) + 1) / len(order))
+        bound = max(floor, math.ceil(load_factor * (sum(loads.get(m, 0) for m in order) + 1) / len(order)))
         for m in order:
             if loads.get(m, 0) < bound:
                 return m
@@ -102,16 +106,20 @@ def is_dead(replica_id: str) -> bool:
         return t is not None
 
 
-# requests routed by a prefix key, and those that went where that key's previous request went (every router of this
-# process together: Ray Serve may keep one per handle)
+# requests routed by a prefix key that an earlier request had, and those that went where that key's previous
+# request went (every router of this process together: Ray Serve may keep one per handle)
 locality = {"keyed": 0, "local": 0}
 _last: dict[str, str] = {}
 
 
 def record_keyed(key: str, replica_id: str) -> None:
+    """A request with prefix ``key`` went to ``replica_id``: counted when an earlier request had the key (the first
+    of a prefix has nowhere to be local to), local when it went where the previous one went."""
     with _lock:
-        locality["keyed"] += 1
-        locality["local"] += _last.get(key) == replica_id
+        last = _last.get(key)
+        if last is not None:
+            locality["keyed"] += 1
+            locality["local"] += last == replica_id
         _last[key] = replica_id
         if len(_last) > 100_000:              # bounded: forget the oldest keys
             for k in list(_last)[:50_000]:
