@@ -150,6 +150,25 @@ def test_metrics_are_added_up_series_by_series():
     assert merged.count("# TYPE x_total counter") == 1
 
 
+def test_the_application_takes_serve_run_arguments():
+    """``serve run dasspec.serve.ray_app:build_app replicas=2 ...`` passes strings; a config file passes YAML
+    values; both become the deployments' options (nothing is started here)."""
+    app = build_app({"replicas": "2", "max_batch": "4", "max_queue": "3", "routing": "least-loaded",
+                     "num_gpus": "1", "spill_at": "3", "request_timeout": "30"})
+    ingress = app._bound_deployment
+    replica = ingress.init_args[0]._bound_deployment
+    assert replica.num_replicas == 2 and replica.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert replica.max_ongoing_requests == 4 + 3 + 4                # batch + queue + control slots
+    kwargs = replica._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs == {"prefix_tokens": 32, "load_factor": 1.25, "policy": "least-loaded", "spill_at": 3}
+    assert ingress.init_args[1]["server"] == {"max_batch": 4, "max_queue": 3, "request_timeout": 30.0}
+    auto = build_app({"autoscaling": {"min_replicas": 1, "max_replicas": 4}})._bound_deployment.init_args[0]
+    assert auto._bound_deployment._deployment_config.autoscaling_config.max_replicas == 4
+    for bad in ({"routing": "nope"}, {"replicas": 0}, {"bogus": 1}):
+        with pytest.raises(ValueError):
+            build_app(bad)
+
+
 # --- answers through the cluster -----------------------------------------------------------------------------------
 
 def test_every_method_greedy_and_sampled_equals_ar(cluster, client, model):

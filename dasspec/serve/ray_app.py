@@ -504,6 +504,10 @@ def build_app(args: dict | None = None):
     for name in ("request_timeout", "template_timeout"):
         if isinstance(server.get(name), str):
             server[name] = float(server[name])
+    unknown = sorted(set(args) - set(ClusterOptions.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown argument(s) of the dasspec application: {', '.join(unknown)} (ClusterOptions "
+                         "and ServeOptions fields are accepted)")
     if isinstance(args.get("warmup"), str):
         args["warmup"] = args["warmup"].lower() not in ("0", "false", "no")
     c = ClusterOptions(**args, server=server).check()
