@@ -343,3 +343,26 @@ def test_a_replica_killed_mid_stream_costs_no_client_a_character(cluster, client
     assert resumed >= 1
     print(f"\nfailover: {resumed} of {len(cases)} requests resumed; death -> next token of each resumed stream: "
           + ", ".join(f"{g:.2f} s" for g in gaps))
+
+
+def test_requests_sent_while_every_replica_is_dead_wait_for_the_restarted_ones(cluster, client, model):
+    """Both replicas killed, then requests sent: they fail over onto dead replicas, then wait at the ingress until
+    Ray Serve has restarted the replicas, and are answered exactly (no error, nothing short)."""
+    tok = model.tokenizer
+    for r in cluster.health()["replicas"]:
+        if r["status"] == "ok":
+            os.kill(r["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def ask(i: int):
+        prompt = PROMPTS[i]
+        if i == 0:
+            return prompt, stream_text(client.completions.create(model="dasspec-tiny", prompt=prompt, max_tokens=12,
+                                                                 stream=True))[0]
+        return prompt, client.completions.create(model="dasspec-tiny", prompt=prompt, max_tokens=12).choices[0].text
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, range(3)))
+    for prompt, text in answers:
+        assert text == ar(model, tok.encode(prompt), 12)
+    print(f"\nanswered {time.monotonic() - t0:.1f} s after both replicas were killed")
