@@ -346,13 +346,16 @@ def test_a_replica_killed_mid_stream_costs_no_client_a_character(cluster, client
 
 
 def test_requests_sent_while_every_replica_is_dead_wait_for_the_restarted_ones(cluster, client, model):
-    """Both replicas killed, then requests sent: they fail over onto dead replicas, then wait at the ingress until
-    Ray Serve has restarted the replicas, and are answered exactly (no error, nothing short)."""
+    """Both replicas killed, and requests sent while no replica is alive: they wait at the ingress until Ray Serve
+    has restarted the replicas, and are answered exactly (no error, nothing short)."""
     tok = model.tokenizer
     for r in cluster.health()["replicas"]:
         if r["status"] == "ok":
             os.kill(r["pid"], signal.SIGKILL)
     t0 = time.monotonic()
+    while any(r["status"] == "ok" for r in cluster.health()["replicas"]):   # no replica alive (nor restarted yet)
+        assert time.monotonic() - t0 < 30, cluster.health()
+        time.sleep(0.1)
 
     def ask(i: int):
         prompt = PROMPTS[i]
