@@ -50,7 +50,7 @@ class Cluster:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            with urllib.request.urlopen(self.url + path, timeout=60) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()

@@ -46,7 +46,7 @@ from .worker import Cancelled, Delta, Done, Failed, Job, Started
 RAY_HINT = "--ray needs Ray Serve: pip install 'dasspec[ray]' (or pip install 'ray[serve]>=2.9')"
 APP_NAME = "dasspec"
 REPLICA = "DasspecReplica"
-CONTROL_TIMEOUT_S = 15.0         # a replica's health / metrics answer; past it the replica counts as unhealthy
+CONTROL_TIMEOUT_S = 8.0          # a replica's health / metrics answer; past it the replica counts as unhealthy
 CONTROL_SLOTS = 4                # Ray Serve slots per replica beyond its queue, kept for health and metrics calls
 _SEED_RNG = random.SystemRandom()
 
@@ -375,6 +375,7 @@ class ClusterService(Frontend):
 
     # --- health and metrics: every replica asked, the answers added up ------------------------------------------
     async def _ask_all(self, method: str) -> list[tuple[str, Any]]:
+        from . import routing
         router = self._router()
         if router is None:                 # the handle's router exists after its first call: make one
             try:
@@ -385,10 +386,15 @@ class ClusterService(Frontend):
         ids = router.replica_ids() if router is not None else []
 
         async def ask(rid: str):
+            if routing.is_dead(rid):                # a call to it failed: not asked again (no wait on the dead)
+                return rid, RuntimeError("a call to it failed; it is being replaced")
             try:
                 call = self.handle.options(method_name=method).remote(replica_id=rid)
                 return rid, await asyncio.wait_for(call, CONTROL_TIMEOUT_S)
             except Exception as err:
+                import ray
+                if isinstance(err, ray.exceptions.ActorDiedError):
+                    routing.mark_dead(rid)
                 return rid, err
         # one at a time: calls made while serving one HTTP request share its request id, and Ray Serve's router
         # matches a chosen replica to a pending call by that id (concurrent calls would take each other's replica)
