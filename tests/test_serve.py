@@ -62,10 +62,10 @@ class Server:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(15)
+            self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -119,7 +119,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder: Path, log: Path, *args: str) -> Server:
+def start_server(folder: Path, log: Path, *args: str, wait: float = 120) -> Server:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for _ in range(3):                      # a port taken between free_port() and the bind: try another
         port = free_port()
@@ -129,7 +129,7 @@ def start_server(folder: Path, log: Path, *args: str) -> Server:
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
         out.close()
         server = Server(proc, port, log)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if server.get("/health")[0] == 200:
@@ -139,7 +139,7 @@ def start_server(folder: Path, log: Path, *args: str) -> Server:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"the server did not come up in 120 s:\n{server.log_tail()}")
+            raise AssertionError(f"the server did not come up in {wait:g} s:\n{server.log_tail()}")
         if "address already in use" not in server.log_tail().lower():
             raise AssertionError(f"the server exited with {proc.returncode}:\n{server.log_tail()}")
     raise AssertionError("no free port after 3 tries")

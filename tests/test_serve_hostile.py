@@ -47,13 +47,20 @@ def model(checkpoint):
     return dasspec.load_model(checkpoint, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    srv = start_server(checkpoint, tmp_path_factory.mktemp("hostile-log") / "server.log", "--set", "gamma=6",
-                       "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
-                       "--served-model-name", "tiny", "--no-warmup")
+@pytest.fixture(scope="module", params=["single", "ray"])
+def server(request, checkpoint, tmp_path_factory):
+    """The single server, and the same flags as a Ray Serve application (``--ray``: a local Ray instance on
+    127.0.0.1 in the server's process, one replica behind the ingress): the cluster path has the same limits,
+    timeouts and hostile-input behaviour (issue 36)."""
+    flags = ["--set", "gamma=6", "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
+             "--served-model-name", "tiny", "--no-warmup"]
+    if request.param == "ray":
+        pytest.importorskip("ray.serve")
+        flags += ["--ray", "--replicas", "1"]
+    srv = start_server(checkpoint, tmp_path_factory.mktemp("hostile-log") / "server.log", *flags,
+                       wait=120 if request.param == "single" else 300)
     yield srv
-    srv.stop()
+    srv.stop(15 if request.param == "single" else 90)    # --ray: the application and the Ray instance go down
 
 
 @pytest.fixture(scope="module")

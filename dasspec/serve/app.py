@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import logprobs
-from .responses import Reply, decoding_stats, sse
+from .responses import Reply, sse
 from .schema import APIError, ChatRequest, CompletionRequest, parse_json, parse_request
 from .service import Service
 from .worker import Cancelled, Delta, Done, Failed, Job, Started, is_client_error
@@ -36,7 +36,10 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 def _error_for(err: Exception) -> APIError:
-    """A worker-side failure as an API error (already counted in the metrics by the worker)."""
+    """A worker-side failure as an API error (already counted in the metrics by the worker, or - an ``APIError``
+    a cluster replica answered - where it was raised)."""
+    if isinstance(err, APIError):
+        return err
     e = APIError(400, str(err)) if is_client_error(err) else \
         APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
     e.counted = True
@@ -44,6 +47,10 @@ def _error_for(err: Exception) -> APIError:
 
 
 def create_app(service: Service) -> FastAPI:
+    """The routes over ``service``: a ``Service`` (one model in this process) or anything answering the same calls
+    - ``max_body``, ``completion_prompt`` / ``chat_prompt``, ``job`` / ``submit`` / ``cancel`` / ``stats``,
+    ``health`` / ``metrics_text``, ``metrics.requests``, ``model_name``, ``context``, ``close`` - such as the Ray
+    Serve ingress over many replicas (``ray_app.ClusterService``)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -79,10 +86,8 @@ def create_app(service: Service) -> FastAPI:
     # --- plain routes -------------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = service.worker.alive
-        return JSONResponse({"status": "ok" if ok else "the decode worker has stopped", "model": service.model_name,
-                             "method": service.method, "queue_length": service.worker.queue_length,
-                             "running": service.worker.running}, status_code=200 if ok else 503)
+        body, ok = await service.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": started, "owned_by": "dasspec",
@@ -100,7 +105,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     # --- generation -------------------------------------------------------------------------------------------
     async def read_body(request: Request) -> bytes:
@@ -161,7 +166,7 @@ def create_app(service: Service) -> FastAPI:
                 if isinstance(event, Started):
                     queue_time = event.queue_time
                 elif isinstance(event, Done):
-                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time, job.params.get("seed"))
+                    stats = service.stats(job, event.result, queue_time)
                     return JSONResponse(reply.body(event.result, len(prompt), stats))
                 elif isinstance(event, Failed):
                     raise _error_for(event.error)
@@ -170,7 +175,7 @@ def create_app(service: Service) -> FastAPI:
         finally:
             watcher.cancel()
             if not job.finished:
-                service.worker.cancel(job)
+                service.cancel(job)
 
     async def stream(request: Request, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         watcher = asyncio.create_task(watch_disconnect(request, job))
@@ -188,7 +193,7 @@ def create_app(service: Service) -> FastAPI:
                 elif isinstance(event, Done):
                     if event.tail:
                         yield sse(reply.chunk(event.tail))
-                    stats = decoding_stats(event.result, job.drafter, service.depth, queue_time, job.params.get("seed"))
+                    stats = service.stats(job, event.result, queue_time)
                     for chunk in reply.final_chunks(event.result, len(job.prompt), stats, include_usage):
                         yield sse(chunk)
                     break
@@ -201,12 +206,12 @@ def create_app(service: Service) -> FastAPI:
         finally:
             watcher.cancel()
             if not job.finished:             # the client went away mid-stream (or the server is stopping)
-                service.worker.cancel(job)
+                service.cancel(job)
 
     async def watch_disconnect(request: Request, job: Job) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         if not job.finished:
-            service.worker.cancel(job)
+            service.cancel(job)
 
     return app

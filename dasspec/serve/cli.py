@@ -67,6 +67,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="uvicorn's log level (warning: no access log)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short generation run before listening")
+    g = p.add_argument_group("Ray Serve: replicas across a cluster (docs/serving.md, 'Ray Serve')")
+    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="serve as a Ray Serve application: replicas of the model behind one ingress with the same "
+                        "API, prefix-aware routing and failover; no ADDRESS: a local Ray instance, 'auto': the "
+                        "running cluster, or its address (needs pip install 'dasspec[ray]')")
+    g.add_argument("--replicas", type=int, default=None, help="model replicas (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (1: one GPU each; default 0)")
+    g.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="Ray Serve autoscaling on queue depth between MIN and MAX replicas (instead of --replicas)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "random"],
+                   help="prefix: requests sharing their first --prefix-tokens tokens go to one replica (consistent "
+                        "hashing with bounded loads), others to the least loaded (default)")
+    g.add_argument("--prefix-tokens", type=int, default=32, help="the routing key's length in tokens (default 32)")
+    g.add_argument("--max-failovers", type=int, default=3,
+                   help="replica deaths one request survives before it is answered with an error (default 3)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -132,6 +148,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = _options_from_args(args)
     knobs = _server_knobs(args.method, args.knobs)
     check_threads(args.threads)
+    if args.ray is not None:
+        return _serve_ray(args, options, knobs)
+    if args.replicas is not None or args.autoscale is not None:
+        raise ValueError("--replicas and --autoscale need --ray (one process serves one model)")
     sock = listen_socket(args.host, args.port)          # every check that needs no model, before it loads
     set_threads(args.threads)
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
@@ -151,3 +171,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _serve_ray(args: argparse.Namespace, options: dict, knobs: dict) -> int:
+    """``dasspec serve --ray``: the same server as a Ray Serve application (``serve/ray_app.py``)."""
+    from .ray_app import ClusterOptions, import_serve, run
+
+    import_serve()                                       # a clear message when Ray Serve is missing
+    autoscaling = None
+    if args.autoscale is not None:
+        if args.replicas is not None:
+            raise ValueError("give --replicas or --autoscale, not both")
+        lo, sep, hi = args.autoscale.partition(":")
+        if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            raise ValueError(f"--autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {args.autoscale!r}")
+        autoscaling = {"min_replicas": int(lo), "max_replicas": int(hi)}
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    server = {name: value for name, value in options.items() if value is not None}
+    server.update(model_name=args.served_model_name or (Path(args.model).name if args.model else "dasspec-tiny"),
+                  method=args.method, knobs=knobs, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap)
+    runtime = {name: True for name in ("static_shapes", "compile", "cuda_graphs") if getattr(args, name, False)}
+    cluster = ClusterOptions(model=args.model, device=args.device, dtype=args.dtype, replicas=args.replicas or 1,
+                             autoscaling=autoscaling, num_cpus=args.replica_cpus, num_gpus=args.replica_gpus,
+                             threads=args.threads, routing=args.routing, prefix_tokens=args.prefix_tokens,
+                             max_failovers=args.max_failovers, warmup=args.warmup, runtime=runtime,
+                             speculate_up_to=args.speculate_up_to, server=server).check()
+    listen_socket(args.host, args.port).close()          # a bad or taken port fails now, not inside Ray
+    return run(cluster, args.host, args.port, None if args.ray == "local" else args.ray)

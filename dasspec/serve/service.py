@@ -42,6 +42,7 @@ from ..model.chat_template import TemplateLimit, TemplateSandbox
 from ..model.looped import LoopedLM
 from ..model.tokenizer import PLAIN_CHAT_TEMPLATE
 from .metrics import ServerMetrics
+from .responses import decoding_stats
 from .schema import APIError, ChatRequest, CompletionRequest
 from .worker import DecodeWorker, Job, QueueFull
 
@@ -89,20 +90,21 @@ class ServeOptions:
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
 
 
-class Service:
-    def __init__(self, model: LoopedLM, options: ServeOptions):
-        if model.tokenizer is None:
-            raise ValueError("the server needs the checkpoint's tokenizer.json (it takes and returns text)")
+class Frontend:
+    """The model-free half of a server: what a request's text, limits and options are checked against - the
+    tokenizer, the context, the vocabulary and the chat template (rendered in the sandbox) - and the checks
+    themselves.  ``Service`` is a frontend over a loaded model; the Ray Serve ingress (``ray_app``) is one over
+    replicas, so both answer the same request with the same refusal."""
+
+    def __init__(self, tok, context: int, vocab_size: int, options: ServeOptions):
         cap = options.max_tokens_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"max_tokens_cap must be an integer >= 1, got {cap!r}")
         body = options.max_body
         if body is not None and (isinstance(body, bool) or not isinstance(body, int) or body < 1):
             raise ValueError(f"max_body must be an integer >= 1 (bytes), got {body!r}")
-        self.model, self.tok, self.options = model, model.tokenizer, options
-        self.method = get_method(options.method).name            # canonical name (aliases resolved)
-        self.context = model.config.block_size
-        self.depth = model.depth(None)
+        self.tok, self.options = tok, options
+        self.context, self.vocab_size = context, vocab_size
         # No text longer than context x the longest token can fit the context: the bound of the template's output
         # and, escaped as JSON (at most 6 bytes per byte), of a request body.
         longest = max(map(len, self.tok.backend.get_vocab(with_added_tokens=True)), default=1)
@@ -110,30 +112,10 @@ class Service:
         self.chat_template = self.tok.chat_template or PLAIN_CHAT_TEMPLATE
         self.templates = TemplateSandbox(options.template_timeout, self.context * longest)
         self._check_template()
-        self.drafters = DrafterCache(model, self.depth, *engine_methods(), keep=_DRAFTERS_KEPT)
-        for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
-            try:
-                self.drafter(self.method, {}, sampled=sampled)
-            except APIError as err:
-                raise ValueError(f"--method {self.method} --set: {err.message}"
-                                 + (" (with the model's sampled defaults)" if sampled else "")) from None
-        self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running,
-                                     lambda: self.engine.cache_usage())
-        self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
-                             max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
-                             max_step_tokens=options.max_step_tokens, drafters=self.drafters)
-        self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
 
     @property
     def model_name(self) -> str:
         return self.options.model_name
-
-    def warmup(self) -> None:
-        """A short generation before the first client (allocator, kernels), on an engine of its own (the worker's
-        is idle: nothing is listening yet)."""
-        from ..engine.generate import generate
-        generate(self.model, self.tok.encode("Hello"), drafter=self.drafter(self.method, {}), max_new_tokens=4,
-                 runtime=self.options.runtime)
 
     # --- prompts --------------------------------------------------------------------------------------------
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -146,7 +128,7 @@ class Service:
         if isinstance(p, str):
             ids = self.tok.encode(p)
         else:
-            V = self.model.config.vocab_size
+            V = self.vocab_size
             bad = [t for t in p if not 0 <= t < V]
             if bad:
                 raise APIError(400, f"'prompt': token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
@@ -177,9 +159,10 @@ class Service:
                 self.templates.close()
                 raise ValueError(f"the checkpoint's chat template, on a one-message conversation: {err}") from None
 
-    # --- the job --------------------------------------------------------------------------------------------
-    def job(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str,
-            loop: asyncio.AbstractEventLoop) -> Job:
+    # --- the request's options ---------------------------------------------------------------------------------
+    def params(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str) -> dict[str, Any]:
+        """The ``Engine.add`` options every request has - token limit, seed, stop strings, sampling - checked
+        against the model's name, context and the server's cap (the model-dependent ones: ``Service.job``)."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
@@ -194,19 +177,7 @@ class Service:
             params["seed"] = secrets.randbits(_SEED_BITS)
         else:
             params["seed"] = 0
-        opts = req.dasspec
-        if opts is not None and (opts.exit_threshold is not None or opts.exit_at_step is not None):
-            try:
-                self.model.exit_rule(opts.exit_threshold, opts.exit_at_step)
-            except ValueError as err:
-                param = "dasspec.exit_at_step" if "exit_at_step" in str(err) and opts.exit_threshold is None \
-                    else "dasspec.exit_threshold"
-                raise APIError(400, f"'{param}': {err}", param=param) from None
-            params.update(exit_threshold=opts.exit_threshold, exit_at_step=opts.exit_at_step)
-        method = opts.method if opts is not None and opts.method is not None else self.method
-        drafter = self.drafter(method, dict(opts.knobs) if opts is not None else {},
-                               sampled=params.get("do_sample", False))
-        return Job(loop, prompt, drafter, params, endpoint, stream=bool(req.stream))
+        return params
 
     def _max_tokens(self, req, P: int, endpoint: str) -> int:
         field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else \
@@ -241,6 +212,57 @@ class Service:
             raise APIError(400, f"'{param}': {err}", param=param) from None
         return options
 
+    def close(self) -> None:
+        self.templates.close()
+
+
+class Service(Frontend):
+    def __init__(self, model: LoopedLM, options: ServeOptions):
+        if model.tokenizer is None:
+            raise ValueError("the server needs the checkpoint's tokenizer.json (it takes and returns text)")
+        self.model = model
+        self.method = get_method(options.method).name            # canonical name (aliases resolved)
+        self.depth = model.depth(None)
+        super().__init__(model.tokenizer, model.config.block_size, model.config.vocab_size, options)
+        self.drafters = DrafterCache(model, self.depth, *engine_methods(), keep=_DRAFTERS_KEPT)
+        for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
+            try:
+                self.drafter(self.method, {}, sampled=sampled)
+            except APIError as err:
+                raise ValueError(f"--method {self.method} --set: {err.message}"
+                                 + (" (with the model's sampled defaults)" if sampled else "")) from None
+        self.metrics = ServerMetrics(lambda: self.worker.queue_length, lambda: self.worker.running,
+                                     lambda: self.engine.cache_usage())
+        self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
+                             max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
+                             max_step_tokens=options.max_step_tokens, drafters=self.drafters)
+        self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
+
+    def warmup(self) -> None:
+        """A short generation before the first client (allocator, kernels), on an engine of its own (the worker's
+        is idle: nothing is listening yet)."""
+        from ..engine.generate import generate
+        generate(self.model, self.tok.encode("Hello"), drafter=self.drafter(self.method, {}), max_new_tokens=4,
+                 runtime=self.options.runtime)
+
+    # --- the job --------------------------------------------------------------------------------------------
+    def job(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str,
+            loop: asyncio.AbstractEventLoop) -> Job:
+        params = self.params(req, prompt, endpoint)
+        opts = req.dasspec
+        if opts is not None and (opts.exit_threshold is not None or opts.exit_at_step is not None):
+            try:
+                self.model.exit_rule(opts.exit_threshold, opts.exit_at_step)
+            except ValueError as err:
+                param = "dasspec.exit_at_step" if "exit_at_step" in str(err) and opts.exit_threshold is None \
+                    else "dasspec.exit_threshold"
+                raise APIError(400, f"'{param}': {err}", param=param) from None
+            params.update(exit_threshold=opts.exit_threshold, exit_at_step=opts.exit_at_step)
+        method = opts.method if opts is not None and opts.method is not None else self.method
+        drafter = self.drafter(method, dict(opts.knobs) if opts is not None else {},
+                               sampled=params.get("do_sample", False))
+        return Job(loop, prompt, drafter, params, endpoint, stream=bool(req.stream))
+
     def drafter(self, method: str, knobs: dict[str, Any], sampled: bool = False) -> Drafter:
         """The kept drafter for (method, knobs, greedy or sampled: the model's defaults may differ), built (and its
         knobs validated) on first use."""
@@ -268,6 +290,23 @@ class Service:
             raise APIError(429, f"the server is busy: {err}; retry shortly", type="rate_limit_error",
                            code="queue_full") from None
 
+    # --- what the routes ask (app.py; the Ray ingress answers the same) -------------------------------------------
+    def stats(self, job: Job, result, queue_time: float) -> dict[str, Any]:
+        """The response's ``dasspec`` object."""
+        return decoding_stats(result, job.drafter, self.depth, queue_time, job.params.get("seed"))
+
+    def cancel(self, job: Job) -> None:
+        self.worker.cancel(job)
+
+    async def health(self) -> tuple[dict[str, Any], bool]:
+        ok = self.worker.alive
+        return {"status": "ok" if ok else "the decode worker has stopped", "model": self.model_name,
+                "method": self.method, "queue_length": self.worker.queue_length,
+                "running": self.worker.running}, ok
+
+    async def metrics_text(self) -> str:
+        return self.metrics.render()
+
     def close(self) -> None:
         self.worker.close()
-        self.templates.close()
+        super().close()
