@@ -6,8 +6,12 @@
     textstream.py  streamed text released only when final (multi-byte characters, stop strings)
     responses.py   response bodies, stream chunks, the decoding statistics
     metrics.py     Prometheus text metrics
-    app.py         the FastAPI routes
+    app.py         the FastAPI routes (over a Service, or over anything answering its calls)
     cli.py         the ``dasspec serve`` command
+    ray_app.py     ``dasspec serve --ray``: the Ray Serve application (replicas, the ingress over the same routes,
+                   explicit seeds, failover)
+    routing.py     prefix-aware routing: prefix keys, consistent hashing with bounded loads (no Ray needed)
+    ray_router.py  the Ray Serve request router built on it
 
     from dasspec.serve import Service, ServeOptions, create_app
     app = create_app(Service(dasspec.load_model(), ServeOptions()))     # any ASGI server runs it

@@ -5,7 +5,8 @@
     dasspec serve --method das-wave --set gamma=16 --set rounds=8 --max-queue 32 --max-tokens-cap 1024
 
 One process holds one model and decodes up to --max-batch requests together (continuous batching, every answer
-equal to that request's own AR decode); run one replica per device behind any HTTP load balancer for more.
+equal to that request's own AR decode); --ray runs replicas of it as a Ray Serve application (dasspec serve --ray
+--replicas 2; docs/serving.md, "Ray Serve").
 docs/serving.md has the endpoints, the request options and the metrics.
 """
 
