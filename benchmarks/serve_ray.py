@@ -9,7 +9,7 @@ thread per replica: one run, ratios side by side.
    from the kill to its next token, and whether every client's text equals its AR decode.
 3. Prefix locality on a few-shot workload (``--shots`` exemplar blocks x ``--questions`` questions, shuffled,
    4 clients): prefix-aware routing against random routing (and the wall time of each).  If the replicas report a prefix-hit metric
-   (``prefix_hit_tokens``), its rate; otherwise the routing's own locality - of the requests whose prefix an
+   (``dasspec_prompt_tokens_cached_total``: prompt tokens taken from shared blocks), its rate; otherwise the routing's own locality - of the requests whose prefix an
    earlier request had, the fraction that landed on the replica that had that prefix's previous request - and
    the report says which.
 
@@ -160,7 +160,7 @@ def locality(client, url: str, prompts: list[str], max_tokens: int) -> dict:
     local0 = metric(url, "dasspec_route_prefix_local_total")
     text = get(url + "/metrics")
     hit_metric = next((line.split("{")[0].split(" ")[0] for line in text.splitlines()
-                       if "prefix_hit_tokens" in line and not line.startswith("#")), None)
+                       if "dasspec_prompt_tokens_cached_total" in line and not line.startswith("#")), None)
     hits0 = metric(url, hit_metric) if hit_metric else 0.0
     prompt0 = metric(url, "dasspec_prompt_tokens_total")
     t0 = time.perf_counter()
