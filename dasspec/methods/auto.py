@@ -29,7 +29,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   estimated losses would exceed ``explore`` of the time decoded so far), and soon
   (at most every few steps) when a lookup arm's acceptance overtakes DAS-Wave's last measured one (its seeds come
   from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
-  earlier requests, so a batch of requests pays one probe, not one each.
+  earlier requests: a model-drafting arm that average says wins by ``PRIOR_TRUST`` is used at once, one that wins
+  by less is tried as a budgeted probe, so a batch of requests pays one forced probe, not one each.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
