@@ -29,7 +29,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   estimated losses would exceed ``explore`` of the time decoded so far), and soon
   (at most every few steps) when a lookup arm's acceptance overtakes DAS-Wave's last measured one (its seeds come
   from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
-  earlier requests, so a batch of requests pays one probe, not one each.
+  earlier requests: a model-drafting arm that average says wins by ``PRIOR_TRUST`` is used at once, one that wins
+  by less is tried as a budgeted probe, so a batch of requests pays one forced probe, not one each.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
@@ -265,6 +266,7 @@ PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
 STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
 PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
 MIN_INTERVAL, MAX_INTERVAL = 2, 256
+PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
 MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
 HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
 EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
@@ -321,15 +323,25 @@ class AutoSession(Session):
                 d.probed.add(arm)
                 return arm, True
         known = {a: v for a, v in vals.items() if v is not None}
-        best = max(known, key=lambda a: known[a][0])
+        # exploited: AR, the lookups (measured off-policy every few steps) and what this request has measured; a
+        # model-drafting arm known only from other requests' averages is tried as a (budgeted) probe
+        mine = {a: v for a, v in known.items() if a == "ar" or a in LOOKUP or self.arms[a].n}
+        best = max(mine, key=lambda a: mine[a][0])
         if best != "ar" and known[best][0] < (1.0 + MARGIN) * known["ar"][0]:
             best = "ar"                    # AR's value is certain, the others' estimated: a drafter must win clearly
         if d.knobs.explore <= 0:
             return best, False
-        j_best, t_best, _ = known[best]
+        j_best, t_best, others_tok = known[best][0], known[best][1], known["ar"][2] - 1.0
+        for arm, (j_a, t_a, _) in known.items():
+            if arm not in mine and j_a > PRIOR_TRUST * j_best:
+                return arm, False          # the other requests' average says it wins by far: use it
+            if arm not in mine and arm not in d.probed and j_a > (1.0 + MARGIN) * j_best \
+                    and d.may_probe(max(t_a - (others_tok + 1.0) / j_best, 0.05 * t_best / B)):
+                d.probed.add(arm)          # charged as if it committed one token
+                return arm, True
         look = max([self.tok_rows(a)[0] or 0.0 for a in LOOKUP if a in d.subs] or [0.0])
         for arm in d.subs:
-            if arm in LOOKUP or arm == best or arm not in known or arm in d.probed:    # one probe a step
+            if arm in LOOKUP or arm == best or arm not in mine or arm in d.probed:    # one probe a step
                 continue
             _, t_a, tok_a = known[arm]
             since = self.steps - self.arms[arm].last
