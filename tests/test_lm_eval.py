@@ -95,8 +95,8 @@ def test_generate_until_same_outputs_for_ar_and_das_wave(model, eval_data):
     cap, until = 40, ["\n", "$"]
     runs = {}
     for method in ("ar", "das-wave"):
-        lm = DasspecLM(model=model, method=method, batch_size=3)
-        runs[method] = lm_eval.simple_evaluate(model=lm, tasks=[GSM8K], task_manager=tm, limit=3, num_fewshot=2,
+        lm = DasspecLM(model=model, method=method, batch_size=2)
+        runs[method] = lm_eval.simple_evaluate(model=lm, tasks=[GSM8K], task_manager=tm, limit=2, num_fewshot=2,
                                                gen_kwargs={"max_gen_toks": cap, "until": until}, bootstrap_iters=0)
     a, b = samples(runs["ar"], GSM8K), samples(runs["das-wave"], GSM8K)
     assert a == b and runs["ar"]["results"] == runs["das-wave"]["results"]
@@ -132,11 +132,12 @@ def close(a, b) -> bool:
     return a == b
 
 
-def test_in_process_and_local_completions_agree(model, server, eval_data):
-    eval_data("gsm8k/test.jsonl", "mbpp/mbpp.jsonl")
+@pytest.mark.parametrize("task", [MC, GSM8K])        # a log-likelihood task, a generate_until task
+def test_in_process_and_local_completions_agree(model, server, eval_data, task):
+    eval_data("gsm8k/test.jsonl" if task == GSM8K else "mbpp/mbpp.jsonl")
     tm = task_manager()
-    options = dict(tasks=[MC, GSM8K], task_manager=tm, limit=2, num_fewshot=2, gen_kwargs={"max_gen_toks": 32},
-                   bootstrap_iters=0)
+    options = dict(tasks=[task], task_manager=tm, limit=2, num_fewshot=2 if task == GSM8K else None,
+                   gen_kwargs={"max_gen_toks": 32} if task == GSM8K else None, bootstrap_iters=0)
     runs = {m: lm_eval.simple_evaluate(model=DasspecLM(model=model, method=m, batch_size=4), **options)
             for m in ("ar", "das-wave")}
     runs["local-completions"] = lm_eval.simple_evaluate(
@@ -144,27 +145,34 @@ def test_in_process_and_local_completions_agree(model, server, eval_data):
         "batch_size=4,max_length=4096,max_retries=1", **options)
     ref = runs["ar"]
     for name, run in runs.items():
-        for task in (MC, GSM8K):
-            got, want = samples(run, task), samples(ref, task)
-            assert len(got) == len(want) == (2 if task == MC else 4), name      # GSM8K: two filters
-            assert close(got, want), (name, task)
-            assert run["results"][task] == ref["results"][task], (name, task)
+        got, want = samples(run, task), samples(ref, task)
+        assert len(got) == len(want) == (2 if task == MC else 4), name          # GSM8K: two filters
+        assert close(got, want), name
+        assert run["results"][task] == ref["results"][task], name
+
+
+def eval_command(tmp_path, root, model_args: str) -> list[str]:
+    return [sys.executable, "-m", "dasspec.cli", "eval", "--model", "dasspec", "--model_args", model_args, "--tasks",
+            MC, "--limit", "2", "--batch_size", "4", "--output_path", str(tmp_path / "out"), "--log_samples"]
 
 
 def test_dasspec_eval_command(tmp_path, eval_data):
     root = eval_data("mbpp/mbpp.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", DASSPEC_DATA=str(root))
-    run = [sys.executable, "-m", "dasspec.cli", "eval", "--model", "dasspec", "--model_args",
-           "method=das-wave,threads=1", "--tasks", MC, "--limit", "2", "--batch_size", "4", "--output_path",
-           str(tmp_path / "out"), "--log_samples"]
-    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(eval_command(tmp_path, root, "method=das-wave,threads=1"), capture_output=True, text=True,
+                          env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert len(results) == 1 and list((tmp_path / "out").rglob(f"samples_{MC}_*.jsonl"))
     body = json.loads(results[0].read_text())
     assert 0 <= body["results"][MC]["acc,none"] <= 1 and body["config"]["model"] == "dasspec"
-    bad = run[:7] + ["method=nope"] + run[8:10]
-    done = subprocess.run(bad, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_dasspec_eval_refuses_a_bad_model_argument_in_one_line(tmp_path, eval_data):
+    root = eval_data("mbpp/mbpp.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DASSPEC_DATA=str(root))
+    done = subprocess.run(eval_command(tmp_path, root, "method=nope"), capture_output=True, text=True, env=env,
+                          timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("dasspec: error:")
     assert "nope" in done.stderr.strip().splitlines()[-1]
 
