@@ -221,7 +221,7 @@ class DasspecLM(TemplateLM):
         from .. import PrefixCache
 
         return PrefixCache(self.model, prompts[0][:n], num_steps=self.num_steps, init_scale=self.init_scale,
-                           seed=self.seed)
+                           state_seed=self.seed)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from ..engine.generate import generate_batch
@@ -240,6 +240,7 @@ class DasspecLM(TemplateLM):
             results = generate_batch(
                 self.model, prompts, drafter=self._drafters["do_sample" in sampling], max_new_tokens=cap,
                 num_steps=self.num_steps, init_scale=self.init_scale, stop=until or None, seed=self.seed,
+                state_seed=self.seed,
                 tokenizer=self.tok, max_batch=self.batch_size, prefix_cache=self._shared_prefix(prompts),
                 **self.exit, **sampling)
             for i, result in zip(members, results):

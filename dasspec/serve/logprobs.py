@@ -5,8 +5,8 @@ prompt, in order), and the tokenizer routes lm-eval's remote tokenizer reads (``
 ``POST /tokenize``, ``POST /detokenize``, vLLM's shapes).
 
 Every log-probability is the full-depth target's: after decoding (any method), one plain forward
-``model(prompt + output)`` at the request's seed and exit options (``dasspec/eval/logprobs.py``) scores the prompt
-and the emitted tokens.  The target is what every method was verified against, so the numbers do not depend on
+``model(prompt + output)`` with the server's initial states (state seed 0: a request's ``seed`` only seeds its
+sampling) and the request's exit options (``dasspec/eval/logprobs.py``) scores the prompt and the emitted tokens.  The target is what every method was verified against, so the numbers do not depend on
 the method that decoded the text.  Log-probabilities are the model's own distribution (log-softmax of the logits),
 not the temperature / top-p warped one a sampled request drew from.
 
@@ -231,7 +231,7 @@ async def completions(service, request: Request, req: CompletionRequest, prompts
     scored: list[Scored | None] = [None] * len(prompts)
     if req.logprobs is not None:
         seqs = [p + (r.tokens if r is not None else []) for p, (r, _s) in zip(prompts, decoded)]
-        scored = await scorer(service).score(seqs, req.seed or 0, _exit(req), req.logprobs)
+        scored = await scorer(service).score(seqs, 0, _exit(req), req.logprobs)
     reply = Reply(chat=False, model=service.model_name)
     choices, stats, n_prompt, n_gen = [], [], 0, 0
     for i, (p, (result, st), sc) in enumerate(zip(prompts, decoded, scored)):
@@ -261,7 +261,7 @@ async def chat(service, request: Request, req: ChatRequest, prompt: list[int]) -
         return Response(status_code=499)
     (result, stats), = decoded
     top = req.top_logprobs or 0
-    sc, = await scorer(service).score([prompt + result.tokens], req.seed or 0, _exit(req), top)
+    sc, = await scorer(service).score([prompt + result.tokens], 0, _exit(req), top)
     reply = Reply(chat=True, model=service.model_name)
     body = reply.body(result, len(prompt), stats)
     body["choices"][0]["logprobs"] = chat_logprobs(service.tok, prompt + result.tokens, sc, len(prompt), top)
