@@ -328,6 +328,16 @@ class Stepper:
             self.engine.step()
         return self._verdicts[-1] if len(self._verdicts) > before else None
 
+    def back(self, width: int) -> None:
+        """Back the rows a draft of ``width`` inputs past the anchor needs (what the scheduler does before a step),
+        for tests that call a drafter's model passes directly."""
+        e, pool = self.entry, self.engine.pool
+        need = pool.blocks_for(self.n + 1 + width) - len(e.blocks)
+        if need > 0:
+            got = pool.allocate(need, after=e.blocks[-1])
+            e.blocks += got
+            self.req.cache.table.append(got)
+
     def rows(self) -> list[torch.Tensor]:
         """The verified rows [0, n) of every cache tensor (core K/V at every depth, prelude, coda)."""
         return self.req.cache.save()

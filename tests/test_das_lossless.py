@@ -166,6 +166,7 @@ def _wave_request(model, ids, **knobs):
     kn = WaveKnobs(**knobs).validate(model.R)
     dec = Stepper(model, ids, 40, width=kn.w + 1)
     dec.prefill()
+    dec.back(kn.w + 1)
     return dec.ctx, kn
 
 
