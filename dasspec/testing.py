@@ -336,7 +336,8 @@ class Stepper:
         if need > 0:
             got = pool.allocate(need, after=e.blocks[-1])
             e.blocks += got
-            self.req.cache.table.append(got)
+            with torch.inference_mode():
+                self.req.cache.table.append(got)
 
     def rows(self) -> list[torch.Tensor]:
         """The verified rows [0, n) of every cache tensor (core K/V at every depth, prelude, coda)."""
