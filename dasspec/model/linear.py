@@ -1,4 +1,4 @@
-"""Every Linear layer's matrix product, behind one function (``linear``): the one hardware shortcut in the math.
+"""Every Linear layer's matrix product, behind one function (``linear``): the hardware shortcuts in the math.
 
 On a CPU without bfloat16 matrix units (no AMX, no AVX512-BF16: most laptops and many servers) torch multiplies
 bfloat16 matrices at a fixed cost per activation row - a 32-row product costs 32 one-row products - so neither a
@@ -6,12 +6,24 @@ batch of requests nor a speculative draft gets cheaper per token there.  Float32
 rows are added.  So a bfloat16 weight multiplying WIDE_ROWS or more rows is converted to float32 a tile of output rows
 at a time (a tile small enough to stay in cache) and multiplied in float32; the result is cast back to bfloat16.
 Float32 accumulation is what the bfloat16 product does too, so the values agree to bfloat16 rounding; float32
-models, GPUs and CPUs with bfloat16 units always take ``F.linear``.  Figures: docs/performance.md, "Batching".
+models, GPUs and CPUs with bfloat16 units never take it.  Figures: docs/performance.md, "Batching".
+
+Float32 on a CPU: oneDNN with the weight packed once (``packed_float32_linear``).  torch's float32 ``F.linear`` on
+a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows (8 rows cost 3-9x one row on
+this project's host) nor gives a row the same bits at every row count: rows of a 1-3 row product, of an odd row
+count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is 2-8x faster at 8 rows
+and gives every row the value it has alone at any row count (a single row is run as two, since oneDNN's one-row
+kernel sums some shapes differently), which is what batch-invariant decoding needs.  The packed copy is made on a
+weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all; a weight past the budget
+keeps ``F.linear`` for good, so each weight always takes one kernel).  Figures: docs/performance.md, "Batched AR
+against vLLM".
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +67,96 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     return out.to(x.dtype, memory_format=torch.contiguous_format).reshape(*x.shape[:-1], N)   # row-major, as F.linear
 
 
+PACK_BUDGET_BYTES = int(os.environ.get("DASSPEC_PACK_BUDGET_BYTES", 4 << 30))   # packed float32 copies, in all
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packing() -> bool:
+    """Whether torch's oneDNN linear with a packed weight works here (x86 CPU builds; checked once)."""
+    try:
+        w = torch.ones(8, 16)
+        p = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16), p, None, "none", [], "")
+        return bool(torch.equal(y, torch.full((2, 8), 16.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class _Packs:
+    """Packed copies of float32 weights, keyed by the weight tensor's identity (dropped with it; remade if it is
+    written in place)."""
+
+    def __init__(self):
+        self.table: dict[int, tuple] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
+        self.bytes = 0
+
+    def get(self, weight: Tensor) -> tuple[Tensor, bool] | None:
+        key = id(weight)
+        hit = self.table.get(key, False)
+        if hit is None:
+            return None
+        if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
+            return hit[0], hit[3]
+        size = weight.numel() * 4
+        if hit is False:
+            refused = self.bytes + size > PACK_BUDGET_BYTES
+            self.table[key] = None
+            weakref.finalize(weight, self._freed, key, 0 if refused else size)
+            if refused:
+                return None
+            self.bytes += size
+        with torch.inference_mode(False), torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
+            one_row = _one_row_alike(packed, weight.shape[1])
+        self.table[key] = (packed, weight._version, weight.data_ptr(), one_row)
+        return packed, one_row
+
+    def _freed(self, key: int, size: int) -> None:
+        self.table.pop(key, None)
+        self.bytes -= size
+
+
+_PACKS = _Packs()
+
+
+def _onednn(x2: Tensor, packed: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
+
+
+def _one_row_alike(packed: Tensor, K: int) -> bool:
+    """Whether oneDNN's one-row product of this packed weight gives a row the bits it gets among others (for some
+    shapes its one-row kernel sums in another order; those run a single row as two)."""
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(0))
+    many = _onednn(x, packed)
+    return all(torch.equal(_onednn(x[i:i + 1], packed), many[i:i + 1]) for i in range(x.shape[0]))
+
+
+def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int,
+                          one_row: bool = False) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN; every row's value is independent of how
+    many rows the call has (a single row is run as two unless ``one_row``: the one-row kernel agrees)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M == 1 and not one_row:
+        x2 = x2.expand(2, K)
+    out = _onednn(x2.contiguous(), packed)
+    if M == 1 and not one_row:
+        out = out[:1]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
+            and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > 0
+            and weight.numel() >= MIN_WEIGHT_ELEMENTS and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and onednn_packing()):
+        hit = _PACKS.get(weight)
+        if hit is not None:
+            return packed_float32_linear(x, hit[0], bias, weight.shape[0], one_row=hit[1])
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and x.numel() >= WIDE_ROWS * x.shape[-1] and weight.numel() >= MIN_WEIGHT_ELEMENTS
             and weight.is_contiguous() and not torch.compiler.is_compiling()
