@@ -72,7 +72,7 @@ def vllm_worker() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:2], sp, use_tqdm=False)                    # warm-up
-    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    print("@@", json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         B = int(line)
         t = time.perf_counter()
@@ -81,7 +81,7 @@ def vllm_worker() -> None:
         else:                                                       # one call: the scheduler keeps B running
             outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
-        print(json.dumps({"seconds": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        print("@@", json.dumps({"seconds": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
 
 
 class VLLM:
@@ -96,10 +96,12 @@ class VLLM:
         self.info = self._read()
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the vLLM worker stopped (log: {self.log.name})")
-        return json.loads(line)
+        while True:                              # answers are the lines marked "@@" (vLLM may print others)
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the vLLM worker stopped (log: {self.log.name})")
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
 
     def run(self, B: int) -> dict:
         self.proc.stdin.write(f"{B}\n")

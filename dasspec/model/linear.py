@@ -151,7 +151,7 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
             and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > 0
-            and weight.numel() >= MIN_WEIGHT_ELEMENTS and not torch.compiler.is_compiling()
+            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and onednn_packing()):
         hit = _PACKS.get(weight)
