@@ -14,8 +14,9 @@ this project's host) nor gives a row the same bits at every row count: rows of a
 count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is 2-8x faster at 8 rows
 and gives every row the value it has alone at any row count (a single row is run as two, since oneDNN's one-row
 kernel sums some shapes differently), which is what batch-invariant decoding needs.  The packed copy is made on a
-weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all; a weight past the budget
-keeps ``F.linear`` for good, so each weight always takes one kernel).  Figures: docs/performance.md, "Batched AR
+weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
+``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
+kernel).  Figures: docs/performance.md, "Batched AR
 against vLLM".
 """
 
@@ -68,6 +69,19 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
 
 
 PACK_BUDGET_BYTES = int(os.environ.get("DASSPEC_PACK_BUDGET_BYTES", 4 << 30))   # packed float32 copies, in all
+MEMORY_SHARE = 0.25           # and a copy is made only while it takes at most this share of the free host memory
+
+
+def _available_bytes() -> float:
+    """MemAvailable of /proc/meminfo (unknown: no limit)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +113,7 @@ class _Packs:
             return hit[0], hit[3]
         size = weight.numel() * 4
         if hit is False:
-            refused = self.bytes + size > PACK_BUDGET_BYTES
+            refused = self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
             self.table[key] = None
             weakref.finalize(weight, self._freed, key, 0 if refused else size)
             if refused:
