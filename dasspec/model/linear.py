@@ -8,12 +8,14 @@ at a time (a tile small enough to stay in cache) and multiplied in float32; the 
 Float32 accumulation is what the bfloat16 product does too, so the values agree to bfloat16 rounding; float32
 models, GPUs and CPUs with bfloat16 units never take it.  Figures: docs/performance.md, "Batching".
 
-Float32 on a CPU: oneDNN with the weight packed once (``packed_float32_linear``).  torch's float32 ``F.linear`` on
-a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows (8 rows cost 3-9x one row on
-this project's host) nor gives a row the same bits at every row count: rows of a 1-3 row product, of an odd row
-count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is 2-8x faster at 8 rows
-and gives every row the value it has alone at any row count (a single row is run as two, since oneDNN's one-row
-kernel sums some shapes differently), which is what batch-invariant decoding needs.  The packed copy is made on a
+Float32 on a CPU, two rows or more: oneDNN with the weight packed once (``packed_float32_linear``).  torch's
+float32 ``F.linear`` on a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows (8 rows
+cost 3-9x one row on this project's host) nor gives a row the same bits at every row count: rows of a 1-3 row
+product, of an odd row count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is
+2-8x faster at 8 rows and gives a row the same bits at every count from 2 up (its one-row kernel sums some shapes
+differently).  A single row keeps MKL's product, which was faster there (a batch-1 decode step 1.34x slower
+through oneDNN on this host); so a row decoded alone and the same row in a batch may still differ in the last
+bits on such a host, as they did before, while rows of batches of any two sizes agree.  The packed copy is made on a
 weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
 ``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
 kernel).  Figures: docs/performance.md, "Batched AR
@@ -104,13 +106,13 @@ class _Packs:
         self.table: dict[int, tuple] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
         self.bytes = 0
 
-    def get(self, weight: Tensor) -> tuple[Tensor, bool] | None:
+    def get(self, weight: Tensor) -> Tensor | None:
         key = id(weight)
         hit = self.table.get(key, False)
         if hit is None:
             return None
         if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
-            return hit[0], hit[3]
+            return hit[0]
         size = weight.numel() * 4
         if hit is False:
             refused = self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
@@ -121,9 +123,8 @@ class _Packs:
             self.bytes += size
         with torch.inference_mode(False), torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
-            one_row = _one_row_alike(packed, weight.shape[1])
-        self.table[key] = (packed, weight._version, weight.data_ptr(), one_row)
-        return packed, one_row
+        self.table[key] = (packed, weight._version, weight.data_ptr())
+        return packed
 
     def _freed(self, key: int, size: int) -> None:
         self.table.pop(key, None)
@@ -133,30 +134,11 @@ class _Packs:
 _PACKS = _Packs()
 
 
-def _onednn(x2: Tensor, packed: Tensor) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
-
-
-def _one_row_alike(packed: Tensor, K: int) -> bool:
-    """Whether oneDNN's one-row product of this packed weight gives a row the bits it gets among others (for some
-    shapes its one-row kernel sums in another order; those run a single row as two)."""
-    x = torch.randn(5, K, generator=torch.Generator().manual_seed(0))
-    many = _onednn(x, packed)
-    return all(torch.equal(_onednn(x[i:i + 1], packed), many[i:i + 1]) for i in range(x.shape[0]))
-
-
-def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int,
-                          one_row: bool = False) -> Tensor:
-    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN; every row's value is independent of how
-    many rows the call has (a single row is run as two unless ``one_row``: the one-row kernel agrees)."""
+def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN (x of two or more rows); every row's
+    value is independent of how many rows the call has."""
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    if M == 1 and not one_row:
-        x2 = x2.expand(2, K)
-    out = _onednn(x2.contiguous(), packed)
-    if M == 1 and not one_row:
-        out = out[:1]
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, K).contiguous(), packed, None, "none", [], "")
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
@@ -164,13 +146,13 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > 0
+            and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > x.shape[-1]
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and onednn_packing()):
-        hit = _PACKS.get(weight)
-        if hit is not None:
-            return packed_float32_linear(x, hit[0], bias, weight.shape[0], one_row=hit[1])
+        packed = _PACKS.get(weight)
+        if packed is not None:
+            return packed_float32_linear(x, packed, bias, weight.shape[0])
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and x.numel() >= WIDE_ROWS * x.shape[-1] and weight.numel() >= MIN_WEIGHT_ELEMENTS
             and weight.is_contiguous() and not torch.compiler.is_compiling()
