@@ -83,11 +83,12 @@ def test_a_bfloat16_model_decodes_through_the_tiled_products(monkeypatch, tmp_pa
     assert [o.tokens[0] for o in outs] == [a[0] for a in alone]
 
 
-def test_packed_float32_rows_do_not_depend_on_the_row_count():
+def test_packed_float32_rows_do_not_depend_on_the_row_count(monkeypatch):
     """The float32 CPU path (oneDNN, packed weight; two rows or more): each row has the same bits at any row count,
     and agrees with F.linear to float32 rounding; a written weight is repacked."""
     if not lin.onednn_packing():
         pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(0)
     for N, K in ((96, 64), (64, 176), (300, 64)):
         w = torch.randn(N, K, generator=g) * 0.05
@@ -110,6 +111,7 @@ def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
     lin.linear(torch.randn(3, 32), w).sum().backward()      # training: autograd's F.linear
     assert not calls and w.grad is not None
     monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
     monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4)
     a, b = torch.randn(64, 32), torch.randn(64, 32)
     with torch.no_grad():

@@ -71,6 +71,7 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
 
 
 PACK_BUDGET_BYTES = int(os.environ.get("DASSPEC_PACK_BUDGET_BYTES", 4 << 30))   # packed float32 copies, in all
+PACK_MIN_ELEMENTS = 1 << 18   # smaller weights keep F.linear: oneDNN's ~35 us a call outweighs what it saves there
 MEMORY_SHARE = 0.25           # and a copy is made only while it takes at most this share of the free host memory
 
 
@@ -138,7 +139,12 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN (x of two or more rows); every row's
     value is independent of how many rows the call has."""
     K = x.shape[-1]
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, K).contiguous(), packed, None, "none", [], "")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    rows = -(-M // 8) * 8 if M <= 64 else -(-M // 64) * 64     # a few row counts: oneDNN builds a kernel per shape
+    if rows != M:
+        x2 = torch.cat((x2, x2.new_zeros(rows - M, K)))
+    out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, None, "none", [], "")[:M]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
@@ -147,7 +153,7 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
             and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > x.shape[-1]
-            and not torch.compiler.is_compiling()
+            and weight.numel() >= PACK_MIN_ELEMENTS and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and onednn_packing()):
         packed = _PACKS.get(weight)
