@@ -81,3 +81,41 @@ def test_a_bfloat16_model_decodes_through_the_tiled_products(monkeypatch, tmp_pa
     alone = [dasspec.generate(bf16, p, "ar", max_new_tokens=4, eos=False).tokens for p in prompts]
     outs = dasspec.generate_batch(bf16, prompts, "ar", max_new_tokens=4, eos=False, max_batch=3)
     assert [o.tokens[0] for o in outs] == [a[0] for a in alone]
+
+
+def test_packed_float32_rows_do_not_depend_on_the_row_count(monkeypatch):
+    """The float32 CPU path (oneDNN, packed weight; two rows or more): each row has the same bits at any row count,
+    and agrees with F.linear to float32 rounding; a written weight is repacked."""
+    if not lin.onednn_packing():
+        pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
+    g = torch.Generator().manual_seed(0)
+    for N, K in ((96, 64), (64, 176), (300, 64)):
+        w = torch.randn(N, K, generator=g) * 0.05
+        x = torch.randn(1, 37, K, generator=g)
+        with torch.inference_mode():
+            alone = lin.linear(x, w)
+            for M in (2, 3, 4, 5, 8, 9, 16, 33):
+                assert torch.equal(lin.linear(x[:, :M], w), alone[:, :M]), (N, K, M)
+                assert torch.equal(lin.linear(x[:, 37 - M:], w), alone[:, 37 - M:]), (N, K, M)
+            torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-5)
+            w.mul_(2)
+            torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
+    calls = []
+    real = lin.packed_float32_linear
+    monkeypatch.setattr(lin, "packed_float32_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(64, 32).requires_grad_()
+    lin.linear(torch.randn(3, 32), w).sum().backward()      # training: autograd's F.linear
+    assert not calls and w.grad is not None
+    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4)
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    with torch.no_grad():
+        lin.linear(torch.randn(3, 32), a)                   # fits the budget: packed
+        lin.linear(torch.randn(3, 32), b)                   # past it: F.linear, for good
+        lin.linear(torch.randn(3, 32), b)
+    assert len(calls) == (1 if lin.onednn_packing() else 0)

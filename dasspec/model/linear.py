@@ -1,4 +1,4 @@
-"""Every Linear layer's matrix product, behind one function (``linear``): the one hardware shortcut in the math.
+"""Every Linear layer's matrix product, behind one function (``linear``): the hardware shortcuts in the math.
 
 On a CPU without bfloat16 matrix units (no AMX, no AVX512-BF16: most laptops and many servers) torch multiplies
 bfloat16 matrices at a fixed cost per activation row - a 32-row product costs 32 one-row products - so neither a
@@ -6,12 +6,27 @@ batch of requests nor a speculative draft gets cheaper per token there.  Float32
 rows are added.  So a bfloat16 weight multiplying WIDE_ROWS or more rows is converted to float32 a tile of output rows
 at a time (a tile small enough to stay in cache) and multiplied in float32; the result is cast back to bfloat16.
 Float32 accumulation is what the bfloat16 product does too, so the values agree to bfloat16 rounding; float32
-models, GPUs and CPUs with bfloat16 units always take ``F.linear``.  Figures: docs/performance.md, "Batching".
+models, GPUs and CPUs with bfloat16 units never take it.  Figures: docs/performance.md, "Batching".
+
+Float32 on a CPU, two rows or more: oneDNN with the weight packed once (``packed_float32_linear``).  torch's
+float32 ``F.linear`` on a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows (8 rows
+cost 3-9x one row on this project's host) nor gives a row the same bits at every row count: rows of a 1-3 row
+product, of an odd row count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is
+2-8x faster at 8 rows and gives a row the same bits at every count from 2 up (its one-row kernel sums some shapes
+differently).  A single row keeps MKL's product, which was faster there (a batch-1 decode step 1.34x slower
+through oneDNN on this host); so a row decoded alone and the same row in a batch may still differ in the last
+bits on such a host, as they did before, while rows of batches of any two sizes agree.  The packed copy is made on a
+weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
+``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
+kernel).  Figures: docs/performance.md, "Batched AR
+against vLLM".
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +70,95 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     return out.to(x.dtype, memory_format=torch.contiguous_format).reshape(*x.shape[:-1], N)   # row-major, as F.linear
 
 
+PACK_BUDGET_BYTES = int(os.environ.get("DASSPEC_PACK_BUDGET_BYTES", 4 << 30))   # packed float32 copies, in all
+PACK_MIN_ELEMENTS = 1 << 18   # smaller weights keep F.linear: oneDNN's ~35 us a call outweighs what it saves there
+MEMORY_SHARE = 0.25           # and a copy is made only while it takes at most this share of the free host memory
+
+
+def _available_bytes() -> float:
+    """MemAvailable of /proc/meminfo (unknown: no limit)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packing() -> bool:
+    """Whether torch's oneDNN linear with a packed weight works here (x86 CPU builds; checked once)."""
+    try:
+        w = torch.ones(8, 16)
+        p = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16), p, None, "none", [], "")
+        return bool(torch.equal(y, torch.full((2, 8), 16.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class _Packs:
+    """Packed copies of float32 weights, keyed by the weight tensor's identity (dropped with it; remade if it is
+    written in place)."""
+
+    def __init__(self):
+        self.table: dict[int, tuple] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
+        self.bytes = 0
+
+    def get(self, weight: Tensor) -> Tensor | None:
+        key = id(weight)
+        hit = self.table.get(key, False)
+        if hit is None:
+            return None
+        if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
+            return hit[0]
+        size = weight.numel() * 4
+        if hit is False:
+            refused = self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
+            self.table[key] = None
+            weakref.finalize(weight, self._freed, key, 0 if refused else size)
+            if refused:
+                return None
+            self.bytes += size
+        with torch.inference_mode(False), torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
+        self.table[key] = (packed, weight._version, weight.data_ptr())
+        return packed
+
+    def _freed(self, key: int, size: int) -> None:
+        self.table.pop(key, None)
+        self.bytes -= size
+
+
+_PACKS = _Packs()
+
+
+def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN (x of two or more rows); every row's
+    value is independent of how many rows the call has."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    rows = -(-M // 8) * 8 if M <= 64 else -(-M // 64) * 64     # a few row counts: oneDNN builds a kernel per shape
+    if rows != M:
+        x2 = torch.cat((x2, x2.new_zeros(rows - M, K)))
+    out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, None, "none", [], "")[:M]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
+            and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > x.shape[-1]
+            and weight.numel() >= PACK_MIN_ELEMENTS and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and onednn_packing()):
+        packed = _PACKS.get(weight)
+        if packed is not None:
+            return packed_float32_linear(x, packed, bias, weight.shape[0])
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and x.numel() >= WIDE_ROWS * x.shape[-1] and weight.numel() >= MIN_WEIGHT_ELEMENTS
             and weight.is_contiguous() and not torch.compiler.is_compiling()
