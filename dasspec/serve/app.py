@@ -127,11 +127,14 @@ def create_app(service: Service) -> FastAPI:
     def completion_input(raw: bytes):
         req = parse_request(CompletionRequest, parse_json(raw))
         if logprobs.extended(req):           # echo, logprobs, max_tokens 0, several prompts: a list of prompts
+            logprobs.require_model(service, req)
             return req, logprobs.completion_prompts(service, req)
         return req, service.completion_prompt(req)
 
     def chat_input(raw: bytes):
         req = parse_request(ChatRequest, parse_json(raw))
+        if logprobs.extended(req):
+            logprobs.require_model(service, req)
         return req, service.chat_prompt(req)
 
     @app.post("/v1/completions")

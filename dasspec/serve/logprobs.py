@@ -311,7 +311,7 @@ def add_routes(app: FastAPI, service, read_body) -> None:
         if len(req.tokens) > service.context:
             raise APIError(400, f"'tokens': {len(req.tokens)} ids; at most the model's context, "
                            f"{service.context}", param="tokens")
-        V = service.model.config.vocab_size
+        V = service.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < V]
         if bad:
             raise APIError(400, f"'tokens': token id {bad[0]} is outside the vocabulary [0, {V})", param="tokens")
@@ -323,3 +323,13 @@ def extended(req) -> bool:
     if isinstance(req, CompletionRequest):
         return req.extended
     return bool(getattr(req, "logprobs", False))
+
+
+def require_model(service, req) -> None:
+    """Scoring runs forwards of the model in the serving process: a front end without one (the Ray ingress) answers
+    these requests with a 400 naming the field, never a 500."""
+    if getattr(service, "model", None) is None:
+        field = "logprobs" if getattr(req, "logprobs", None) else "echo" if getattr(req, "echo", False) else \
+            "max_tokens" if getattr(req, "max_tokens", None) == 0 else "prompt"
+        raise APIError(400, f"'{field}': log-probabilities, echo, max_tokens 0 and lists of prompts are answered by "
+                       "a single dasspec serve, not yet through dasspec serve --ray", param=field)
