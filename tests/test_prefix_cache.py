@@ -75,7 +75,7 @@ def _shared_run(model, first, later, **kw_later):
 def test_shared_blocks_hold_the_rows_a_request_computes_alone(model):
     prefix, (p1, p2, *_) = _prompts(model.config.vocab_size, 20, 3)
     rows, entry, eng = _shared_run(model, p1, p2)
-    assert entry.stats.cached_tokens == 16 and eng.pool.hits == 2          # two full blocks of the 20 shared
+    assert entry.stats.cached_tokens == 16 and eng.scheduler.shared_rows == 16   # 2 full blocks of the 20
     alone = _alone_rows(model, p2)
     assert len(rows) == len(alone)
     for got, own in zip(rows, alone):

@@ -75,7 +75,6 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()          # unreferenced, keyed: evicted oldest first
-        self.hits = 0                                               # blocks reused (prefix sharing)
         self.evictions = 0
 
     # --- sizes ------------------------------------------------------------------------------------------------
@@ -164,7 +163,6 @@ class BlockPool:
                 del self._lru[b]
             self._ref[b] += 1
             out.append(b)
-        self.hits += len(out)
         return out
 
     def cached_run(self, keys: list[bytes]) -> int:

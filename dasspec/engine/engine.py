@@ -42,8 +42,7 @@ from .draft import Drafter
 from .drafters import BuildDrafter, DrafterCache, MethodName
 from .executor import Executor
 from .memory import reset_peak_memory
-from .options import (GenerationResult, as_token_list, default_stop_ids, drop_hf_options, sampling_options,
-                      split_stop)
+from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
 from .policy import SpeculationPolicy
 from .request import greedy, rows_needed
 from .runtime import DEFAULT, Runtime

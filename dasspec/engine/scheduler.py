@@ -299,7 +299,6 @@ class Scheduler:
         fresh = self.pool.blocks_for(rows) - len(shared)
         if self.pool.available - fresh < len(self.running):
             self.pool.free(shared)
-            self.pool.hits -= len(shared)
             return False
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
         self.waiting.remove(e)

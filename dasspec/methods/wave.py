@@ -150,7 +150,6 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
     B = len(sessions)
     Z = []
     for s, req, seed in zip(sessions, reqs, seeds):
-        n = req.n
         z = req.draft_slots(w)                    # z[0] is the anchor; the guesses live in the token scratch
         z[1:] = z[0]
         if seed is not None and len(seed):

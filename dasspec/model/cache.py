@@ -184,27 +184,22 @@ class PagedCache:
     def tensors(self) -> tuple[Tensor, ...]:
         return self.pool.tensors()
 
-    def prelude_kv(self, layer: int) -> PagedKV:
-        kv = self._views.get(("prelude", layer))
-        if kv is None:
-            k, v = self.pool.pre_k[layer], self.pool.pre_v[layer]
-            kv = self._views[("prelude", layer)] = PagedKV(k, v, k, v, self.table)
-        return kv
-
-    def coda_kv(self, layer: int) -> PagedKV:
-        kv = self._views.get(("coda", layer))
-        if kv is None:
-            k, v = self.pool.coda_k[layer], self.pool.coda_v[layer]
-            kv = self._views[("coda", layer)] = PagedKV(k, v, k, v, self.table)
-        return kv
-
-    def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> PagedKV:
-        key = (layer, read, own)
+    def _paged(self, key: tuple, pool_kv: LayerKV) -> PagedKV:
+        """The pool's view of a layer and depths, read and written through this sequence's table (built once)."""
         kv = self._views.get(key)
         if kv is None:
-            p = self.pool.core_kv(layer, read, own)
+            p = pool_kv
             kv = self._views[key] = PagedKV(p.k_prefix, p.v_prefix, p.k_own, p.v_own, self.table)
         return kv
+
+    def prelude_kv(self, layer: int) -> PagedKV:
+        return self._paged(("prelude", layer), self.pool.prelude_kv(layer))
+
+    def coda_kv(self, layer: int) -> PagedKV:
+        return self._paged(("coda", layer), self.pool.coda_kv(layer))
+
+    def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> PagedKV:
+        return self._paged((layer, read, own), self.pool.core_kv(layer, read, own))
 
     def commit(self, m: int) -> None:
         if self.n + m > self.capacity:

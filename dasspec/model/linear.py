@@ -9,12 +9,11 @@ Float32 accumulation is what the bfloat16 product does too, so the values agree 
 models, GPUs and CPUs with bfloat16 units never take it.  Figures: docs/performance.md, "Batching".
 
 Float32 on a CPU, two rows or more: oneDNN with the weight packed once (``packed_float32_linear``).  torch's
-float32 ``F.linear`` on a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows (8 rows
-cost 3-9x one row on this project's host) nor gives a row the same bits at every row count: rows of a 1-3 row
-product, of an odd row count and of a multiple of 4 are summed in different orders.  A packed oneDNN product is
-2-8x faster at 8 rows and gives a row the same bits at every count from 2 up (its one-row kernel sums some shapes
-differently).  A single row keeps MKL's product, which was faster there (a batch-1 decode step 1.34x slower
-through oneDNN on this host); so a row decoded alone and the same row in a batch may still differ in the last
+float32 ``F.linear`` on a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows nor
+gives a row the same bits at every row count: rows of a 1-3 row product, of an odd row count and of a multiple of
+4 are summed in different orders.  A packed oneDNN product is faster at a few rows and gives a row the same bits at
+every count from 2 up (its one-row kernel sums some shapes differently).  A single row keeps MKL's product, which is
+faster for one row; so a row decoded alone and the same row in a batch may still differ in the last
 bits on such a host, as they did before, while rows of batches of any two sizes agree.  The packed copy is made on a
 weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
 ``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
@@ -71,7 +70,7 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
 
 
 PACK_BUDGET_BYTES = int(os.environ.get("DASSPEC_PACK_BUDGET_BYTES", 4 << 30))   # packed float32 copies, in all
-PACK_MIN_ELEMENTS = 1 << 18   # smaller weights keep F.linear: oneDNN's ~35 us a call outweighs what it saves there
+PACK_MIN_ELEMENTS = 1 << 18   # smaller weights keep F.linear: oneDNN's per-call cost outweighs what it saves there
 MEMORY_SHARE = 0.25           # and a copy is made only while it takes at most this share of the free host memory
 
 
