@@ -15,7 +15,8 @@ allows the rest of the context - each a ``--prompt-len`` (300) token prompt whos
 steps), tokens/s, and whether every answer equals the arm's own batch-1 AR decode (checked on a few).
 
 hol: ``--short`` (7) short chats decode; once each has ``--warm`` tokens a ``--long-len`` (3,000) token prompt
-arrives.  Per arm: the short requests' per-token latency (time between the steps that gave them tokens, divided by
+arrives; the chats may run up to ``--short-tokens`` (3,000) so they decode through the whole prefill, and every
+request is cancelled when the long prompt's first token comes (pool: a full context per request).  Per arm: the short requests' per-token latency (time between the steps that gave them tokens, divided by
 the tokens) p50 before the long prompt arrived and p99 while it was prefilled; the ratio (goal: <= 2).  New-code
 arms may set ``--max-step-tokens``.
 
@@ -97,7 +98,7 @@ def text_ids(n, start):
     return ids[:n]
 shorts = [text_ids(cfg["short_len"], 11 * i) for i in range(cfg["short"])]
 long = text_ids(cfg["long_len"], 5000)
-kw = dict(max_batch=cfg["short"] + 1)
+kw = dict(max_batch=cfg["short"] + 1, kv_budget=(cfg["short"] + 1) * model.config.block_size)
 if cfg["max_step_tokens"]:
     kw["max_step_tokens"] = cfg["max_step_tokens"]
 engine = Engine(model, cfg["method"], **kw)
@@ -115,13 +116,15 @@ with torch.inference_mode():
                 count[ev.id] += len(ev.tokens)
                 if ev.id in last:
                     gap = (now - last[ev.id]) / len(ev.tokens)
-                    if state == "warm":
+                    if state == "warm" and all(c > 1 for c in count.values()):   # all of them decoding
                         gaps_before.append(gap)
                     elif state == "prefill":
                         gaps_during.append(gap)
                 last[ev.id] = now
             if lid is not None and ev.id == lid and ev.tokens and state == "prefill":
                 state, t_done = "after", now
+                for i in sids + [lid]:                  # measured: the short streams ran through the whole prefill
+                    engine.cancel(i)
         if state == "warm" and all(c >= cfg["warm"] for c in count.values()):
             lid = engine.add(long, max_new_tokens=4, eos=False)
             state, t_arrive = "prefill", time.perf_counter()
@@ -175,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", type=int, default=3, help="answers checked against their own AR decode, per arm")
     p.add_argument("--short", type=int, default=7)
     p.add_argument("--short-len", type=int, default=40)
-    p.add_argument("--short-tokens", type=int, default=200)
-    p.add_argument("--warm", type=int, default=8)
+    p.add_argument("--short-tokens", type=int, default=3000)
+    p.add_argument("--warm", type=int, default=16)
     p.add_argument("--long-len", type=int, default=3000)
     p.add_argument("--max-step-tokens", default="",
                    help="comma-separated budgets: one new-code arm per value (default: the engine's)")

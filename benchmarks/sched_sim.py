@@ -283,11 +283,19 @@ class FakeExecutor:
                 a, b = w.prefill
                 if a != self.prefilled[w.id]:
                     raise RuntimeError(f"request {w.id}: prefill planned from row {a}, {self.prefilled[w.id]} done")
+                if w.depths is not None:            # a depth slice: charged its share of the block's core steps
+                    r0, r1 = w.depths
+                    rows += -(-(b - a) * (r1 - r0) // self.fam.R)
+                    read += -(-b * (r1 - r0) // self.fam.R)
+                    if r1 < self.fam.R:
+                        continue
+                    self.segments += 1
+                else:
+                    self.segments += -(-(b - a) // B)
+                    rows += b - a
+                    read += b
                 o.prefilled = b - a
                 self.prefilled[w.id] = b
-                self.segments += -(-(b - a) // B)
-                rows += b - a
-                read += b
                 if b == len(r.prompt):
                     o.tokens = self.decode.first(r)
                     self.done[w.id] = 1
@@ -313,7 +321,7 @@ def plan_summary(plan: StepPlan) -> tuple:
     """What a plan decides: who starts (and how many rows it shares), each request's blocks, prompt rows and room,
     who is swapped out and in (tests compare the real engine's plans with the simulation's)."""
     return (tuple((s.id, s.cached) for s in plan.start),
-            tuple((w.id, tuple(w.new_blocks), w.prefill, w.room) for w in plan.work),
+            tuple((w.id, tuple(w.new_blocks), w.prefill, w.depths, w.room) for w in plan.work),
             tuple(plan.swap_out), tuple((i, tuple(b)) for i, b in plan.swap_in))
 
 
@@ -335,7 +343,7 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
     """The trace through the real scheduler and the fake executor; ``record``: a list each step's plan is added
     to (``plan_summary``)."""
     pool = pool or BlockPool.accounting(fam.positions, B, fam.bytes_per_token)
-    sched = scheduler(pool, max_batch, max_step_tokens)
+    sched = scheduler(pool, max_batch, max_step_tokens, R=fam.R)
     salt = prefix_salt(fam.R, 1.0, 0, None, torch.bfloat16, B)
     reqs = {r.id: r for r in trace}
     ex = FakeExecutor(fam, Decode(drafter, seed), reqs)

@@ -40,10 +40,12 @@ def model():
     return random_model("huginn", seed=11, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_preempted_requests_resume_with_their_own_tokens(model, sampled):
+@pytest.mark.parametrize("sampled,budget", [(False, 32), (True, 32), (False, 6)],
+                         ids=["greedy", "sampled", "greedy-depth-slices"])
+def test_preempted_requests_resume_with_their_own_tokens(model, sampled, budget):
     """A pool far too small for every request at once: requests are swapped out and back in, mid-prefill and
-    mid-decode, and every answer is still its own batch-1 AR decode (its rows come back bit for bit)."""
+    mid-decode (with a budget of 6, also in the middle of a block's depth slices: the block starts over), and every
+    answer is still its own batch-1 AR decode (its rows come back bit for bit)."""
     prompts = _prompts(model.config.vocab_size, 6, seed=3)
     kw = dict(max_new_tokens=40, eos=False)
     if sampled:
@@ -51,7 +53,7 @@ def test_preempted_requests_resume_with_their_own_tokens(model, sampled):
     refs = [dasspec.generate(model, p, "ar", seed=i, **kw).tokens for i, p in enumerate(prompts)]
     preempted = 0
     for method, knobs in METHODS:
-        engine = Engine(model, method, knobs, max_batch=6, block_size=8, kv_budget=160, max_step_tokens=32)
+        engine = Engine(model, method, knobs, max_batch=6, block_size=8, kv_budget=160, max_step_tokens=budget)
         ids = [engine.add(p, seed=i, **kw) for i, p in enumerate(prompts)]
         outs = _drain(engine, ids)
         assert [o.tokens for o in outs] == refs, method
@@ -114,6 +116,52 @@ def test_the_step_budget_decides_when_prompt_blocks_run_not_where_they_are_cut(m
     outs = _drain(engine, [a, b])
     assert outs[1].tokens == dasspec.generate(model, long, max_new_tokens=4, eos=False).tokens
     assert outs[0].tokens == dasspec.generate(model, short, max_new_tokens=60, eos=False).tokens
+
+
+def test_depth_slices_of_a_prompt_block_write_the_rows_the_whole_block_writes(model):
+    """When the budget left is less than a block, the block runs as depth slices (core steps (r0, r1] per step,
+    its state carried on the request): the decoding stream commits a token at every step, no step is charged more
+    than max_step_tokens, and the prompt's rows at every depth are bit for bit those a whole-block prefill writes;
+    the answers are their own AR decodes."""
+    prompt = _prompts(model.config.vocab_size, 1, seed=12, lo=37, hi=38)[0]
+    short = [5, 6, 7]
+    R = model.config.mean_recurrence
+
+    def prefill(budget: int):
+        engine = Engine(model, "ar", max_batch=2, block_size=8, max_step_tokens=budget)
+        a = engine.add(short, max_new_tokens=60, eos=False)
+        engine.step()                                        # a is decoding
+        b = engine.add(prompt, max_new_tokens=4, eos=False)
+        plans, committed = [], []
+        schedule = engine.scheduler.schedule
+
+        def spy(events):
+            plan, ended = schedule(events)
+            plans.append(plan)
+            return plan, ended
+
+        engine.scheduler.schedule = spy
+        with torch.inference_mode():
+            while engine._table[b].computed < len(prompt):
+                evs = engine.step()
+                committed.append(sum(len(e.tokens) for e in evs if e.id == a))
+        rows = engine.executor.requests[b].cache.save()
+        return rows, plans, committed, [o.tokens for o in _drain(engine, [a, b])]
+
+    whole, _, _, outs_whole = prefill(512)
+    sliced, plans, committed, outs = prefill(4)
+    slices = [w.depths for p in plans for w in p.work if w.depths is not None]
+    assert len(slices) >= 4 * R // 2 and all(0 <= r0 < r1 <= R for r0, r1 in slices)
+    for plan in plans:
+        charged = sum(1 for w in plan.work if w.prefill is None and w.room)
+        charged += sum(w.prefill[1] - w.prefill[0] if w.depths is None
+                       else -(-(w.prefill[1] - w.prefill[0]) * (w.depths[1] - w.depths[0]) // R)
+                       for w in plan.work if w.prefill)
+        assert charged <= 4
+    assert all(c >= 1 for c in committed)                    # the stream never stalled
+    assert len(whole) == len(sliced) and all(torch.equal(x, y) for x, y in zip(whole, sliced))
+    refs = [dasspec.generate(model, p, max_new_tokens=n, eos=False).tokens for p, n in ((short, 60), (prompt, 4))]
+    assert outs == outs_whole == refs
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static-shapes"])

@@ -12,7 +12,7 @@ gives that request alone.
 A step is a ``Scheduler`` plan run by an ``Executor`` (``scheduler.py``, ``executor.py``; they exchange plain data):
 the scheduler decides who runs, on which blocks of the paged depth cache (``blocks.py``: ``kv_budget`` positions
 allocated once, in blocks of ``block_size``; prompt blocks shared across requests), under a per-step token budget
-(``max_step_tokens``), preempting the most recently admitted request when blocks run out; the executor drafts and
+(``max_step_tokens``; prompt blocks whole, or in depth slices when less than a block is left), preempting the most recently admitted request when blocks run out; the executor drafts and
 verifies every running request in one full-depth pass; the scheduler applies the stop rules and emits the events.
 
 Lossless and batch-invariant.  A request reads and writes only its own rows (its blocks, and shared prompt blocks
@@ -120,7 +120,7 @@ class Engine:
             reset_peak_memory(model.device)
         self.pool = BlockPool(model, self.R, kv_budget, block_size)
         self.runtime.prepare_cache(self.pool.tensors())
-        self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy)
+        self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R)
         self.executor = Executor(model, self.R, self.pool, self.runtime)
         self._ids = itertools.count()
         self._table: dict[int, Entry] = {}

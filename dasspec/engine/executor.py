@@ -6,6 +6,7 @@ start (their shared prompt blocks already hold rows) and restores the ones swapp
 block tables, then runs the decode loop once (``loop.step``): every decoding request drafts under its room and cap,
 and one full-depth pass verifies every draft together with the step's prompt blocks - each prompt block its own
 attention segment, so a block's rows depend on its tokens and those before it only (what prefix sharing needs).
+A block planned as a depth slice (``Work.depths``) runs its core steps in a call of its own beside that pass.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .loop import step as loop_step
 from .request import Request
 from .runtime import Runtime
 from .scheduler import RequestOutput, StepOutput, StepPlan
-from .verify import PrefillChunk
+from .verify import PrefillChunk, prefill_slice
 
 
 class Executor:
@@ -50,6 +51,7 @@ class Executor:
         for rid in plan.swap_out:                     # before anything else writes the blocks they held
             req = self.requests[rid]
             self._saved[rid] = req.cache.save()
+            req.depth_slice = None                    # a block in flight starts over when it is back
             req.cache.table.clear()
             req.cache.n = 0
         if self.runtime.static_shapes:                # static reads see every row of a block: no stale values
@@ -93,7 +95,7 @@ class Executor:
                 rows = b * self.pool.B
             req.cache.n = req.prefilled = rows
 
-        sessions, chunks, out_of = [], [], {}
+        sessions, chunks, sliced, out_of = [], [], [], {}
         B = self.pool.B
         for w in work:
             req = self.requests[w.id]
@@ -102,23 +104,32 @@ class Executor:
                 a, b = w.prefill
                 if a != req.prefilled:
                     raise RuntimeError(f"request {w.id}: prefill planned from row {a}, but {req.prefilled} are done")
+                if w.depths is not None:              # a depth slice of one block, beside the pass
+                    sliced.append(PrefillChunk(req, a, b - a, last=b == req.P, depths=w.depths))
+                    continue
                 for s0 in range(a, b, B):             # one segment per block (rows independent of the plan)
                     chunks.append(PrefillChunk(req, s0, min(B, b - s0), last=min(s0 + B, b) == req.P))
-                    out.requests[w.id].prefilled += chunks[-1].size
             elif w.id in self.sessions:
                 req.room = w.room if not w.cap else min(w.room, w.cap + 1)
                 req.cap = w.cap
                 s = self.sessions[w.id]
                 sessions.append(s)
                 out_of[s] = req
-        if not sessions and not chunks:
+        if not sessions and not chunks and not sliced:
             return out
-        verified, first = loop_step(sessions, out_of, chunks, self._timer)
+        verified, first = loop_step(sessions, out_of, chunks, self._timer) if sessions or chunks else ([], [])
         for s, p, v in verified:
             o = out.requests[p.req.rid]
             o.tokens = list(v.tokens)
             o.verdict = (p.layout.proposals, v.accepted, len(v.tokens) > v.accepted)
         ends = [c for c in chunks if c.last]
+        for c in sliced:
+            with self._timer("prefill", [c.req]):
+                logits = prefill_slice(c)
+            if c.depths[1] == self.R:                 # its last core step: the block is complete
+                chunks.append(c)
+                if c.last:
+                    ends.append(c), first.append(logits)
         for c, logits in zip(ends, first):
             req = c.req
             token = int(req.choose(logits, req.P - 1)[-1])
@@ -128,6 +139,7 @@ class Executor:
         for c in chunks:
             c.req.cache.commit(c.size)
             c.req.prefilled += c.size
+            out.requests[c.req.rid].prefilled += c.size
         for c in ends:                                 # prefilled: its drafting session starts
             rid = c.req.rid
             with self._timer("draft", [c.req]):

@@ -61,6 +61,7 @@ class Request:
         self.exit = exit                    # the target's exit rule (Ouro's early exit; None: the last step)
         self.generated: list[int] = []      # committed tokens (before the scheduler's stop rule)
         self.prefilled = 0                  # rows of the known tokens materialised by prefill
+        self.depth_slice: tuple[int, Tensor, Tensor] | None = None   # (core steps done, state, injection) of a block
         self.max_new_tokens = max_new_tokens
         self.room = max_new_tokens          # tokens the next verification may commit (set by the executor per step)
         self.cap: int | None = None         # the step's draft cap (None: the drafter's own)

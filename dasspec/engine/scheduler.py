@@ -13,6 +13,10 @@ to host memory, bit for bit, and it resumes later with exactly the tokens it wou
 blocks are prefilled under what is left of the step's token budget (``max_step_tokens``): requests still prefilling
 first, then waiting ones, first in first out, each admitted only while a batch slot and its first blocks are
 free.  The budget decides when a block runs, never where a prompt is cut: chunk boundaries are block boundaries.
+When what is left is less than the next block, the block runs a depth slice instead - core steps (r0, r1] of its
+R, as many as the budget's rows buy (a block of b rows at d of R depths costs ceil(b d / R)), carried over the
+next steps until its R-th: a looped model's prefill splits along depth as well as along positions, and the rows
+are the same whichever steps compute them (each core step reads the prefix at its own depth, computed before).
 A request whose prompt + max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
@@ -61,6 +65,7 @@ class Work:
     id: int
     new_blocks: list[int] = field(default_factory=list)
     prefill: tuple[int, int] | None = None
+    depths: tuple[int, int] | None = None   # a depth slice of the prefill block: core steps (r0, r1] (None: all)
     room: int = 0
     cap: int | None = None
     keep: int | None = None            # its table keeps only its first ``keep`` blocks (scratch handed back)
@@ -117,6 +122,7 @@ class Entry:
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)   # its full prompt blocks' keys
     computed: int = 0                  # prompt rows materialised (shared ones included)
+    depth_done: int = 0                # core steps done of the block after ``computed`` (a depth slice in flight)
     generated: list[int] = field(default_factory=list)   # committed tokens, after the stop rule
     cancelled: bool = False
     reason: str | None = None
@@ -147,8 +153,9 @@ class Entry:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_step_tokens: int,
-                 policy: SpeculationPolicy | None = None):
-        self.pool, self.max_batch, self.max_step_tokens = pool, max_batch, max_step_tokens
+                 policy: SpeculationPolicy | None = None, R: int | None = None):
+        """``R``: the depth, for depth slices of prompt blocks (None: whole blocks only)."""
+        self.pool, self.max_batch, self.max_step_tokens, self.R = pool, max_batch, max_step_tokens, R
         self.policy = policy or SpeculationPolicy()
         self.waiting: deque[Entry] = deque()       # swapped-out requests first, then new ones, FIFO
         self.running: list[Entry] = []             # in admission order (the last is preempted first)
@@ -226,7 +233,7 @@ class Scheduler:
                 if not self._swap_in(e, plan, planned):
                     break
                 continue
-            if budget < B and plan.rows:                  # no budget left to prefill it: it would only hold blocks
+            if plan.rows and (budget <= 0 if self.R else budget < B):   # no budget left: it would only hold blocks
                 break
             usable = (e.P - 1) // B
             hit = self.pool.cached_run(e.keys[:usable])
@@ -273,12 +280,12 @@ class Scheduler:
         if started:                            # admitted this very step: nothing was computed, start over
             plan.start.remove(started[0])
             self.pool.free(e.blocks)
-            e.blocks, e.computed, e.status = [], 0, "waiting"
+            e.blocks, e.computed, e.depth_done, e.status = [], 0, 0, "waiting"
             e.stats.cached_tokens = 0
         else:
-            plan.swap_out.append(e.id)
+            plan.swap_out.append(e.id)          # a depth slice in flight is dropped: its block starts over
             self.pool.free(e.blocks)
-            e.blocks, e.status = [], "swapped"
+            e.blocks, e.depth_done, e.status = [], 0, "swapped"
         self.running.remove(e)
         self.waiting.appendleft(e)
 
@@ -331,18 +338,29 @@ class Scheduler:
             e.error = err
 
     def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
-        """Plan the next prompt blocks of ``e`` within ``budget`` rows (at least one block when no prompt has moved
-        yet this step, so prefill never starves behind drafts); returns what is left of the budget."""
-        B = self.pool.B
+        """Plan the next prompt blocks of ``e`` within ``budget`` rows, or a depth slice of its next block when the
+        budget buys less than the block (at least one block - or, with depth slices, one core step of one - when
+        no prompt has moved yet this step, so prefill never starves behind drafts); returns what is left."""
+        B, R = self.pool.B, self.R
         start = e.computed
-        k = budget // B
-        if k < 1:
-            if plan.rows:
-                return budget
-            k = 1                                 # no prompt moved yet this step: one block, whatever the drafts took
-        end = min(e.P, start + k * B)
-        if end <= start:
+        size = min(B, e.P - start)
+        if size <= 0:
             return budget
+        sliced = R is not None and e.options.get("exit") is None    # an exit rule reads every step's state at once
+        if e.depth_done or (sliced and budget < size):
+            if budget <= 0 and plan.rows:
+                return budget
+            d = max(1, min(R - e.depth_done, budget * R // size))
+            end, depths = start + size, (e.depth_done, e.depth_done + d)
+            cost = -(-size * d // R)
+        else:
+            k = budget // B
+            if k < 1:
+                if plan.rows:
+                    return budget
+                k = 1                             # no prompt moved yet this step: one block, whatever the drafts took
+            end, depths = min(e.P, start + k * B), None
+            cost = end - start
         w = planned.get(e.id)
         got = self._grow(e, end, plan, planned)
         if got is None:
@@ -351,8 +369,10 @@ class Scheduler:
             planned[e.id] = w = Work(e.id)
             plan.work.append(w)
         w.new_blocks += got
-        w.prefill = (start, end)
-        return budget - (end - start)
+        w.prefill, w.depths = (start, end), depths
+        if depths is not None:
+            e.depth_done = depths[1] % R          # the block's last core step: it is complete (``update``)
+        return budget - cost
 
     def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
         width = e.drafter.width

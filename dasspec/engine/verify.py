@@ -44,6 +44,37 @@ class PrefillChunk:
     start: int
     size: int
     last: bool = False
+    depths: tuple[int, int] | None = None     # a depth slice: core steps (r0, r1] only (``prefill_slice``)
+
+
+def prefill_slice(c: PrefillChunk) -> Tensor | None:
+    """Core steps (r0, r1] of one prompt block, in a call of its own: the prelude first when r0 = 0, the readout
+    (coda K/V; the first token's logits [1, V] when the block ends the prompt) when r1 = R.  The state between
+    slices stays on the request (``Request.depth_slice``).  Each core step r reads the prefix at depth r, which was
+    complete before the block began, so the rows equal the whole block's.  Returns the logits when it ends the
+    prompt at full depth, else None."""
+    req, (r0, r1) = c.req, c.depths
+    if req.exit is not None:
+        raise ValueError("a prompt block under an exit rule runs whole (the rule reads every step's state)")
+    b = Batch([req], [c.start], [c.size])
+    if r0 == 0:
+        inj = b.prelude(b.ids())
+        h = b.start_state(b.initial(), inj)
+    else:
+        if req.depth_slice is None or req.depth_slice[0] != r0:
+            have = None if req.depth_slice is None else req.depth_slice[0]
+            raise RuntimeError(f"request {req.rid}: a depth slice planned from core step {r0}, but {have} are done")
+        _, h, inj = req.depth_slice
+    for r in range(r0 + 1, r1 + 1):
+        h = b.core_step(h, inj, read=(r, r))
+    req.stats.count("prefill", r1 - r0, (r1 - r0) * c.size)
+    if r1 < req.R:
+        req.depth_slice = (r1, h, inj)
+        return None
+    req.depth_slice = None
+    rows = torch.tensor([c.size - 1] if c.last else [], dtype=torch.long, device=req.device)
+    logits = b.readout(h, rows)[0]
+    return logits if c.last else None
 
 
 def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Tensor]:

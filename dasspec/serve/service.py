@@ -84,7 +84,9 @@ class ServeOptions:
         "requests of the whole context, at most half the free memory)")})
     max_step_tokens: int = field(default=MAX_STEP_TOKENS, metadata={"help": (
         "rows one decode step may verify and prefill together: running requests' drafts first, then prompt "
-        "blocks with what is left, so a long prompt arriving never stalls the streams already running")})
+        "blocks with what is left (less than a block left: a slice of a block's depths), so a long prompt "
+        "arriving never stalls the streams already running; lower it for steadier streams, raise it for faster "
+        "prefill")})
     request_timeout: float | None = field(default=None, metadata={"help": (
         "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
