@@ -202,6 +202,19 @@ def test_blocks_anywhere_in_the_pool_give_the_same_rows(model):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_requests_that_grow_side_by_side_keep_their_blocks_in_order(model):
+    """A sequence that cannot continue in place starts halfway into the longest free run, so requests decoding side
+    by side each grow into free blocks of their own and read their rows as one slice of the pool, not a gather."""
+    prompts = _prompts(model.config.vocab_size, 4, seed=13)
+    engine = Engine(model, "ar", max_batch=4, block_size=8, kv_budget=8 * 128)
+    ids = [engine.add(p, max_new_tokens=60, eos=False) for p in prompts]
+    with torch.inference_mode():
+        for _ in range(50):
+            engine.step()
+        tables = [engine.executor.requests[i].cache.table for i in ids]
+    assert all(len(t.blocks) >= 5 for t in tables) and all(t.base is not None for t in tables)
+
+
 def test_more_requests_run_at_once_than_their_worst_cases_fit(model):
     """Concurrency: chat-like requests with a large allowance (the rest of the context) that stop early hold only
     what they write, so many run at once in a pool that holds two of their worst cases."""

@@ -106,12 +106,13 @@ class BlockPool:
     # --- taking and returning blocks ----------------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None) -> list[int] | None:
         """``n`` blocks, or None when fewer are available.  Free blocks first - ``after + 1``, ``after + 2``, ...
-        while free (a sequence's blocks in order read as a slice), else from the longest free run - then the least
+        while free (a sequence's blocks in order read as a slice, not a gather), else from the middle of the
+        longest free run, so requests that grow side by side each have room to grow in order - then the least
         recently freed cached ones (their keys forgotten)."""
         if n > self.available:
             return None
         out: list[int] = []
-        nxt = after + 1 if after is not None else self._longest_run_start()
+        nxt = after + 1 if after is not None and after + 1 in self._free else self._room_start()
         while len(out) < n and nxt is not None and nxt in self._free:
             out.append(nxt)
             nxt += 1
@@ -129,7 +130,10 @@ class BlockPool:
             self._ref[b] = 1
         return out
 
-    def _longest_run_start(self) -> int | None:
+    def _room_start(self) -> int | None:
+        """Where a sequence that cannot continue in place starts: in the longest run of free blocks, at its start
+        when nothing before it can grow into it (the pool's start), else halfway, leaving the first half to the
+        sequence that ends before it."""
         best, best_len, start, prev = None, 0, None, None
         for b in sorted(self._free):
             if prev is None or b != prev + 1:
@@ -137,7 +141,9 @@ class BlockPool:
             if b - start + 1 > best_len:
                 best, best_len = start, b - start + 1
             prev = b
-        return best
+        if best is None or best == 1 or self._ref[best - 1] <= 0:
+            return best
+        return best + best_len // 2
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; an unreferenced keyed block stays cached (most recent last)."""
