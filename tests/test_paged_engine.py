@@ -149,15 +149,17 @@ def test_depth_slices_of_a_prompt_block_write_the_rows_the_whole_block_writes(mo
         return rows, plans, committed, [o.tokens for o in _drain(engine, [a, b])]
 
     whole, _, _, outs_whole = prefill(512)
-    sliced, plans, committed, outs = prefill(4)
-    slices = [w.depths for p in plans for w in p.work if w.depths is not None]
-    assert len(slices) >= 4 * R // 2 and all(0 <= r0 < r1 <= R for r0, r1 in slices)
+    sliced, plans, committed, outs = prefill(5)
+    slices = [(w.prefill[1] - w.prefill[0], w.depths) for p in plans for w in p.work if w.depths is not None]
+    assert len(slices) >= 4 * 2 and all(0 <= r0 < r1 <= R for _, (r0, r1) in slices)
+    # 1 row of the 5 verifies the AR request (its one input), 4 are left: a block of 8 rows gets R / 2 core steps
+    assert all(r1 - r0 == R // 2 for size, (r0, r1) in slices if size == 8)
     for plan in plans:
         charged = sum(1 for w in plan.work if w.prefill is None and w.room)
         charged += sum(w.prefill[1] - w.prefill[0] if w.depths is None
                        else -(-(w.prefill[1] - w.prefill[0]) * (w.depths[1] - w.depths[0]) // R)
                        for w in plan.work if w.prefill)
-        assert charged <= 4
+        assert charged <= 5
     assert all(c >= 1 for c in committed)                    # the stream never stalled
     assert len(whole) == len(sliced) and all(torch.equal(x, y) for x, y in zip(whole, sliced))
     refs = [dasspec.generate(model, p, max_new_tokens=n, eos=False).tokens for p, n in ((short, 60), (prompt, 4))]

@@ -221,7 +221,7 @@ class Scheduler:
             room = e.rule.max_new_tokens - len(e.generated)
             planned[e.id] = w = Work(e.id, got, room=room, cap=c, keep=keep)
             plan.work.append(w)
-            budget -= 1 + min(width, e.drafter.width)    # a longer reach is backed, not charged: rarely used whole
+            budget -= max(1, min(width, e.drafter.width))   # its verifier inputs (a longer reach is backed, not charged)
         for e in list(self.running):                      # then prompts still prefilling
             if e.status == "running" and not e.generated and e.computed < e.P:
                 budget = self._prefill(e, budget, plan, planned)
@@ -339,8 +339,8 @@ class Scheduler:
 
     def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
         """Plan the next prompt blocks of ``e`` within ``budget`` rows, or a depth slice of its next block when the
-        budget buys less than the block (at least one block - or, with depth slices, one core step of one - when
-        no prompt has moved yet this step, so prefill never starves behind drafts); returns what is left."""
+        budget buys less than the block (at least one block - or, with depth slices, one row's worth of its core steps -
+        when no prompt has moved yet this step, so prefill never starves behind drafts); returns what is left."""
         B, R = self.pool.B, self.R
         start = e.computed
         size = min(B, e.P - start)
@@ -350,7 +350,7 @@ class Scheduler:
         if e.depth_done or (sliced and budget < size):
             if budget <= 0 and plan.rows:
                 return budget
-            d = max(1, min(R - e.depth_done, budget * R // size))
+            d = min(R - e.depth_done, max(budget * R // size, -(-R // size)))   # at least one row's worth
             end, depths = start + size, (e.depth_done, e.depth_done + d)
             cost = -(-size * d // R)
         else:
