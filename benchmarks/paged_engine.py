@@ -16,7 +16,9 @@ steps), tokens/s, and whether every answer equals the arm's own batch-1 AR decod
 
 hol: ``--short`` (7) short chats decode; once each has ``--warm`` tokens a ``--long-len`` (3,000) token prompt
 arrives; the chats may run up to ``--short-tokens`` (3,000) so they decode through the whole prefill, and every
-request is cancelled when the long prompt's first token comes (pool: a full context per request).  Per arm: the short requests' per-token latency (time between the steps that gave them tokens, divided by
+request is cancelled when the long prompt's first token comes (pool: a full context per request).  Their contexts
+grow meanwhile, and with them their own step time; ``--control`` runs each new-code arm again without the long
+prompt for as many chat tokens, so the long prompt's own effect is p99 during / the control's p99.  Per arm: the short requests' per-token latency (time between the steps that gave them tokens, divided by
 the tokens) p50 before the long prompt arrived and p99 while it was prefilled; the ratio (goal: <= 2).  New-code
 arms may set ``--max-step-tokens``.
 
@@ -121,19 +123,22 @@ with torch.inference_mode():
                     elif state == "prefill":
                         gaps_during.append(gap)
                 last[ev.id] = now
-            if lid is not None and ev.id == lid and ev.tokens and state == "prefill":
+            done = (ev.id == lid and ev.tokens) if not cfg["control_gaps"] else len(gaps_during) >= cfg["control_gaps"]
+            if state == "prefill" and done:
                 state, t_done = "after", now
-                for i in sids + [lid]:                  # measured: the short streams ran through the whole prefill
+                for i in sids + ([lid] if lid is not None else []):   # the short streams ran through the prefill
                     engine.cancel(i)
         if state == "warm" and all(c >= cfg["warm"] for c in count.values()):
-            lid = engine.add(long, max_new_tokens=4, eos=False)
+            if not cfg["control_gaps"]:                 # the control: the same window, no long prompt
+                lid = engine.add(long, max_new_tokens=4, eos=False)
             state, t_arrive = "prefill", time.perf_counter()
-    for i in sids + [lid]:
+    for i in sids + ([lid] if lid is not None else []):
         engine.result(i)
 import numpy as np
 p50 = float(np.percentile(gaps_before, 50)) if gaps_before else float("nan")
 p99 = float(np.percentile(gaps_during, 99)) if gaps_during else float("nan")
 print(json.dumps({"p50_before": p50, "p99_during": p99, "ratio": p99 / p50, "n_before": len(gaps_before),
+                  "p50_during": float(np.percentile(gaps_during, 50)) if gaps_during else float("nan"),
                   "n_during": len(gaps_during), "prefill_seconds": (t_done - t_arrive) if t_done else None,
                   "max_during": max(gaps_during) if gaps_during else None}))
 '''
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-tokens", type=int, default=3000)
     p.add_argument("--warm", type=int, default=16)
     p.add_argument("--long-len", type=int, default=3000)
+    p.add_argument("--control", action="store_true",
+                   help="hol: after each new-code arm, the same arm without the long prompt for as many short-chat "
+                        "tokens (their contexts grow alike): the p99 the long prompt's prefill is compared with")
     p.add_argument("--max-step-tokens", default="",
                    help="comma-separated budgets: one new-code arm per value (default: the engine's)")
     args = p.parse_args(argv)
@@ -201,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                        short_tokens=args.short_tokens, warm=args.warm, long_len=args.long_len,
                        allow=1024 if (args.what == "concurrency" and checkout) else 0)
             t = time.perf_counter()
+            cfg["control_gaps"] = 0
             res = run_arm(CONCURRENCY_ARM if args.what == "concurrency" else HOL_ARM, checkout, cfg)
             res["seconds"] = time.perf_counter() - t
+            if args.what == "hol" and args.control and not checkout:
+                cfg["control_gaps"] = res["n_during"]
+                ctl = run_arm(HOL_ARM, checkout, cfg)
+                res["control_p99"], res["control_p50"] = ctl["p99_during"], ctl["p50_during"]
             results[label].append(res)
             print(f"[round {r + 1}] {label}: {json.dumps(res)}", flush=True)
     (out / "results.json").write_text(json.dumps({"what": args.what, "args": vars(args), "results": results},
@@ -215,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {label} | {res['max_running']} | {res['mean_running']:.1f} | "
                              f"{res['tokens_per_second']:.1f} | {sum(res['equal_checked'])}/{len(res['equal_checked'])} |")
     else:
-        lines += ["| arm | per-token p50 before (ms) | p99 during the long prefill (ms) | ratio | prefill (s) |",
-                  "|---|---|---|---|---|"]
+        lines += ["| arm | per-token p50 before (ms) | p99 during the long prefill (ms) | ratio | prefill (s) | "
+                  "control p99, no long prompt (ms) | p99 during / control p99 |", "|---|---|---|---|---|---|---|"]
         for label, rs in results.items():
             for res in rs:
+                c = res.get("control_p99")
                 lines.append(f"| {label} | {1e3 * res['p50_before']:.1f} | {1e3 * res['p99_during']:.1f} | "
-                             f"{res['ratio']:.2f} | {res['prefill_seconds'] or float('nan'):.1f} |")
+                             f"{res['ratio']:.2f} | {res['prefill_seconds'] or float('nan'):.1f} | "
+                             + (f"{1e3 * c:.1f} | {res['p99_during'] / c:.2f} |" if c else "- | - |"))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
