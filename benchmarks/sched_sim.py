@@ -268,7 +268,7 @@ class FakeExecutor:
         return self.prefilled[rid] if not d else len(self.reqs[rid].prompt) + d - 1
 
     def execute(self, plan: StepPlan, B: int) -> tuple[StepOutput, float]:
-        out, swapped, rows, read = StepOutput(), 0, 0, 0
+        out, swapped, rows, read, extra = StepOutput(), 0, 0, 0, 0.0
         for rid in plan.swap_out:
             self.saved[rid] = n = self.rows_of(rid)
             swapped += n
@@ -283,10 +283,11 @@ class FakeExecutor:
                 a, b = w.prefill
                 if a != self.prefilled[w.id]:
                     raise RuntimeError(f"request {w.id}: prefill planned from row {a}, {self.prefilled[w.id]} done")
-                if w.depths is not None:            # a depth slice: charged its share of the block's core steps
-                    r0, r1 = w.depths
+                if w.depths is not None:            # a depth slice: its share of the block's core steps, in a call
+                    r0, r1 = w.depths                 # of its own (the core's weights read again: a share of a step)
                     rows += -(-(b - a) * (r1 - r0) // self.fam.R)
                     read += -(-b * (r1 - r0) // self.fam.R)
+                    extra += self.fam.a * (r1 - r0) / self.fam.R
                     if r1 < self.fam.R:
                         continue
                     self.segments += 1
@@ -306,7 +307,7 @@ class FakeExecutor:
                 rows += 1 if w.cap == 0 else self.decode.drafter.width
                 o.verdict = (len(o.tokens) - 1, len(o.tokens) - 1, True)
                 self.done[w.id] += len(o.tokens)
-        return out, step_time(self.fam, rows, read, swapped)
+        return out, step_time(self.fam, rows, read, swapped) + extra
 
 
 def entry(r: Req, drafter: SimDrafter, fam: Family, salt: bytes, max_new: int) -> Entry:

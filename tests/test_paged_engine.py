@@ -217,6 +217,64 @@ def test_requests_that_grow_side_by_side_keep_their_blocks_in_order(model):
     assert all(len(t.blocks) >= 5 for t in tables) and all(t.base is not None for t in tables)
 
 
+def test_a_sequence_that_starts_anew_gets_its_blocks_in_order():
+    """Halfway into the longest free run, but never so far that ``n`` blocks taken at once leave the run: a swap-in
+    or a multi-block admission stays one slice of the pool."""
+    from dasspec.engine.blocks import BlockPool
+
+    pool = BlockPool.accounting(40 * 16, 16, 1)
+    held = pool.allocate(pool.capacity_blocks)
+    pool.free([b for b in held if 20 <= b < 30])            # free run 20..29, block 19 still in use
+    assert pool.allocate(10) == list(range(20, 30))
+    pool.free([b for b in held if 30 <= b < 40])            # free run 30..39 behind block 29: halfway in
+    assert pool.allocate(2) == [35, 36]
+
+
+def test_prompts_that_cannot_run_this_step_are_not_admitted_to_sit(model):
+    """Admission waits while the budget left cannot move a request's prompt: a request under an exit rule (which
+    never runs depth slices) waits for a whole block of budget; a short prompt the budget covers runs whole at once."""
+    from dasspec.testing import random_model
+
+    ouro = random_model("ouro", seed=2)
+    vocab = ouro.config.vocab_size
+    long, others = _prompts(vocab, 1, seed=14, lo=60, hi=61)[0], _prompts(vocab, 3, seed=15, lo=5, hi=7)
+    engine = Engine(ouro, "ar", max_batch=4, block_size=8, max_step_tokens=12)
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def spy(events):
+        plan, ended = schedule(events)
+        plans.append(plan)
+        return plan, ended
+
+    engine.scheduler.schedule = spy
+    ids = [engine.add(long, max_new_tokens=4, eos=False, exit_threshold=0.5)]
+    ids += [engine.add(p, max_new_tokens=4, eos=False, exit_threshold=0.5) for p in others[:2]]
+    ids.append(engine.add(others[2], max_new_tokens=4, eos=False))
+    outs = _drain(engine, ids)
+    for plan in plans:
+        started = {s.id for s in plan.start}
+        assert all(w.prefill is not None for w in plan.work if w.id in started)   # nobody admitted to sit idle
+    refs = [dasspec.generate(ouro, p, max_new_tokens=4, eos=False, **kw).tokens
+            for p, kw in zip([long] + others, [dict(exit_threshold=0.5)] * 3 + [{}])]
+    assert [o.tokens for o in outs] == refs
+
+    # 1 decode row, then a long prompt's block of 8, then 6 rows left: a 5-token prompt runs whole at once
+    engine = Engine(model, "ar", max_batch=3, block_size=8, max_step_tokens=15)
+    a = engine.add([5, 6, 7], max_new_tokens=30, eos=False)
+    engine.step()
+    b = engine.add(long, max_new_tokens=4, eos=False)
+    engine.step()
+    plans.clear()
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = spy
+    c = engine.add(others[0][:5], max_new_tokens=4, eos=False)
+    engine.step()
+    assert [(w.prefill, w.depths) for w in plans[0].work if w.id == c] == [((0, 5), None)]
+    outs = _drain(engine, [a, b, c])
+    assert outs[2].tokens == dasspec.generate(model, others[0][:5], max_new_tokens=4, eos=False).tokens
+
+
 def test_more_requests_run_at_once_than_their_worst_cases_fit(model):
     """Concurrency: chat-like requests with a large allowance (the rest of the context) that stop early hold only
     what they write, so many run at once in a pool that holds two of their worst cases."""

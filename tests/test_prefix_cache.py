@@ -31,6 +31,12 @@ CASES = [
 B = 8                      # block size of these tests' engines
 
 
+def _drain_engine(engine: Engine) -> None:
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model("raven-llama", seed=7, mean_recurrence=6, n_prelude=1, n_core=2, n_coda=1)
@@ -192,6 +198,32 @@ def test_a_prefix_cache_carries_blocks_across_engines(model):
         dasspec.PrefixCache(model, [3] * (model.config.block_size + 1))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         dasspec.PrefixCache(model, [model.config.vocab_size])
+
+
+
+def test_blocks_copied_from_a_prefix_cache_are_keyed_only_once_they_hold_the_rows(model, monkeypatch):
+    """A request whose set-up fails before its PrefixCache blocks are copied leaves them unkeyed: the next request
+    with that prefix copies (or computes) them again instead of sharing blocks that never got their rows."""
+    from dasspec.engine import executor as ex
+
+    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 40, 1)
+    pc = dasspec.PrefixCache(model, prefix, block_size=B)
+    eng = Engine(model, "ar", block_size=B, max_batch=2)
+    real, calls = ex.Request, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("set-up failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ex, "Request", failing)
+    first = eng.add(prompt, max_new_tokens=4, eos=False, prefix_cache=pc)
+    _drain_engine(eng)
+    assert eng.result(first).stats.stop_reason == "error"
+    second = eng.add(prompt, max_new_tokens=4, eos=False, prefix_cache=pc)
+    _drain_engine(eng)
+    assert eng.result(second).tokens == dasspec.generate(model, prompt, max_new_tokens=4, eos=False).tokens
 
 
 def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):

@@ -112,7 +112,7 @@ class BlockPool:
         if n > self.available:
             return None
         out: list[int] = []
-        nxt = after + 1 if after is not None and after + 1 in self._free else self._room_start()
+        nxt = after + 1 if after is not None and after + 1 in self._free else self._room_start(n)
         while len(out) < n and nxt is not None and nxt in self._free:
             out.append(nxt)
             nxt += 1
@@ -130,10 +130,11 @@ class BlockPool:
             self._ref[b] = 1
         return out
 
-    def _room_start(self) -> int | None:
-        """Where a sequence that cannot continue in place starts: in the longest run of free blocks, at its start
-        when nothing before it can grow into it (the pool's start), else halfway, leaving the first half to the
-        sequence that ends before it."""
+    def _room_start(self, n: int) -> int | None:
+        """Where a sequence that cannot continue in place starts (``n`` blocks now): in the longest run of free
+        blocks, at its start when nothing before it can grow into it (the pool's start, a cached block), else
+        halfway - leaving the first half to the sequence that ends before it - or as far in as ``n`` blocks in
+        order allow."""
         best, best_len, start, prev = None, 0, None, None
         for b in sorted(self._free):
             if prev is None or b != prev + 1:
@@ -143,7 +144,7 @@ class BlockPool:
             prev = b
         if best is None or best == 1 or self._ref[best - 1] <= 0:
             return best
-        return best + best_len // 2
+        return best + min(best_len // 2, max(0, best_len - n))
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; an unreferenced keyed block stays cached (most recent last)."""

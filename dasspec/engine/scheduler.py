@@ -58,8 +58,8 @@ class StartRequest:
 @dataclass
 class Work:
     """One request's work this step: its table cut to ``keep`` blocks (when set) and ``new_blocks`` appended, then
-    either prompt rows [start, end) to
-    prefill (whole blocks; ``end`` may be the prompt's end) or one drafting + verification round under ``room``
+    either prompt rows [start, end) to prefill (whole blocks, ``end`` may be the prompt's end; or, with ``depths``,
+    core steps (r0, r1] of the one block [start, end)) or one drafting + verification round under ``room``
     (tokens it may still commit) and ``cap`` (proposals; 0: a plain AR step)."""
 
     id: int
@@ -233,7 +233,7 @@ class Scheduler:
                 if not self._swap_in(e, plan, planned):
                     break
                 continue
-            if plan.rows and (budget <= 0 if self.R else budget < B):   # no budget left: it would only hold blocks
+            if plan.rows and (budget <= 0 if self._sliced(e) else budget < B):   # it would only hold blocks
                 break
             usable = (e.P - 1) // B
             hit = self.pool.cached_run(e.keys[:usable])
@@ -309,10 +309,6 @@ class Scheduler:
             return False
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
         self.waiting.remove(e)
-        if copy is not None:                       # rows copied at the start of the step, before any pass reads them
-            for j in range(copy[1], copy[2]):
-                if j < len(e.keys):
-                    self.pool.register(got[j - len(shared)], e.keys[j])
         e.blocks = shared + got
         e.computed = first * B
         e.status = "running"
@@ -346,15 +342,14 @@ class Scheduler:
         size = min(B, e.P - start)
         if size <= 0:
             return budget
-        sliced = R is not None and e.options.get("exit") is None    # an exit rule reads every step's state at once
-        if e.depth_done or (sliced and budget < size):
+        if e.depth_done or (self._sliced(e) and budget < size):
             if budget <= 0 and plan.rows:
                 return budget
             d = min(R - e.depth_done, max(budget * R // size, -(-R // size)))   # at least one row's worth
             end, depths = start + size, (e.depth_done, e.depth_done + d)
             cost = -(-size * d // R)
         else:
-            k = budget // B
+            k = budget // B if budget < size or size == B else 1      # a short last block the budget covers
             if k < 1:
                 if plan.rows:
                     return budget
@@ -373,6 +368,11 @@ class Scheduler:
         if depths is not None:
             e.depth_done = depths[1] % R          # the block's last core step: it is complete (``update``)
         return budget - cost
+
+    def _sliced(self, e: Entry) -> bool:
+        """Whether ``e``'s prompt blocks may run as depth slices (not under an exit rule, which reads every step's
+        state at once)."""
+        return self.R is not None and e.options.get("exit") is None
 
     def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
         width = e.drafter.width
@@ -399,6 +399,11 @@ class Scheduler:
             e = running.get(rid)
             if e is not None:
                 e.error = err
+        for s in plan.start:                 # blocks copied from a PrefixCache are keyed once they hold the rows
+            e = running.get(s.id)
+            if s.copy is not None and e is not None and e.error is None:
+                for j in range(s.copy[1], min(s.copy[2], len(e.keys))):
+                    self.pool.register(e.blocks[j], e.keys[j])
         for w in plan.work:
             e = running.get(w.id)
             o = out.requests.get(w.id)

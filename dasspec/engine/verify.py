@@ -10,7 +10,8 @@ nothing follows it).  Only the path's rows keep their K/V: an index bump when th
 chain), otherwise a compaction at every depth.  The last committed token is the next anchor.
 
 The same pass carries the next prompt blocks of every request still being prefilled (``PrefillChunk``, one
-segment per block), so a long prompt never stalls the requests that are decoding.  AR is a chain of no proposals.  By Proposition 1 the committed tokens
+segment per block), so a long prompt never stalls the requests that are decoding; a block the step budget gives
+only some of its depths runs them in a call of its own (``prefill_slice``).  AR is a chain of no proposals.  By Proposition 1 the committed tokens
 equal full-depth AR's, and since every request reads only its own cache, whatever else is in the pass.
 """
 
@@ -69,7 +70,7 @@ def prefill_slice(c: PrefillChunk) -> Tensor | None:
         h = b.core_step(h, inj, read=(r, r))
     req.stats.count("prefill", r1 - r0, (r1 - r0) * c.size)
     if r1 < req.R:
-        req.depth_slice = (r1, h, inj)
+        req.depth_slice = (r1, h.clone(), inj.clone())    # kept across steps: not in a compiled call's output pool
         return None
     req.depth_slice = None
     rows = torch.tensor([c.size - 1] if c.last else [], dtype=torch.long, device=req.device)
