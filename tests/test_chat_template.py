@@ -117,3 +117,25 @@ def test_real_huginn_template(tmp_path):
         "<|begin_header|>Huginn<|end_header|>\n\nYo<|end_turn|><|end_text|>")
     ids = tok.encode(tok.apply_chat_template(chat[:1]), add_special_tokens=False)
     assert ids[:2] == [tok.bos_id, tok.token_to_id("<|begin_header|>")] and ids.count(tok.bos_id) == 1
+
+
+def test_a_template_limit_does_not_count_the_render_process_start(tmp_path, monkeypatch):
+    """The render process's start (an interpreter and jinja2, slow on a loaded machine; again after every template
+    killed for spinning) is waited for under a bound of its own: a template's time limit counts its rendering only,
+    so one user's spinning template cannot make the next user's plain one time out."""
+    import sys
+
+    from dasspec.model.chat_template import TemplateSandbox
+
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/sh\nsleep 1\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))
+    box = TemplateSandbox(0.5, 10_000)
+    try:
+        for _ in range(2):                       # the first start, then a start after a killed child
+            text = box.render("{% for m in messages %}{{ m['content'] }}{% endfor %}", CHAT, False, {})
+            assert text == "Be brief.Hi"
+            box._kill()
+    finally:
+        box.close()

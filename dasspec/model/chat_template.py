@@ -62,6 +62,9 @@ class TemplateLimit(ValueError):
         self.bound = bound
 
 
+START_TIMEOUT_S = 30.0     # how long the render process may take to start (not counted in a template's limit)
+
+
 class TemplateSandbox:
     """Renders chat templates in a child process (started on first use, restarted after it is killed) with
     bounded wall time (``timeout_s``: past it the child is killed), output (``max_chars``: rendering stops there)
@@ -113,15 +116,23 @@ class TemplateSandbox:
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           close_fds=True)
             self._buf = b""
+            # the time limit is the template's, not the interpreter's start (slow on a loaded machine): wait for
+            # the child's "ready" line under a bound of its own
+            if json.loads(self._read_line(self._proc, time.monotonic() + START_TIMEOUT_S, "start")) != {"ready": True}:
+                self._kill()
+                raise TemplateLimit("the chat template's render process did not start properly")
         return self._proc
 
-    def _read_line(self, proc: subprocess.Popen, deadline: float) -> bytes:
+    def _read_line(self, proc: subprocess.Popen, deadline: float, what: str = "render") -> bytes:
         fd = proc.stdout.fileno()
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             ready = select.select([fd], [], [], max(0.0, left))[0] if left > 0 else []
             if not ready:
                 self._kill()
+                if what == "start":
+                    raise TemplateLimit(f"the chat template's render process did not start within "
+                                        f"{START_TIMEOUT_S:g} s (the machine is overloaded?)")
                 raise TemplateLimit(f"the chat template did not finish within {self.timeout_s:g} s "
                                     "(dasspec serve --template-timeout); it was stopped")
             chunk = os.read(fd, 1 << 20)
@@ -156,6 +167,8 @@ def _child_main(memory_bytes: int) -> None:
     limit = base + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     out = sys.stdout.buffer
+    out.write(b'{"ready": true}\n')
+    out.flush()
     for line in sys.stdin.buffer:
         try:
             req = json.loads(line)
