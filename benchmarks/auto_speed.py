@@ -12,8 +12,9 @@ Parts (``--parts``, comma-separated):
   Ouro of docs/performance.md ("Ouro": ``build-real --scale small``, width 64, 24 layers).  ``--ouro-prompts``
   GSM8K / MBPP development prompts (zero-shot), ``--ouro-tokens`` greedy tokens each, ``generate_batch`` with
   max_batch B for B in ``--batches``: ar, das-wave (the model's defaults), auto.
-* ``bundled``: the bundled model on ``--prompts`` development prompts of each of GSM8K (2-shot) and MBPP, cap
-  ``--max-new-tokens``, greedy and sampled (T 0.7, top-p 0.95, seed per prompt), B = 1: ar, das-wave, auto.
+* ``bundled``: the bundled model on ``--prompts`` development prompts of each task of ``--tasks`` (default the four
+  workloads; GSM8K 2-shot), cap ``--max-new-tokens``, greedy and sampled (T 0.7, top-p 0.95, seed per prompt),
+  ``generate_batch`` with max_batch B for B in ``--bundled-batches`` (default 1): ar, das-wave, auto.
 * ``trace``: auto on a GSM8K question (``--trace-tokens`` greedy tokens) on each model - the random Ouros' output
   falls into loops after a while: which drafter each step used, what it committed, and how much of it a
   prompt-lookup draft would have matched (where the text starts repeating itself).
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ouro-prompts", type=int, default=4, help="Ouro: prompts per task (GSM8K, MBPP)")
     p.add_argument("--ouro-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompts", type=int, default=2, help="bundled: prompts per task (GSM8K 2-shot, MBPP)")
+    p.add_argument("--prompts", type=int, default=2, help="bundled: prompts per task of --tasks")
+    p.add_argument("--tasks", default="gsm8k,mbpp,math500,humaneval", help="bundled: the workloads")
+    p.add_argument("--bundled-batches", default="1", help="bundled: batch sizes")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--arms", default="ar,das-wave,auto")
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     batches = [int(b) for b in args.batches.split(",")]
+    bundled_batches = [int(b) for b in args.bundled_batches.split(",")]
     models_dir = Path(args.models_dir)
     runs: list[dict] = []
     log = open(out / "runs.jsonl", "a")
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
 
     def batches_of(part):
-        return [1] if part == "bundled" else batches
+        return bundled_batches if part == "bundled" else batches
 
     def ouro_model(name):
         src = Path(args.ouro_src)
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             bench(part, model, ids, [args.ouro_tokens] * len(ids), None, [False])
         elif part == "bundled":
             model = dasspec.load_model()
-            prompts = dev_prompts(model, "gsm8k,mbpp", args.prompts, args.max_new_tokens, ["gsm8k=2"], args.data)
+            prompts = dev_prompts(model, args.tasks, args.prompts, args.max_new_tokens, ["gsm8k=2"], args.data)
             ids = [pr.ids for pr in prompts]
             stops = [list(pr.task.stop) or None for pr in prompts]
             dasspec.generate_batch(model, ids[:2], "auto", max_new_tokens=4)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -68,24 +69,37 @@ def child_load(ckpt: str, dtype: str) -> dict:
             "peak_over_model": (_peak_rss() - base) / size}
 
 
-def child_decode(ckpt: str, dtype: str, tokens: int, R: int, methods: tuple[str, ...]) -> dict:
-    """``methods`` (AR first) on one prompt: tokens, tokens/s, A; plus the depth cache's bytes per token."""
+def child_decode(ckpt: str, dtype: str, tokens: int, R: int, methods: tuple[str, ...], rounds: int = 1) -> dict:
+    """``methods`` (AR first) on one prompt, ``rounds`` times (the order reversed every other round): tokens,
+    tokens/s (the fastest round), A, each round's tokens/s; plus the depth cache's bytes per token.  ``auto``'s
+    calibration (once per model and machine, then cached) is made and timed before the first round."""
     import torch
     import dasspec
     from dasspec.model.cache import DepthCache, bytes_per_token
 
     model = dasspec.load_model(ckpt, device="cpu", dtype=getattr(torch, dtype))
     ids = model.tokenizer.encode(PROMPT)
-    runs = {}
-    for method in methods:
-        out = dasspec.generate(model, ids, method, max_new_tokens=tokens, num_steps=R)
-        s = out.stats
-        decode = s.wall_time - s.prefill_time
-        runs[method] = {"tokens": out.tokens, "seconds": s.wall_time, "tokens_per_second": s.tokens_per_second,
-                        "prefill_seconds": s.prefill_time, "decode_tokens_per_second": len(out.tokens) / decode,
-                        "A": s.A, "sequential_passes": s.sequential_passes}
-        print(f"  {dtype} {method}: {len(out.tokens)} tokens in {s.wall_time:.1f} s ({s.tokens_per_second:.3f} "
-              f"tok/s, prefill {s.prefill_time:.1f} s)", file=sys.stderr, flush=True)
+    runs: dict = {}
+    calibration = None
+    if "auto" in methods:
+        t = time.perf_counter()
+        dasspec.build_drafter(model, "auto", num_steps=R)
+        calibration = time.perf_counter() - t
+    for r in range(rounds):
+        for method in (methods if r % 2 == 0 else methods[::-1]):
+            out = dasspec.generate(model, ids, method, max_new_tokens=tokens, num_steps=R)
+            s = out.stats
+            decode = s.wall_time - s.prefill_time
+            row = {"tokens": out.tokens, "seconds": s.wall_time, "tokens_per_second": s.tokens_per_second,
+                   "prefill_seconds": s.prefill_time, "decode_tokens_per_second": len(out.tokens) / decode,
+                   "A": s.A, "sequential_passes": s.sequential_passes, "choices": dict(s.choices)}
+            seen = runs.get(method, {}).get("rounds_tokens_per_second", []) + [s.tokens_per_second]
+            if method not in runs or s.tokens_per_second > runs[method]["tokens_per_second"]:
+                runs[method] = row
+            runs[method]["rounds_tokens_per_second"] = seen
+            print(f"  {dtype} round {r} {method}: {len(out.tokens)} tokens in {s.wall_time:.1f} s "
+                  f"({s.tokens_per_second:.3f} tok/s, prefill {s.prefill_time:.1f} s) {dict(s.choices) or ''}",
+                  file=sys.stderr, flush=True)
     for method in methods[1:]:
         runs[method]["equals_ar"] = runs[method]["tokens"] == runs["ar"]["tokens"]
     capacity = 64
@@ -93,6 +107,7 @@ def child_decode(ckpt: str, dtype: str, tokens: int, R: int, methods: tuple[str,
     held = sum(t.numel() * t.element_size() for t in (cache.core_k, cache.core_v, cache.pre_k, cache.pre_v,
                                                       cache.coda_k, cache.coda_v))
     return {"dtype": dtype, "R": R, "prompt_tokens": len(ids), "runs": runs, "peak_rss": _peak_rss(),
+            "rounds": rounds, "calibration_seconds": calibration,
             "cache_bytes_per_token": bytes_per_token(model.config, R, getattr(torch, dtype)),
             "cache_allocated_per_token": held / capacity}
 
@@ -182,13 +197,19 @@ def report(results: dict) -> str:
         d = results.get("decode", {}).get(key)
         if not d:
             continue
-        lines += [f"{key}, R = {d['R']}, prompt {d['prompt_tokens']} tokens, peak RSS {d['peak_rss'] / gib:.2f} GiB:",
-                  "", "| method | tokens | seconds | tok/s | prefill s | tok/s after prefill | A | equals AR |",
-                  "|---|---|---|---|---|---|---|---|"]
+        rounds = d.get("rounds", 1)
+        cal = d.get("calibration_seconds")
+        lines += [f"{key}, R = {d['R']}, prompt {d['prompt_tokens']} tokens, peak RSS {d['peak_rss'] / gib:.2f} GiB, "
+                  f"{rounds} round(s), the fastest shown" + (f"; auto's calibration {cal:.1f} s (once)" if cal else "")
+                  + ":", "", "| method | tokens | seconds | tok/s | prefill s | tok/s after prefill | A | equals AR | "
+                  "x AR per round: median [range] |", "|---|---|---|---|---|---|---|---|---|"]
+        ar_rounds = d["runs"].get("ar", {}).get("rounds_tokens_per_second", [])
         for m, r in d["runs"].items():
+            per = [a / b for a, b in zip(r.get("rounds_tokens_per_second", []), ar_rounds)]
+            ratio = f"{statistics.median(per):.2f} [{min(per):.2f}, {max(per):.2f}]" if per and m != "ar" else "-"
             lines.append(f"| {m} | {len(r['tokens'])} | {r['seconds']:.1f} | {r['tokens_per_second']:.3f} | "
                          f"{r['prefill_seconds']:.1f} | {r['decode_tokens_per_second']:.3f} | {r['A']:.2f} | "
-                         f"{r.get('equals_ar', '-')} |")
+                         f"{r.get('equals_ar', '-')} | {ratio} |")
         readme = (f" (README: {README_BYTES_PER_TOKEN / 1e6:.1f} MB in bfloat16)"
                   if results.get("layout", "huginn") == "huginn" else "")
         lines += ["", f"Depth cache at R = {d['R']} in {key}: {d['cache_bytes_per_token'] / 1e6:.2f} MB per token "
@@ -213,6 +234,8 @@ def main() -> None:
     p.add_argument("--phases", default=None, help="build, load, bf16, fp32 (default: the layout's)")
     p.add_argument("--methods", default=None, help="decoded methods, AR first (default: the layout's)")
     p.add_argument("--batches", default="1,4,8", help="batch sizes of the batch phase")
+    p.add_argument("--rounds", type=int, default=1, help="decode phases: each method this many times, alternating "
+                   "(tok/s: the fastest; x AR: per round, median and range)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -223,7 +246,7 @@ def main() -> None:
         out = (child_load(ckpt, dtype) if kind == "load"
                else child_batch(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(map(int, rest[2].split(","))))
                if kind == "batch"
-               else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(rest[2].split(","))))
+               else child_decode(ckpt, dtype, int(rest[0]), int(rest[1]), tuple(rest[2].split(",")), int(rest[3])))
         print(json.dumps(out))
         return
 
@@ -245,7 +268,7 @@ def main() -> None:
     for phase, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
         if phase in phases:
             results["decode"][dtype] = run_child(args, "decode", str(ckpt), dtype, str(args.tokens), str(R),
-                                                 args.methods or layout["methods"])
+                                                 args.methods or layout["methods"], str(args.rounds))
     if "batch" in phases:
         results["batch"] = run_child(args, "batch", str(ckpt), "bfloat16", str(args.tokens), str(R), args.batches)
     out = Path(args.out)

@@ -40,6 +40,20 @@ def model():
     return random_model("huginn", seed=11, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
 
 
+def _record_plans(engine: Engine) -> list:
+    """The list every plan the engine's scheduler makes from now on is appended to."""
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def spy(events):
+        plan, ended = schedule(events)
+        plans.append(plan)
+        return plan, ended
+
+    engine.scheduler.schedule = spy
+    return plans
+
+
 @pytest.mark.parametrize("sampled,budget", [(False, 32), (True, 32), (False, 6)],
                          ids=["greedy", "sampled", "greedy-depth-slices"])
 def test_preempted_requests_resume_with_their_own_tokens(model, sampled, budget):
@@ -132,15 +146,7 @@ def test_depth_slices_of_a_prompt_block_write_the_rows_the_whole_block_writes(mo
         a = engine.add(short, max_new_tokens=60, eos=False)
         engine.step()                                        # a is decoding
         b = engine.add(prompt, max_new_tokens=4, eos=False)
-        plans, committed = [], []
-        schedule = engine.scheduler.schedule
-
-        def spy(events):
-            plan, ended = schedule(events)
-            plans.append(plan)
-            return plan, ended
-
-        engine.scheduler.schedule = spy
+        plans, committed = _record_plans(engine), []
         with torch.inference_mode():
             while engine._table[b].computed < len(prompt):
                 evs = engine.step()
@@ -239,15 +245,7 @@ def test_prompts_that_cannot_run_this_step_are_not_admitted_to_sit(model):
     vocab = ouro.config.vocab_size
     long, others = _prompts(vocab, 1, seed=14, lo=60, hi=61)[0], _prompts(vocab, 3, seed=15, lo=5, hi=7)
     engine = Engine(ouro, "ar", max_batch=4, block_size=8, max_step_tokens=12)
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def spy(events):
-        plan, ended = schedule(events)
-        plans.append(plan)
-        return plan, ended
-
-    engine.scheduler.schedule = spy
+    plans = _record_plans(engine)
     ids = [engine.add(long, max_new_tokens=4, eos=False, exit_threshold=0.5)]
     ids += [engine.add(p, max_new_tokens=4, eos=False, exit_threshold=0.5) for p in others[:2]]
     ids.append(engine.add(others[2], max_new_tokens=4, eos=False))
@@ -265,9 +263,7 @@ def test_prompts_that_cannot_run_this_step_are_not_admitted_to_sit(model):
     engine.step()
     b = engine.add(long, max_new_tokens=4, eos=False)
     engine.step()
-    plans.clear()
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = spy
+    plans = _record_plans(engine)
     c = engine.add(others[0][:5], max_new_tokens=4, eos=False)
     engine.step()
     assert [(w.prefill, w.depths) for w in plans[0].work if w.id == c] == [((0, 5), None)]

@@ -31,6 +31,10 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   from the same text).  A request with no measurement of an arm starts from the drafter's running average over its
   earlier requests: a model-drafting arm that average says wins by ``PRIOR_TRUST`` is used at once, one that wins
   by less is tried as a budgeted probe, so a batch of requests pays one forced probe, not one each.
+* **drafting together** (B > 1): a model-drafting arm's rounds run for all its requests at once, so a request
+  weighing it alone undervalues it; the step with every request on that arm (each at its own, or the drafter's
+  average, tokens and rows; the group's measured drafting cost; one pass over all rows) is valued against the
+  requests' own choices and taken when it wins by ``MARGIN``.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
@@ -459,6 +463,10 @@ class AutoDrafter(Drafter):
             user = self.wave_window(model, R, sampled) if arm == "das-wave" else {}
             self.subs[arm] = build_drafter(model, arm, user, num_steps, sampled)
         self.width = max([1] + [d.width for d in self.subs.values()])
+        # the longest chain a sub-drafter may propose (DAS-Wave's copy runs reach past its width): without it the
+        # engine would back only ``width`` rows and cut those runs short, so auto ran below DAS-Wave where it pays
+        reach = max([self.width] + [getattr(d, "reach", None) or d.width for d in self.subs.values()])
+        self.reach = reach if reach > self.width else None
         self.bound = True
 
     def wave_window(self, model, R: int, sampled: bool) -> dict:
@@ -592,13 +600,54 @@ class AutoDrafter(Drafter):
         self._t_prev, self._ids_prev = now, ids
         self.step_tok = self.step_rows = 0
 
+    def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
+        """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
+        groups' drafting and one pass over every session's rows (None while any part is unmeasured)."""
+        scale = self.scale
+        if scale is None:
+            return None
+        tok = rows = 0.0
+        groups: dict[str, int] = {}
+        for s, arm in zip(sessions, arms):
+            t, r = s.tok_rows(arm)
+            if t is None:
+                return None
+            tok, rows = tok + t, rows + r
+            groups[arm] = groups.get(arm, 0) + 1
+        seconds = scale * self.pass_cost(rows)
+        for arm, m in groups.items():
+            d = self.draft_time(arm, m)
+            if d is None:
+                return None
+            seconds += d * m
+        return tok / seconds if seconds > 0 else None
+
+    def together(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """Each request weighs an arm as if it drafted alone, but a model-drafting arm's rounds run for all of
+        its requests at once, so drafting together can pay where drafting alone does not: the step with every
+        request on such an arm is valued against the requests' own choices, and taken when it wins by MARGIN."""
+        if len(sessions) < 2:
+            return picks
+        own = self.batch_value(sessions, [a for a, _ in picks])
+        if own is None:
+            return picks
+        best, best_value = None, (1.0 + MARGIN) * own
+        for arm in self.subs:
+            if arm in LOOKUP or all(a == arm for a, _ in picks):
+                continue
+            v = self.batch_value(sessions, [arm] * len(sessions))
+            if v is not None and v > best_value:
+                best, best_value = arm, v
+        return picks if best is None else [(best, False)] * len(sessions)
+
     def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
         self._step_time(sessions)
         self.probed = set()
         B = len(sessions)
+        picks = self.together(sessions, [s.choose(B) for s in sessions])
         groups: dict[str, list[int]] = {}
-        for i, s in enumerate(sessions):
-            s.arm, s.probe = s.choose(B)
+        for i, (s, pick) in enumerate(zip(sessions, picks)):
+            s.arm, s.probe = pick
             s.ctx.count_choice(s.arm)
             groups.setdefault(s.arm, []).append(i)
         drafts: list[Draft] = [Draft()] * B

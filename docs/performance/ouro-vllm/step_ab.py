@@ -4,20 +4,14 @@ before), alternating every 4 steps in one engine (issue 34): B requests already 
 import json, statistics, sys, time
 import torch
 import dasspec
+from decoding import decoding_engine
 from dasspec.model import linear as lin
 
 torch.set_num_threads(1)
 model = dasspec.load_model(sys.argv[1], dtype=torch.float32)
-qs = [json.loads(l)["question"] for l in open("../shared/data/gsm8k/test.jsonl")][:8]
 real = lin.onednn_packing
 for B in map(int, sys.argv[2:]):
-    eng = dasspec.Engine(model, method="ar", max_batch=B)
-    for q in qs[:B]:
-        eng.add(model.tokenizer.encode(q), max_new_tokens=400, eos=False)
-    while len(eng.running) < B or any(not e.generated for e in eng.running):
-        eng.step()
-    for _ in range(8):
-        eng.step()
+    eng = decoding_engine(model, B)
     times = {"dnn": [], "mkl": []}
     for i in range(24):
         for arm in (("dnn", "mkl") if i % 2 == 0 else ("mkl", "dnn")):
