@@ -197,6 +197,16 @@ class RaggedSpan:
     parts: list[Span]
     offsets: list[int]
     rot: Tensor | tuple[Tensor, Tensor]
+    _pool_rows: dict = field(default_factory=dict, repr=False)
+
+    def pool_rows(self, kvs: list["PagedKV"]) -> Tensor:
+        """The pool row of every query row of the call, segment after segment (``kvs``: each segment's ``PagedKV``;
+        built once per call and block tables, shared by every layer and depth)."""
+        key = tuple(id(kv.table) for kv in kvs)
+        rows = self._pool_rows.get(key)
+        if rows is None:
+            rows = self._pool_rows[key] = torch.cat([kv.table.rows[p.start: p.end] for kv, p in zip(kvs, self.parts)])
+        return rows
 
     @classmethod
     def of(cls, parts: list[Span]) -> "RaggedSpan":
@@ -228,7 +238,15 @@ class BatchKV:
 
     def store(self, span: RaggedSpan, k: Tensor, v: Tensor) -> None:
         """k, v [H_kv, T, hd]: each segment's rows into its own cache (every segment's before any attends, so a
-        sequence's later segments see its earlier ones)."""
+        sequence's later segments see its earlier ones).  Segments in one paged pool: one indexed copy for all."""
+        first = self.parts[0]
+        if (isinstance(first, PagedKV) and all(isinstance(p, PagedKV) and p.k_own is first.k_own
+                                               and p.v_own is first.v_own for p in self.parts)
+                and all(p.rows is None for p in span.parts)):
+            idx = span.pool_rows(self.parts)
+            first.k_own.index_copy_(1, idx, k)
+            first.v_own.index_copy_(1, idx, v)
+            return
         for i, a, b, part in span.segments():
             self.parts[i].store(part, k[:, a:b], v[:, a:b])
 
