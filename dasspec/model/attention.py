@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import decode_kernel
+
 
 @dataclass
 class Span:
@@ -58,6 +60,7 @@ class Span:
     bias: Tensor | None = None
     rows: Tensor | None = None
     _split: tuple | None = field(default=None, repr=False)
+    _rows_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def end(self) -> int:
@@ -120,6 +123,10 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
     if isinstance(span, RaggedSpan):
         return ragged_attention(q, kv, span)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if one_row(q, kv, span):
+        rows, offsets = decode_rows([kv], [span], span._rows_cache)
+        return decode_kernel.decode_attention(q[0].transpose(0, 1), kv.k_own, kv.v_own, rows, offsets,
+                                              scale).transpose(0, 1)[None]
     if kv.one_source:
         k, v = kv.own(0, None if span.rows is not None else span.end)
         return dense_attention(q, k, v, span, scale)
@@ -198,6 +205,7 @@ class RaggedSpan:
     offsets: list[int]
     rot: Tensor | tuple[Tensor, Tensor]
     _pool_rows: dict = field(default_factory=dict, repr=False)
+    _rows_cache: dict = field(default_factory=dict, repr=False)
 
     def pool_rows(self, kvs: list["PagedKV"]) -> Tensor:
         """The pool row of every query row of the call, segment after segment (``kvs``: each segment's ``PagedKV``;
@@ -252,8 +260,52 @@ class BatchKV:
 
 
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
-    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment)."""
-    return torch.cat([attend(q[:, :, a:b], kv.parts[i], part) for i, a, b, part in span.segments()], dim=2)
+    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the one-row segments
+    that share a pool in one kernel call (``one_row``)."""
+    out: list[Tensor | None] = [None] * len(span.parts)
+    groups: dict[int, list[int]] = {}
+    for i, a, b, part in span.segments():
+        if one_row(q, kv.parts[i], part):
+            groups.setdefault(id(kv.parts[i].k_own), []).append(i)
+        else:
+            out[i] = attend(q[:, :, a:b], kv.parts[i], part)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for idx in groups.values():
+        kvs, parts = [kv.parts[i] for i in idx], [span.parts[i] for i in idx]
+        rows, offsets = decode_rows(kvs, parts, span._rows_cache)
+        if len(idx) == len(span.parts):                       # a decode step: every segment one row, one pool
+            return decode_kernel.decode_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, offsets,
+                                                  scale).transpose(0, 1)[None]
+        qi = q[0, :, [span.offsets[i] for i in idx]].transpose(0, 1)
+        o = decode_kernel.decode_attention(qi, kvs[0].k_own, kvs[0].v_own, rows, offsets, scale)
+        for j, i in enumerate(idx):
+            out[i] = o[j].view(1, -1, 1, o.shape[-1])
+    return torch.cat(out, dim=2)
+
+
+# One query row over every earlier row at its own depth (an AR or decode row): on CPU in float32 one kernel call for
+# all such rows of a call that lie in one pool (``decode_kernel``), each computed alone in an order fixed by its own
+# length - so a sequence decoding alone takes the same kernel and gets the same bits.  bfloat16 keeps SDPA, whose
+# bf16 rounding the wider passes (verification, windows) share: a float32 one-row kernel beside them made bf16 AR
+# part from a bf16 batch more often (tests/test_bfloat16.py).
+def one_row(q: Tensor, kv: LayerKV, span: Span) -> bool:
+    return (span.W == 1 and span.rows is None and span.mask is None and span.bias is None and kv.one_source
+            and q.device.type == "cpu" and q.dtype == torch.float32 and not q.requires_grad
+            and decode_kernel.available())
+
+
+def decode_rows(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor]:
+    """The rows [0, end) of each one-row segment as rows of its tensors, end to end, and their offsets (built once
+    per call and caches, shared by every layer and depth)."""
+    key = tuple((id(kv.table) if isinstance(kv, PagedKV) else None, p.end) for kv, p in zip(kvs, parts))
+    got = cache.get(key)
+    if got is None:
+        dev = kvs[0].k_own.device
+        rows = [kv.table.rows[: p.end] if isinstance(kv, PagedKV) else torch.arange(p.end, device=dev)
+                for kv, p in zip(kvs, parts)]
+        offsets = torch.tensor([0] + [p.end for p in parts], dtype=torch.long).cumsum_(0)
+        got = cache[key] = (rows[0] if len(rows) == 1 else torch.cat(rows), offsets)
+    return got
 
 
 class PagedKV(LayerKV):
