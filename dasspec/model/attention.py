@@ -204,16 +204,15 @@ class RaggedSpan:
     parts: list[Span]
     offsets: list[int]
     rot: Tensor | tuple[Tensor, Tensor]
-    _pool_rows: dict = field(default_factory=dict, repr=False)
-    _rows_cache: dict = field(default_factory=dict, repr=False)
+    _rows_cache: dict = field(default_factory=dict, repr=False)     # row index tensors of this call (stores, reads)
 
     def pool_rows(self, kvs: list["PagedKV"]) -> Tensor:
         """The pool row of every query row of the call, segment after segment (``kvs``: each segment's ``PagedKV``;
         built once per call and block tables, shared by every layer and depth)."""
-        key = tuple(id(kv.table) for kv in kvs)
-        rows = self._pool_rows.get(key)
+        key = ("store",) + tuple(id(kv.table) for kv in kvs)
+        rows = self._rows_cache.get(key)
         if rows is None:
-            rows = self._pool_rows[key] = torch.cat([kv.table.rows[p.start: p.end] for kv, p in zip(kvs, self.parts)])
+            rows = self._rows_cache[key] = torch.cat([kv.table.rows[p.start: p.end] for kv, p in zip(kvs, self.parts)])
         return rows
 
     @classmethod

@@ -171,8 +171,8 @@ def _say_when_building(name: str) -> None:
     except Exception:
         return
     if not built:
-        print("dasspec: building the CPU decode-attention kernel (once per machine, about 30 s)", file=sys.stderr,
-              flush=True)
+        print("dasspec: compiling the CPU decode-attention kernel (once per machine and torch version)",
+              file=sys.stderr, flush=True)
 
 
 def _load():
@@ -205,4 +205,4 @@ def available() -> bool:
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, offsets: Tensor, scale: float) -> Tensor:
-    return _load().decode_attention(q, k, v, rows, offsets, scale)
+    return (_module if _tried else _load()).decode_attention(q, k, v, rows, offsets, scale)
