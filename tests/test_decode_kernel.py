@@ -62,6 +62,48 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_anywhere_at_any_thread_count
         torch.set_num_threads(threads)
 
 
+def test_prompt_blocks_attend_causally_as_sdpa_does_and_each_row_as_if_alone():
+    """Rows of a multi-row block (query j sees rows [0, start + j]): SDPA's values, and each row the bits it has
+    when it is the only query of the call."""
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, hd, P, start, W = 8, 2, 64, 200, 37, 16
+    k, v = torch.randn(Hkv, P, hd, generator=g), torch.randn(Hkv, P, hd, generator=g)
+    mine = torch.randperm(P, generator=g)[: start + W]
+    q = torch.randn(W, H, hd, generator=g)
+    got = decode_kernel.rows_attention(q, k, v, mine, torch.zeros(W, dtype=torch.long),
+                                       torch.arange(start + 1, start + W + 1), hd ** -0.5)
+    mask = torch.ones(W, start + W, dtype=torch.bool).tril(start)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:, mine][None], v[:, mine][None],
+                                          attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for j in (0, 7, W - 1):
+        alone = decode_kernel.rows_attention(q[j: j + 1], k, v, mine[: start + j + 1], torch.tensor([0]),
+                                             torch.tensor([start + j + 1]), hd ** -0.5)
+        assert torch.equal(alone[0], got[j])
+
+
+def test_stores_write_what_index_copy_writes():
+    g = torch.Generator().manual_seed(3)
+    pool_k, pool_v = torch.randn(4, 64, 32, generator=g), torch.randn(4, 64, 32, generator=g)
+    qkv = torch.randn(9, 12, 32, generator=g)                     # strided K / V views, as the layer hands them
+    k, v = qkv[:, 4:8].transpose(0, 1), qkv[:, 8:].transpose(0, 1)
+    rows = torch.randperm(64, generator=g)[:9]
+    want_k, want_v = pool_k.clone().index_copy_(1, rows, k), pool_v.clone().index_copy_(1, rows, v)
+    decode_kernel.store_rows(pool_k, pool_v, rows, k, v)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+    with pytest.raises(RuntimeError, match="outside"):
+        decode_kernel.store_rows(pool_k, pool_v, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 64]), k, v)
+
+
+def test_rms_norm_is_torchs_and_a_row_keeps_its_bits_in_any_batch():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(37, 512, generator=g) * 3, torch.randn(512, generator=g)
+    got = decode_kernel.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (512,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    for i in (0, 20, 36):
+        assert torch.equal(decode_kernel.rms_norm(x[i: i + 1], w, 1e-6)[0], got[i])
+
+
 def test_bad_arguments_are_refused_not_read_out_of_bounds():
     k = v = torch.zeros(2, 10, 8)
     q = torch.zeros(1, 2, 8)
@@ -87,8 +129,21 @@ def test_decode_steps_take_the_kernel_once_per_layer_and_stay_lossless(family, m
                 ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
             assert ids[len(p):] == got
     calls = []
-    real = decode_kernel.decode_attention
-    monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    real = decode_kernel.rows_attention
+    monkeypatch.setattr(decode_kernel, "rows_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
     batched = dasspec.generate_batch(model, prompts, "ar", max_new_tokens=12, eos=False, max_batch=4)
     assert [r.tokens for r in batched] == alone
-    assert max(calls) == 4                                     # four decoding sequences in one call
+    assert 4 in calls                                          # four decoding sequences in one call
+    assert max(calls) == sum(map(len, prompts))                # and every prompt row of the prefill in one
+
+
+def test_rope_in_one_pass_has_the_bits_of_torchs_ops():
+    from dasspec.model.layers import rope_operands
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 7, 12, 64, generator=g)
+    x = qkv[:, :, :10]                                            # q and k heads: a strided view, as in the layer
+    ang = torch.rand(7, 32, generator=g) * 6
+    cos2, sin2 = rope_operands(ang.cos(), ang.sin(), False)
+    a, b = x.chunk(2, dim=-1)
+    want = x * cos2 + torch.cat((-b, a), dim=-1) * sin2
+    assert torch.equal(decode_kernel.rope_half(x, cos2, sin2), want)

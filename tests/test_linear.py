@@ -103,6 +103,32 @@ def test_packed_float32_rows_do_not_depend_on_the_row_count(monkeypatch):
             torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_a_single_row_takes_the_packed_product_only_with_more_than_one_thread(monkeypatch):
+    """One row (a batch-1 decode step): oneDNN's product at two threads or more, MKL's at one; both compute the
+    product; wide calls of every rounding step keep their rows' bits."""
+    if not lin.onednn_packing():
+        pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
+    calls = []
+    real = lin.packed_float32_linear
+    monkeypatch.setattr(lin, "packed_float32_linear", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(96, 64, generator=g) * 0.05, torch.randn(1, 465, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for t, packed in ((1, False), (2, True)):
+                torch.set_num_threads(t)
+                calls.clear()
+                torch.testing.assert_close(lin.linear(x[:, :1], w), F.linear(x[:, :1], w), rtol=1e-5, atol=1e-5)
+                assert bool(calls) == packed, t
+            alone = lin.linear(x, w)
+            for M in (65, 100, 300, 465):
+                assert torch.equal(lin.linear(x[:, :M], w), alone[:, :M]), M
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
     calls = []
     real = lin.packed_float32_linear

@@ -49,7 +49,8 @@ class Span:
     positions (the rows, except for tree drafts and probes).  ``mask`` [W, keys] (True = visible; it may hide
     prefix rows too) is None when every query sees every row up to its own, or when ``causal`` is set (a block
     starting at row 0).  ``bias`` is ``mask`` as an additive 0 / -inf float tensor, for CPU kernels.  ``rows``: the
-    static-shape form (the stored rows as a tensor; ``mask`` then covers every cache row)."""
+    static-shape form (the stored rows as a tensor; ``mask`` then covers every cache row).  ``causal_rows``: query
+    j sees exactly rows [0, start + j] (whatever ``mask`` says, it says that)."""
 
     n: int
     start: int
@@ -59,6 +60,7 @@ class Span:
     causal: bool = False
     bias: Tensor | None = None
     rows: Tensor | None = None
+    causal_rows: bool = False
     _split: tuple | None = field(default=None, repr=False)
     _rows_cache: dict = field(default_factory=dict, repr=False)
 
@@ -123,10 +125,10 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
     if isinstance(span, RaggedSpan):
         return ragged_attention(q, kv, span)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if one_row(q, kv, span):
-        rows, offsets = decode_rows([kv], [span], span._rows_cache)
-        return decode_kernel.decode_attention(q[0].transpose(0, 1), kv.k_own, kv.v_own, rows, offsets,
-                                              scale).transpose(0, 1)[None]
+    if kernel_rows(q, kv, span):
+        rows, starts, lengths = row_lists([kv], [span], span._rows_cache)
+        return decode_kernel.rows_attention(q[0].transpose(0, 1), kv.k_own, kv.v_own, rows, starts, lengths,
+                                            scale).transpose(0, 1)[None]
     if kv.one_source:
         k, v = kv.own(0, None if span.rows is not None else span.end)
         return dense_attention(q, k, v, span, scale)
@@ -250,60 +252,84 @@ class BatchKV:
         if (isinstance(first, PagedKV) and all(isinstance(p, PagedKV) and p.k_own is first.k_own
                                                and p.v_own is first.v_own for p in self.parts)
                 and all(p.rows is None for p in span.parts)):
-            idx = span.pool_rows(self.parts)
-            first.k_own.index_copy_(1, idx, k)
-            first.v_own.index_copy_(1, idx, v)
+            store_rows(first.k_own, first.v_own, span.pool_rows(self.parts), k, v)
             return
         for i, a, b, part in span.segments():
             self.parts[i].store(part, k[:, a:b], v[:, a:b])
 
 
+def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) -> None:
+    """k_dst[:, idx] = k, v_dst[:, idx] = v: on CPU one kernel call (a copy per row and head), else index_copy_."""
+    if (k_dst.device.type == "cpu" and not (k.requires_grad or v.requires_grad) and k.dtype == k_dst.dtype
+            and v.dtype == v_dst.dtype and k.stride(-1) == 1 and v.stride(-1) == 1 and decode_kernel.available()):
+        decode_kernel.store_rows(k_dst, v_dst, idx, k, v)
+    else:
+        k_dst.index_copy_(1, idx, k)
+        v_dst.index_copy_(1, idx, v)
+
+
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
-    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the one-row segments
-    that share a pool in one kernel call (``one_row``)."""
+    """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
+    share a pool and suit the row kernel (``kernel_rows``) in one kernel call."""
     out: list[Tensor | None] = [None] * len(span.parts)
     groups: dict[int, list[int]] = {}
     for i, a, b, part in span.segments():
-        if one_row(q, kv.parts[i], part):
+        if kernel_rows(q, kv.parts[i], part):
             groups.setdefault(id(kv.parts[i].k_own), []).append(i)
         else:
             out[i] = attend(q[:, :, a:b], kv.parts[i], part)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    o = span.offsets
     for idx in groups.values():
         kvs, parts = [kv.parts[i] for i in idx], [span.parts[i] for i in idx]
-        rows, offsets = decode_rows(kvs, parts, span._rows_cache)
-        if len(idx) == len(span.parts):                       # a decode step: every segment one row, one pool
-            return decode_kernel.decode_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, offsets,
-                                                  scale).transpose(0, 1)[None]
-        qi = q[0, :, [span.offsets[i] for i in idx]].transpose(0, 1)
-        o = decode_kernel.decode_attention(qi, kvs[0].k_own, kvs[0].v_own, rows, offsets, scale)
-        for j, i in enumerate(idx):
-            out[i] = o[j].view(1, -1, 1, o.shape[-1])
+        rows, starts, lengths = row_lists(kvs, parts, span._rows_cache)
+        if len(idx) == len(span.parts):                       # every segment in one call (a decode step, a prefill)
+            return decode_kernel.rows_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, starts,
+                                                lengths, scale).transpose(0, 1)[None]
+        qi = q[0, :, [r for i in idx for r in range(o[i], o[i + 1])]].transpose(0, 1)
+        res = decode_kernel.rows_attention(qi, kvs[0].k_own, kvs[0].v_own, rows, starts, lengths, scale)
+        at = 0
+        for i in idx:
+            w = o[i + 1] - o[i]
+            out[i] = res[at: at + w].transpose(0, 1)[None]
+            at += w
     return torch.cat(out, dim=2)
 
 
-# One query row over every earlier row at its own depth (an AR or decode row): on CPU in float32 one kernel call for
-# all such rows of a call that lie in one pool (``decode_kernel``), each computed alone in an order fixed by its own
-# length - so a sequence decoding alone takes the same kernel and gets the same bits.  bfloat16 keeps SDPA, whose
-# bf16 rounding the wider passes (verification, windows) share: a float32 one-row kernel beside them made bf16 AR
-# part from a bf16 batch more often (tests/test_bfloat16.py).
-def one_row(q: Tensor, kv: LayerKV, span: Span) -> bool:
-    return (span.W == 1 and span.rows is None and span.mask is None and span.bias is None and kv.one_source
-            and q.device.type == "cpu" and q.dtype == torch.float32 and not q.requires_grad
-            and decode_kernel.available())
+# Query rows that see every earlier row at their own depth (AR and decode rows, prompt blocks, verification chains)
+# run on CPU in float32 through one kernel call for all such rows of a call that lie in one pool
+# (``decode_kernel``), each (row, head) computed alone in an order fixed by its own position - so a sequence alone
+# or batched gets the same bits.  Multi-row segments take it only while their rows are few (``KERNEL_MAX_KEYS``,
+# a property of the segment alone, never of the batch): the kernel streams a row's keys once per query, where
+# SDPA shares them between a block's queries.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes
+# (windows) share: a float32 one-row kernel beside them made bf16 AR part from a bf16 batch more often
+# (tests/test_bfloat16.py).
+KERNEL_MAX_KEYS = 256
 
 
-def decode_rows(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor]:
-    """The rows [0, end) of each one-row segment as rows of its tensors, end to end, and their offsets (built once
-    per call and caches, shared by every layer and depth)."""
-    key = tuple((id(kv.table) if isinstance(kv, PagedKV) else None, p.end) for kv, p in zip(kvs, parts))
+def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
+    return (span.causal_rows and (span.W == 1 or span.end <= KERNEL_MAX_KEYS) and span.rows is None
+            and kv.one_source and q.device.type == "cpu" and q.dtype == torch.float32
+            and not q.requires_grad and decode_kernel.available())
+
+
+def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Each segment's rows [0, end) as rows of its tensors, end to end, and for each query row where its list
+    starts and how many rows it sees (query j of a segment: rows [0, start + j]); built once per call and
+    caches, shared by every layer and depth."""
+    key = ("read",) + tuple((id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end)
+                            for kv, p in zip(kvs, parts))
     got = cache.get(key)
     if got is None:
         dev = kvs[0].k_own.device
-        rows = [kv.table.rows[: p.end] if isinstance(kv, PagedKV) else torch.arange(p.end, device=dev)
-                for kv, p in zip(kvs, parts)]
-        offsets = torch.tensor([0] + [p.end for p in parts], dtype=torch.long).cumsum_(0)
-        got = cache[key] = (rows[0] if len(rows) == 1 else torch.cat(rows), offsets)
+        rows, starts, lengths, at = [], [], [], 0
+        for kv, p in zip(kvs, parts):
+            rows.append(kv.table.rows[: p.end] if isinstance(kv, PagedKV) else torch.arange(p.end, device=dev))
+            starts += [at] * p.W
+            lengths += range(p.start + 1, p.end + 1)
+            at += p.end
+        got = cache[key] = (rows[0] if len(rows) == 1 else torch.cat(rows), torch.tensor(starts, dtype=torch.long),
+                            torch.tensor(lengths, dtype=torch.long))
     return got
 
 
@@ -341,5 +367,4 @@ class PagedKV(LayerKV):
             return
         else:
             idx = t.rows[span.start: span.end]
-        self.k_own.index_copy_(1, idx, k)
-        self.v_own.index_copy_(1, idx, v)
+        store_rows(self.k_own, self.v_own, idx, k, v)

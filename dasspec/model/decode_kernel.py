@@ -106,30 +106,32 @@ void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L
 }
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
-                               torch::Tensor offsets, double scale) {
+torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
+                             torch::Tensor starts, torch::Tensor lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [S, H, hd], k / v [H_kv, rows, hd]");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v: contiguous rows");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong, "int64 rows and offsets");
-  q = q.contiguous(); rows = rows.contiguous(); offsets = offsets.contiguous();
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0);
-  TORCH_CHECK(H % Hkv == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && offsets.numel() == S + 1,
-              "shapes do not match");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
+              lengths.scalar_type() == at::kLong, "int64 rows, starts and lengths");
+  q = q.contiguous(); rows = rows.contiguous(); starts = starts.contiguous(); lengths = lengths.contiguous();
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), N = rows.numel();
+  TORCH_CHECK(H % Hkv == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && starts.numel() == S &&
+              lengths.numel() == S, "shapes do not match");
   auto out = torch::empty_like(q);
-  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ln = lengths.data_ptr<int64_t>();
   const int64_t* rw = rows.data_ptr<int64_t>();
   int64_t L_max = 1;
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(off[s + 1] > off[s], "every sequence needs a row");
-    L_max = std::max(L_max, off[s + 1] - off[s]);
+    TORCH_CHECK(ln[s] > 0, "query ", s, " needs a row");
+    TORCH_CHECK(st[s] >= 0 && st[s] + ln[s] <= N, "query ", s, ": rows outside the row list");
+    L_max = std::max(L_max, ln[s]);
   }
-  TORCH_CHECK(off[0] == 0 && off[S] == rows.numel(), "offsets do not cover rows");
   const int64_t P = std::min(k.size(1), v.size(1));
-  for (int64_t j = 0; j < rows.numel(); ++j) TORCH_CHECK(rw[j] >= 0 && rw[j] < P, "row ", rw[j], " outside the cache");
+  for (int64_t j = 0; j < N; ++j) TORCH_CHECK(rw[j] >= 0 && rw[j] < P, "row ", rw[j], " outside the cache");
   const int64_t g = H / Hkv;
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rows_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -138,16 +140,101 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       std::vector<float> sc(L_max), buf(3 * D);
       for (int64_t i = a; i < b; ++i) {
         const int64_t s = i / H, kvh = (i % H) / g;
-        one_head<scalar_t>(qp + i * D, kp + kvh * ks0, vp + kvh * vs0, rw + off[s], off[s + 1] - off[s], D, ks1,
-                           vs1, static_cast<float>(scale), sc.data(), buf.data(), op + i * D);
+        one_head<scalar_t>(qp + i * D, kp + kvh * ks0, vp + kvh * vs0, rw + st[s], ln[s], D, ks1, vs1,
+                           static_cast<float>(scale), sc.data(), buf.data(), op + i * D);
       }
     });
   });
   return out;
 }
+
+// dst[h, rows[i], :] = src[h, i, :] for the K and V of one layer application: a plain copy per (head, row), so a
+// row's bits are the source's (what index_copy_ writes), without index_copy_'s per-element indexing.
+void store_rows(torch::Tensor k_dst, torch::Tensor v_dst, torch::Tensor rows, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_dst.dim() == 3 && v_dst.dim() == 3 && k.dim() == 3 && v.dim() == 3, "[H_kv, rows, hd] tensors");
+  TORCH_CHECK(k_dst.stride(2) == 1 && v_dst.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "contiguous rows");
+  TORCH_CHECK(k_dst.scalar_type() == k.scalar_type() && v_dst.scalar_type() == v.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "one dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong, "int64 rows");
+  rows = rows.contiguous();
+  const int64_t H = k.size(0), N = k.size(1), D = k.size(2);
+  TORCH_CHECK(rows.numel() == N && v.size(0) == H && v.size(1) == N && v.size(2) == D && k_dst.size(0) == H &&
+              v_dst.size(0) == H && k_dst.size(2) == D && v_dst.size(2) == D, "shapes do not match");
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t P = std::min(k_dst.size(1), v_dst.size(1));
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(rw[i] >= 0 && rw[i] < P, "row ", rw[i], " outside the cache");
+  const int64_t bytes = D * k.element_size();
+  char* kd = static_cast<char*>(k_dst.data_ptr());
+  char* vd = static_cast<char*>(v_dst.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t e = k.element_size();
+  const int64_t kd0 = k_dst.stride(0) * e, kd1 = k_dst.stride(1) * e, vd0 = v_dst.stride(0) * e,
+                vd1 = v_dst.stride(1) * e, ks0 = k.stride(0) * e, ks1 = k.stride(1) * e, vs0 = v.stride(0) * e,
+                vs1 = v.stride(1) * e;
+  at::parallel_for(0, H * N, 256, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t h = i / N, j = i % N;
+      std::memcpy(kd + h * kd0 + rw[j] * kd1, ks + h * ks0 + j * ks1, bytes);
+      std::memcpy(vd + h * vd0 + rw[j] * vd1, vs + h * vs0 + j * vs1, bytes);
+    }
+  });
+}
+
+// RoPE, halves form (HF rotate_half): out = x * cos + cat(-x2, x1) * sin over x [B, W, n, hd] (float32; cos / sin
+// [W, hd]), the same three roundings as torch's ops in the same order (so the same bits), in one pass.
+torch::Tensor rope_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
+  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
+  cos = cos.contiguous(); sin = sin.contiguous();
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * D && sin.numel() == W * D, "cos / sin [W, hd]");
+  auto out = torch::empty({B, W, n, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  at::parallel_for(0, B * W * n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t hd_i = i % n, w = (i / n) % W, bb = i / (n * W);
+      const float* xr = xp + bb * s0 + w * s1 + hd_i * s2;
+      const float* c = cp + w * D;
+      const float* s = sp + w * D;
+      float* o = op + i * D;
+      for (int64_t d = 0; d < h; ++d) o[d] = xr[d] * c[d] + (-xr[d + h]) * s[d];
+      for (int64_t d = h; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - h] * s[d];
+    }
+  });
+  return out;
+}
+
+// RMSNorm of float32 rows: x * (1 / sqrt(mean(x^2) + eps)) * w, each row's sum of squares in a fixed order.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32");
+  x = x.contiguous(); w = w.contiguous();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(D > 0 && w.numel() == D, "weight size");
+  const int64_t M = x.numel() / D;
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float* xr = xp + r * D;
+      float* o = op + r * D;
+      const float inv = 1.0f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + e);
+      for (int64_t d = 0; d < D; ++d) o[d] = xr[d] * inv * wp[d];
+    }
+  });
+  return out;
+}
 """
 
-_FUNCTIONS = ["decode_attention"]
+_FUNCTIONS = ["rows_attention", "store_rows", "rms_norm", "rope_half"]
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
@@ -204,5 +291,27 @@ def available() -> bool:
     return (_module if _tried else _load()) is not None      # no lock once decided: asked per segment and layer
 
 
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, starts: Tensor, lengths: Tensor,
+                   scale: float) -> Tensor:
+    """Query s [H, hd] of q [S, H, hd] attends pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` of k, v."""
+    return (_module if _tried else _load()).rows_attention(q, k, v, rows, starts, lengths, scale)
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, offsets: Tensor, scale: float) -> Tensor:
-    return (_module if _tried else _load()).decode_attention(q, k, v, rows, offsets, scale)
+    """Sequence s attends ``rows[offsets[s]: offsets[s + 1]]`` (every row of a one-row segment, end to end)."""
+    return rows_attention(q, k, v, rows, offsets[:-1], offsets[1:] - offsets[:-1], scale)
+
+
+def store_rows(k_dst: Tensor, v_dst: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
+    """``k_dst[:, rows] = k`` and ``v_dst[:, rows] = v`` ([H_kv, pool rows, hd] <- [H_kv, N, hd])."""
+    (_module if _tried else _load()).store_rows(k_dst, v_dst, rows, k, v)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of float32 rows, each row's sum in a fixed order (the same bits whatever the row count)."""
+    return (_module if _tried else _load()).rms_norm(x, weight, eps)
+
+
+def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in HF's rotate_half form over x [B, W, n, hd] (float32) with cos / sin [W, hd]: torch's bits."""
+    return (_module if _tried else _load()).rope_half(x, cos, sin)

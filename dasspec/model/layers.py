@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import decode_kernel
 from .attention import LayerKV, Span, attend
 from .config import LoopedConfig
 from .linear import Linear
@@ -29,6 +30,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
+            if (x.device.type == "cpu" and self.weight.dtype == torch.float32 and x.numel() > 0
+                    and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                    and not torch.compiler.is_compiling() and decode_kernel.available()):
+                return decode_kernel.rms_norm(x, self.weight, self.eps)    # one call, not a composite of five
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
@@ -76,6 +81,10 @@ def apply_rope(x: Tensor, rot: Tensor | tuple[Tensor, Tensor], interleaved: bool
 
     interleaved: pairs (2j, 2j+1) rotated as complex numbers (Huginn's freqs_cis form);
     otherwise halves: x * cos + rotate_half(x) * sin (HF Llama / OLMo)."""
+    if (not interleaved and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4
+            and x.stride(-1) == 1 and not (torch.is_grad_enabled() and x.requires_grad)
+            and not torch.compiler.is_compiling() and decode_kernel.available()):
+        return decode_kernel.rope_half(x, rot[0], rot[1])                 # one pass instead of six ops
     xf = x.float()
     if interleaved:
         out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * rot).flatten(-2)

@@ -135,12 +135,13 @@ _PACKS = _Packs()
 
 
 def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN (x of two or more rows); every row's
-    value is independent of how many rows the call has."""
+    """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN; a row's value is the same in every call
+    of two or more rows (a single row takes oneDNN's one-row kernel, which may round differently)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    rows = -(-M // 8) * 8 if M <= 64 else -(-M // 64) * 64     # a few row counts: oneDNN builds a kernel per shape
+    step = 8 if M <= 64 else 16 if M <= 512 else 64             # a few row counts: oneDNN builds a kernel per shape
+    rows = 1 if M == 1 else -(-M // step) * step                 # one row: oneDNN's own one-row kernel
     if rows != M:
         x2 = torch.cat((x2, x2.new_zeros(rows - M, K)))
     out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, None, "none", [], "")[:M]
@@ -149,9 +150,16 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     return out.reshape(*x.shape[:-1], out_features)
 
 
+def one_row_packed() -> bool:
+    """Whether a single row takes the packed product too: with more than one thread, where MKL's one-row product
+    loses time to its threading; on one thread MKL's is the faster (docs/performance.md, "Batched AR against
+    vLLM")."""
+    return torch.get_num_threads() > 1
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and x.device.type == "cpu" and weight.dim() == 2 and x.numel() > x.shape[-1]
+            and x.device.type == "cpu" and weight.dim() == 2 and (x.numel() > x.shape[-1] or one_row_packed())
             and weight.numel() >= PACK_MIN_ELEMENTS and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and onednn_packing()):

@@ -145,7 +145,7 @@ class LoopedLM(Recurrence, nn.Module):
         rot = rope_operands(cos, sin, self.config.rope_style == "interleaved")
         if static_capacity is not None:
             return self._static_span(n, start, W, rot, mask, static_capacity)
-        causal = False
+        causal, causal_rows = False, mask is None
         if mask is None and W > 1:
             if start == 0:
                 causal = True
@@ -154,7 +154,7 @@ class LoopedLM(Recurrence, nn.Module):
         bias = None
         if mask is not None and self.device.type == "cpu":       # built once, used by every layer and step
             bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
-        return Span(n=n, start=start, W=W, rot=rot, mask=mask, causal=causal, bias=bias)
+        return Span(n=n, start=start, W=W, rot=rot, mask=mask, causal=causal, bias=bias, causal_rows=causal_rows)
 
     def _static_span(self, n: int, start: int, W: int, rot, mask: Tensor | None, capacity: int) -> Span:
         dev = self.device
