@@ -261,6 +261,7 @@ class BatchKV:
 def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) -> None:
     """k_dst[:, idx] = k, v_dst[:, idx] = v: on CPU one kernel call (a copy per row and head), else index_copy_."""
     if (k_dst.device.type == "cpu" and not (k.requires_grad or v.requires_grad) and k.dtype == k_dst.dtype
+            and not torch.compiler.is_compiling()
             and v.dtype == v_dst.dtype and k.stride(-1) == 1 and v.stride(-1) == 1 and decode_kernel.available()):
         decode_kernel.store_rows(k_dst, v_dst, idx, k, v)
     else:
@@ -299,9 +300,10 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
 # Query rows that see every earlier row at their own depth (AR and decode rows, prompt blocks, verification chains)
 # run on CPU in float32 through one kernel call for all such rows of a call that lie in one pool
 # (``decode_kernel``), each (row, head) computed alone in an order fixed by its own position - so a sequence alone
-# or batched gets the same bits.  Multi-row segments take it only while their rows are few (``KERNEL_MAX_KEYS``,
-# a property of the segment alone, never of the batch): the kernel streams a row's keys once per query, where
-# SDPA shares them between a block's queries.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes
+# or batched gets the same bits.  Multi-row segments take it only while their rows are few (``KERNEL_MAX_KEYS``):
+# the kernel streams a row's keys once per query, where SDPA shares them between a block's queries.  For a prompt
+# block that is a property of the block alone; a verification chain's width may follow the batch (the speculation
+# cap), so a chain crossing the limit can take either path - as its products could already.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes
 # (windows) share: a float32 one-row kernel beside them made bf16 AR part from a bf16 batch more often
 # (tests/test_bfloat16.py).
 KERNEL_MAX_KEYS = 64
@@ -310,7 +312,7 @@ KERNEL_MAX_KEYS = 64
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
     return (span.causal_rows and (span.W == 1 or span.end <= KERNEL_MAX_KEYS) and span.rows is None
             and kv.one_source and q.device.type == "cpu" and q.dtype == torch.float32
-            and not q.requires_grad and decode_kernel.available())
+            and not q.requires_grad and not torch.compiler.is_compiling() and decode_kernel.available())
 
 
 def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,18 +1,24 @@
-"""One-row attention for every decoding sequence of a call at once, on CPU: a small C++ kernel built on first use.
+"""Causal-row attention, K/V stores, RMSNorm and RoPE on a CPU: a small C++ extension built on first use.
 
-A decode step of the batched engine has one query row per sequence.  Attending per sequence costs a kernel call
-each (torch's SDPA: 256 calls a step for 8 sequences of a 32-deep model); padding the sequences into one SDPA call
-would change the order of its sums with the batch's longest sequence, so a row's value would depend on what else is
-in the call.  This kernel reads each sequence's keys and values in place through its pool rows (no gather) and
-computes every (sequence, head) alone, in an order fixed by that sequence's own length: a row's value never
-depends on the batch, the thread count or where its blocks lie - and a sequence decoding alone takes the same
-kernel, so it gets the same bits.
+A decode step of the batched engine has one query row per sequence, and a prefill one per prompt row.  Attending
+per sequence (or per prompt block) costs a kernel call each (torch's SDPA: 256 calls a step for 8 sequences of a
+32-deep model); padding the sequences into one SDPA call would change the order of its sums with the batch's
+longest sequence, so a row's value would depend on what else is in the call.  ``rows_attention`` reads each
+query's keys and values in place through its pool rows (no gather) and computes every (query row, head) alone, in
+an order fixed by its own row list: a row's value never depends on the batch, the other rows of its block, the
+thread count or where its blocks lie - and a sequence decoding alone takes the same kernel, so it gets the same
+bits.
 
-    out = decode_attention(q [S, H, hd], k, v [H_kv, pool rows, hd], rows [N] int64, offsets [S + 1] int64, scale)
+    out = rows_attention(q [S, H, hd], k, v [H_kv, pool rows, hd], rows [N], starts [S], lengths [S], scale)
 
-Sequence s attends to pool rows ``rows[offsets[s]:offsets[s + 1]]`` in that order.  Float32 arithmetic for every
-input dtype.  ``available()`` is False where the kernel cannot be built (no compiler or ninja) or
-``DASSPEC_DECODE_KERNEL=0``; callers then attend per sequence, and the choice holds for the whole process.
+Query s attends to pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` in that order (``decode_attention``: the
+one-row form, sequence s over ``rows[offsets[s]: offsets[s + 1]]``).  Float32 arithmetic for every input dtype.
+Beside it, each one call instead of several torch ops: ``store_rows`` (K/V rows into the pool: a copy),
+``rms_norm`` (float32 rows, each row's sum in a fixed order) and ``rope_half`` (torch's roundings in torch's order).
+The kernels release the GIL.  ``available()`` is False where the extension cannot be built (no compiler or ninja)
+or ``DASSPEC_DECODE_KERNEL=0``; callers then use torch's ops, and the choice holds for the whole process (threads
+asking while it is built wait for it).  The build (about 30 s, cached per machine, source, flags and torch
+version) happens on the first CPU float32 forward without gradients - a decode, an evaluation, ``model(ids)``.
 """
 
 from __future__ import annotations
@@ -109,6 +115,9 @@ void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
                              torch::Tensor starts, torch::Tensor lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [S, H, hd], k / v [H_kv, rows, hd]");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && rows.device().is_cpu() &&
+              starts.device().is_cpu() && lengths.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(k.size(0) > 0, "no key heads");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v: contiguous rows");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
   TORCH_CHECK(rows.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
@@ -157,6 +166,8 @@ void store_rows(torch::Tensor k_dst, torch::Tensor v_dst, torch::Tensor rows, to
   TORCH_CHECK(k_dst.scalar_type() == k.scalar_type() && v_dst.scalar_type() == v.scalar_type() &&
               k.scalar_type() == v.scalar_type(), "one dtype");
   TORCH_CHECK(rows.scalar_type() == at::kLong, "int64 rows");
+  TORCH_CHECK(k_dst.device().is_cpu() && v_dst.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+              rows.device().is_cpu(), "CPU tensors");
   rows = rows.contiguous();
   const int64_t H = k.size(0), N = k.size(1), D = k.size(2);
   TORCH_CHECK(rows.numel() == N && v.size(0) == H && v.size(1) == N && v.size(2) == D && k_dst.size(0) == H &&
@@ -187,6 +198,7 @@ void store_rows(torch::Tensor k_dst, torch::Tensor v_dst, torch::Tensor rows, to
 torch::Tensor rope_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
               sin.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors");
   const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
   cos = cos.contiguous(); sin = sin.contiguous();
   TORCH_CHECK(D % 2 == 0 && cos.numel() == W * D && sin.numel() == W * D, "cos / sin [W, hd]");
@@ -213,6 +225,7 @@ torch::Tensor rope_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // RMSNorm of float32 rows: x * (1 / sqrt(mean(x^2) + eps)) * w, each row's sum of squares in a fixed order.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors");
   x = x.contiguous(); w = w.contiguous();
   const int64_t D = x.size(-1);
   TORCH_CHECK(D > 0 && w.numel() == D, "weight size");
@@ -232,9 +245,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   });
   return out;
 }
-"""
 
-_FUNCTIONS = ["rows_attention", "store_rows", "rms_norm", "rope_half"]
+// The kernels touch no Python object: release the GIL while they run (as torch's own ops do).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_attention", &rows_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("store_rows", &store_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_half", &rope_half, py::call_guard<py::gil_scoped_release>());
+}
+"""
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
@@ -258,18 +277,18 @@ def _say_when_building(name: str) -> None:
     except Exception:
         return
     if not built:
-        print("dasspec: compiling the CPU decode-attention kernel (once per machine and torch version)",
+        print("dasspec: compiling the CPU kernels (once per machine and torch version)",
               file=sys.stderr, flush=True)
 
 
 def _load():
     """Build (once per machine and source; torch caches it) and import the kernel; None where that fails."""
     global _module, _tried
-    with _lock:
+    with _lock:                  # _tried is set last: a thread asking during the build waits here for its outcome
         if _tried:
             return _module
-        _tried = True
         if os.environ.get("DASSPEC_DECODE_KERNEL", "1") == "0":
+            _tried = True
             return None
         tag = hashlib.sha256(repr((_SOURCE, _CFLAGS, _cpu_id(), torch.__version__)).encode()).hexdigest()[:12]
         name = f"dasspec_decode_{tag}"
@@ -277,13 +296,15 @@ def _load():
         try:
             from torch.utils.cpp_extension import load_inline
             # -march=native: the build is keyed by this CPU's flags (tag), so it never runs on another kind of CPU
-            _module = load_inline(name, cpp_sources=_SOURCE, functions=_FUNCTIONS,
-                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            module = load_inline(name, cpp_sources=_SOURCE, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                 verbose=False)
         except Exception as e:                                        # no compiler, no ninja, a read-only cache
-            warnings.warn(f"dasspec: the CPU decode-attention kernel could not be built ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); one-row attention runs per sequence",
-                          stacklevel=3)
-            _module = None
+            warnings.warn(f"dasspec: the CPU kernels could not be built ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); attention, stores, RMSNorm and RoPE run "
+                          f"through torch's ops", stacklevel=3)
+            module = None
+        _module = module
+        _tried = True
         return _module
 
 

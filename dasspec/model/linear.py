@@ -12,9 +12,11 @@ Float32 on a CPU, two rows or more: oneDNN with the weight packed once (``packed
 float32 ``F.linear`` on a CPU is MKL's sgemm, which on x86 with AVX-512 neither batches well at a few rows nor
 gives a row the same bits at every row count: rows of a 1-3 row product, of an odd row count and of a multiple of
 4 are summed in different orders.  A packed oneDNN product is faster at a few rows and gives a row the same bits at
-every count from 2 up (its one-row kernel sums some shapes differently).  A single row keeps MKL's product, which is
-faster for one row; so a row decoded alone and the same row in a batch may still differ in the last
-bits on such a host, as they did before, while rows of batches of any two sizes agree.  The packed copy is made on a
+every count from 2 up (its one-row kernel sums some shapes differently).  A single row takes it too when torch
+runs more than one thread (``one_row_packed``: MKL's one-row product loses time to its threading there) and keeps
+MKL's product on one thread, where that is faster; so a batch-1 decode's last bits may differ between one thread
+and more, and a row decoded alone and the same row in a batch may differ in the last bits on such a host, while
+rows of batches of any two sizes agree.  The packed copy is made on a
 weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
 ``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
 kernel).  Figures: docs/performance.md, "Batched AR
