@@ -154,7 +154,8 @@ def test_prompt_blocks_past_the_first_and_past_the_kernel_limit_attend_causally(
     greedy AR through the engine equals a cache-free full forward, alone and batched, and a batch gives each
     request its own tokens."""
     model = random_model("ouro", seed=4, mean_recurrence=3, n_core=2)
-    prompts = [[(7 * i + 3) % 90 + 5 for i in range(n)] for n in (40, 90)]
+    assert 150 > attention.KERNEL_MAX_KEYS
+    prompts = [[(7 * i + 3) % 90 + 5 for i in range(n)] for n in (40, 150)]
     alone = [dasspec.generate(model, p, "ar", max_new_tokens=6, eos=False).tokens for p in prompts]
     with torch.no_grad():
         for p, got in zip(prompts, alone):
@@ -172,11 +173,12 @@ def test_block_by_block_prefill_gives_the_full_forwards_logits_at_every_prompt_r
     past it) gives at every position the logits of one cache-free causal forward over the whole prompt."""
     from dasspec.model.cache import DepthCache
     model = random_model(family, seed=5, mean_recurrence=3, n_core=2)
-    T = 90
+    T = 150
+    assert T > attention.KERNEL_MAX_KEYS
     ids = torch.tensor([[(7 * i + 3) % 90 + 5 for i in range(T)]])
     with torch.no_grad():
         want = model(ids)[0]
-        cache = DepthCache(model.config, model.R, 128, "cpu", torch.float32)
+        cache = DepthCache(model.config, model.R, 160, "cpu", torch.float32)
         for s in range(0, T, 16):
             W = min(16, T - s)
             h = model.initial_state(torch.arange(s, s + W), 1.0, 0).unsqueeze(0)

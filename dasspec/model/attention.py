@@ -306,7 +306,7 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
 # cap), so a chain crossing the limit can take either path - as its products could already.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes
 # (windows) share: a float32 one-row kernel beside them made bf16 AR part from a bf16 batch more often
 # (tests/test_bfloat16.py).
-KERNEL_MAX_KEYS = 64
+KERNEL_MAX_KEYS = 128
 
 
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:

@@ -46,15 +46,49 @@ _SOURCE = r"""
 namespace {
 constexpr int LANES = 16;   // partial sums of a dot product, added up in a fixed tree
 
+typedef float f16v __attribute__((vector_size(16 * sizeof(float))));   // GCC / Clang vectors, lowered per target
+typedef float f8v __attribute__((vector_size(8 * sizeof(float))));
+typedef float f4v __attribute__((vector_size(4 * sizeof(float))));
+typedef float f2v __attribute__((vector_size(2 * sizeof(float))));
+
+// Lanes l and l + n/2 added: one level of the fixed tree, in registers where the compiler has vector shuffles.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+inline f8v halves_sum(const f16v& x) {
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline f4v halves_sum(const f8v& x) {
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+}
+inline f2v halves_sum(const f4v& x) { return __builtin_shufflevector(x, x, 0, 1) + __builtin_shufflevector(x, x, 2, 3); }
+#else
+template <typename Whole>
+inline auto halves_sum(const Whole& x) {
+  typedef float Half __attribute__((vector_size(sizeof(Whole) / 2)));
+  Half lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  return lo + hi;
+}
+#endif
+
 inline float dot(const float* q, const float* k, int64_t D) {
-  float part[LANES] = {0};
+  f16v part = {0};
   int64_t d = 0;
-  for (; d + LANES <= D; d += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += q[d + l] * k[d + l];
-  for (int l = 0; d < D; ++d, ++l) part[l] += q[d] * k[d];
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) part[l] += part[l + w];
-  return part[0];
+  for (; d + LANES <= D; d += LANES) {
+    f16v a, b;
+    std::memcpy(&a, q + d, sizeof a);
+    std::memcpy(&b, k + d, sizeof b);
+    part += a * b;
+  }
+  if (d < D) {
+    float rest[LANES];
+    std::memcpy(rest, &part, sizeof rest);
+    for (int l = 0; d < D; ++d, ++l) rest[l] += q[d] * k[d];
+    std::memcpy(&part, rest, sizeof rest);
+  }
+  const f2v two = halves_sum(halves_sum(halves_sum(part)));
+  return two[0] + two[1];
 }
 
 // exp(x) for x <= 0 (Cephes' single-precision polynomial, about 2 ulp), in plain arithmetic so a loop of it
@@ -78,6 +112,32 @@ inline float exp_nonpositive(float x) {
   return tiny ? 0.0f : p * scale;
 }
 
+// exp_nonpositive of 16 values at once: the same operations in the same order lane by lane (so the same bits);
+// floor as truncation corrected by one below zero (exact here: |y| < 2^23).
+typedef int32_t i16v __attribute__((vector_size(16 * sizeof(int32_t))));
+
+inline f16v exp_nonpositive16(f16v x) {
+  const i16v tiny = x < -87.0f;
+  x = tiny ? f16v{} - 87.0f : x;
+  const f16v y = x * 1.44269504088896341f + 0.5f;
+  const i16v yi = __builtin_convertvector(y, i16v);
+  f16v n = __builtin_convertvector(yi, f16v);
+  n = n > y ? n - 1.0f : n;
+  f16v r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f16v p = f16v{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return tiny ? f16v{} : p * scale;
+}
+
 template <typename T>
 void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L, int64_t D, int64_t k_row,
               int64_t v_row, float scale, float* sc, float* buf, T* out) {
@@ -98,14 +158,36 @@ void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L
     sc[j] = s;
     m = s > m ? s : m;
   }
-  for (int64_t j = 0; j < L; ++j) sc[j] = exp_nonpositive(sc[j] - m);
+  int64_t j0 = 0;
+  for (; j0 + LANES <= L; j0 += LANES) {
+    f16v x;
+    std::memcpy(&x, sc + j0, sizeof x);
+    x = exp_nonpositive16(x - m);
+    std::memcpy(sc + j0, &x, sizeof x);
+  }
+  for (int64_t j = j0; j < L; ++j) sc[j] = exp_nonpositive(sc[j] - m);
   float total = 0.f;
   for (int64_t j = 0; j < L; ++j) total += sc[j];
-  for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-  for (int64_t j = 0; j < L; ++j) {
+  // sum_j p_j v_j, each lane over j in order; a 16-lane slice of the row at a time so its sum stays in a register
+  int64_t d0 = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d0 + LANES <= D; d0 += LANES) {
+      f16v a = {0};
+      for (int64_t j = 0; j < L; ++j) {
+        f16v x;
+        std::memcpy(&x, v + rows[j] * v_row + d0, sizeof x);
+        f16v p = {0};
+        p += sc[j];
+        a += p * x;
+      }
+      std::memcpy(acc + d0, &a, sizeof a);
+    }
+  }
+  for (int64_t d = d0; d < D; ++d) acc[d] = 0.f;
+  for (int64_t j = 0; j < L && d0 < D; ++j) {
     const T* vr = v + rows[j] * v_row;
     const float p = sc[j];
-    for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(vr[d]);
+    for (int64_t d = d0; d < D; ++d) acc[d] += p * static_cast<float>(vr[d]);
   }
   const float inv = 1.0f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
