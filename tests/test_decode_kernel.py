@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (``dasspec.model.decode_kernel``): it computes what SDPA computes, a sequence's
+"""The CPU kernels (``dasspec.model.decode_kernel``): the attention kernel computes what SDPA computes, a
 row has the same bits whatever else is in the call, wherever its rows lie and at any thread count, and the engine's
 decode steps take it - one call per layer application for every decoding sequence - without changing a token."""
 
@@ -13,6 +13,11 @@ from dasspec.model import attention, decode_kernel
 from dasspec.testing import random_model
 
 pytestmark = pytest.mark.skipif(not decode_kernel.available(), reason="the decode kernel could not be built here")
+
+
+def _decode(q, k, v, rows, offsets, scale):
+    """One query per sequence: sequence s attends ``rows[offsets[s]: offsets[s + 1]]``."""
+    return decode_kernel.rows_attention(q, k, v, rows, offsets[:-1], offsets[1:] - offsets[:-1], scale)
 
 
 def _sdpa(q, k, v, rows):
@@ -33,7 +38,7 @@ def test_the_kernel_computes_what_sdpa_computes(heads, kv_heads, hd, dtype, tol)
     q = torch.randn(len(lengths), heads, hd, generator=g).to(dtype)
     rows = [torch.randperm(P, generator=g)[:n] for n in lengths]
     offsets = torch.tensor([0] + lengths).cumsum(0)
-    got = decode_kernel.decode_attention(q, k, v, torch.cat(rows), offsets, hd ** -0.5)
+    got = _decode(q, k, v, torch.cat(rows), offsets, hd ** -0.5)
     assert got.dtype == dtype and got.shape == q.shape
     for s, r in enumerate(rows):
         torch.testing.assert_close(got[s].float(), _sdpa(q[s], k, v, r).float(), rtol=tol, atol=tol)
@@ -45,7 +50,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_anywhere_at_any_thread_count
     k, v = torch.randn(H, P, hd, generator=g), torch.randn(H, P, hd, generator=g)
     q = torch.randn(1, H, hd, generator=g)
     mine = torch.randperm(P, generator=g)[:77]
-    alone = decode_kernel.decode_attention(q, k, v, mine, torch.tensor([0, 77]), 0.125)
+    alone = _decode(q, k, v, mine, torch.tensor([0, 77]), 0.125)
     # the same rows copied elsewhere in the pool, in order, between sequences of other lengths
     k2, v2 = torch.randn(H, 2 * P, hd, generator=g), torch.randn(H, 2 * P, hd, generator=g)
     k2[:, 600:677], v2[:, 600:677] = k[:, mine], v[:, mine]
@@ -56,7 +61,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_anywhere_at_any_thread_count
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            batched = decode_kernel.decode_attention(qs, k2, v2, rows, torch.tensor([0, 300, 377, 382]), 0.125)
+            batched = _decode(qs, k2, v2, rows, torch.tensor([0, 300, 377, 382]), 0.125)
             assert torch.equal(batched[1], alone[0])
     finally:
         torch.set_num_threads(threads)
@@ -108,11 +113,11 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
     k = v = torch.zeros(2, 10, 8)
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="row"):
-        decode_kernel.decode_attention(q, k, v, torch.tensor([3, 10]), torch.tensor([0, 2]), 1.0)
+        _decode(q, k, v, torch.tensor([3, 10]), torch.tensor([0, 2]), 1.0)
     with pytest.raises(RuntimeError):
-        decode_kernel.decode_attention(q, k, v, torch.tensor([3]), torch.tensor([0, 2]), 1.0)
+        _decode(q, k, v, torch.tensor([3]), torch.tensor([0, 2]), 1.0)
     with pytest.raises(RuntimeError, match="needs a row"):
-        decode_kernel.decode_attention(q, k, v, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), 1.0)
+        _decode(q, k, v, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), 1.0)
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro", "raven-llama"])

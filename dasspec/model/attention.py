@@ -260,9 +260,9 @@ class BatchKV:
 
 def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) -> None:
     """k_dst[:, idx] = k, v_dst[:, idx] = v: on CPU one kernel call (a copy per row and head), else index_copy_."""
-    if (k_dst.device.type == "cpu" and not (k.requires_grad or v.requires_grad) and k.dtype == k_dst.dtype
-            and not torch.compiler.is_compiling()
-            and v.dtype == v_dst.dtype and k.stride(-1) == 1 and v.stride(-1) == 1 and decode_kernel.available()):
+    if (k_dst.device.type == "cpu" and k.dtype == k_dst.dtype and v.dtype == v_dst.dtype and k.stride(-1) == 1
+            and v.stride(-1) == 1 and not (k.requires_grad or v.requires_grad)
+            and not torch.compiler.is_compiling() and decode_kernel.available()):
         decode_kernel.store_rows(k_dst, v_dst, idx, k, v)
     else:
         k_dst.index_copy_(1, idx, k)
@@ -303,9 +303,9 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
 # or batched gets the same bits.  Multi-row segments take it only while their rows are few (``KERNEL_MAX_KEYS``):
 # the kernel streams a row's keys once per query, where SDPA shares them between a block's queries.  For a prompt
 # block that is a property of the block alone; a verification chain's width may follow the batch (the speculation
-# cap), so a chain crossing the limit can take either path - as its products could already.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes
-# (windows) share: a float32 one-row kernel beside them made bf16 AR part from a bf16 batch more often
-# (tests/test_bfloat16.py).
+# cap), so a chain crossing the limit can take either path - as its products could already.  bfloat16 keeps SDPA,
+# whose bf16 rounding the wider passes (windows) share: a float32 one-row kernel beside them made bf16 AR part from a
+# bf16 batch more often (tests/test_bfloat16.py).
 KERNEL_MAX_KEYS = 128
 
 

@@ -11,8 +11,8 @@ bits.
 
     out = rows_attention(q [S, H, hd], k, v [H_kv, pool rows, hd], rows [N], starts [S], lengths [S], scale)
 
-Query s attends to pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` in that order (``decode_attention``: the
-one-row form, sequence s over ``rows[offsets[s]: offsets[s + 1]]``).  Float32 arithmetic for every input dtype.
+Query s attends to pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` in that order.  Float32 arithmetic for
+every input dtype.
 Beside it, each one call instead of several torch ops: ``store_rows`` (K/V rows into the pool: a copy),
 ``rms_norm`` (float32 rows, each row's sum in a fixed order) and ``rope_half`` (torch's roundings in torch's order).
 The kernels release the GIL.  ``available()`` is False where the extension cannot be built (no compiler or ninja)
@@ -36,6 +36,7 @@ from torch import Tensor
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -91,29 +92,9 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return two[0] + two[1];
 }
 
-// exp(x) for x <= 0 (Cephes' single-precision polynomial, about 2 ulp), in plain arithmetic so a loop of it
-// vectorises; underflows to 0 below -87.
-inline float exp_nonpositive(float x) {
-  const bool tiny = x < -87.0f;
-  x = tiny ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return tiny ? 0.0f : p * scale;
-}
-
-// exp_nonpositive of 16 values at once: the same operations in the same order lane by lane (so the same bits);
-// floor as truncation corrected by one below zero (exact here: |y| < 2^23).
+// exp(x) for x <= 0 of 16 values at once (Cephes' single-precision polynomial, about 2 ulp), in plain vector
+// arithmetic, the same operations lane by lane; underflows to 0 below -87.  floor as truncation corrected by one
+// below zero (exact here: |y| < 2^23).
 typedef int32_t i16v __attribute__((vector_size(16 * sizeof(int32_t))));
 
 inline f16v exp_nonpositive16(f16v x) {
@@ -158,14 +139,16 @@ void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L
     sc[j] = s;
     m = s > m ? s : m;
   }
-  int64_t j0 = 0;
-  for (; j0 + LANES <= L; j0 += LANES) {
-    f16v x;
-    std::memcpy(&x, sc + j0, sizeof x);
-    x = exp_nonpositive16(x - m);
-    std::memcpy(sc + j0, &x, sizeof x);
+  for (int64_t j0 = 0; j0 < L; j0 += LANES) {          // the last group padded with m (its lanes dropped)
+    const int64_t n = std::min<int64_t>(LANES, L - j0);
+    float x[LANES];
+    std::fill(x, x + LANES, m);
+    std::memcpy(x, sc + j0, n * sizeof(float));
+    f16v e;
+    std::memcpy(&e, x, sizeof e);
+    e = exp_nonpositive16(e - m);
+    std::memcpy(sc + j0, &e, n * sizeof(float));
   }
-  for (int64_t j = j0; j < L; ++j) sc[j] = exp_nonpositive(sc[j] - m);
   float total = 0.f;
   for (int64_t j = 0; j < L; ++j) total += sc[j];
   // sum_j p_j v_j, each lane over j in order; a 16-lane slice of the row at a time so its sum stays in a register
@@ -176,18 +159,18 @@ void one_head(const T* q, const T* k, const T* v, const int64_t* rows, int64_t L
       for (int64_t j = 0; j < L; ++j) {
         f16v x;
         std::memcpy(&x, v + rows[j] * v_row + d0, sizeof x);
-        f16v p = {0};
-        p += sc[j];
-        a += p * x;
+        a += sc[j] * x;
       }
       std::memcpy(acc + d0, &a, sizeof a);
     }
   }
-  for (int64_t d = d0; d < D; ++d) acc[d] = 0.f;
-  for (int64_t j = 0; j < L && d0 < D; ++j) {
-    const T* vr = v + rows[j] * v_row;
-    const float p = sc[j];
-    for (int64_t d = d0; d < D; ++d) acc[d] += p * static_cast<float>(vr[d]);
+  if (d0 < D) {                                          // what is left of the row, and other dtypes
+    for (int64_t d = d0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      const T* vr = v + rows[j] * v_row;
+      const float p = sc[j];
+      for (int64_t d = d0; d < D; ++d) acc[d] += p * static_cast<float>(vr[d]);
+    }
   }
   const float inv = 1.0f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
@@ -398,11 +381,6 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, starts: Tensor
                    scale: float) -> Tensor:
     """Query s [H, hd] of q [S, H, hd] attends pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` of k, v."""
     return (_module if _tried else _load()).rows_attention(q, k, v, rows, starts, lengths, scale)
-
-
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, offsets: Tensor, scale: float) -> Tensor:
-    """Sequence s attends ``rows[offsets[s]: offsets[s + 1]]`` (every row of a one-row segment, end to end)."""
-    return rows_attention(q, k, v, rows, offsets[:-1], offsets[1:] - offsets[:-1], scale)
 
 
 def store_rows(k_dst: Tensor, v_dst: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
