@@ -30,6 +30,7 @@ depend on where the blocks lie.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -211,11 +212,32 @@ class RaggedSpan:
     def pool_rows(self, kvs: list["PagedKV"]) -> Tensor:
         """The pool row of every query row of the call, segment after segment (``kvs``: each segment's ``PagedKV``;
         built once per call and block tables, shared by every layer and depth)."""
-        key = ("store",) + tuple(id(kv.table) for kv in kvs)
+        key = ("store",) + tuple([id(kv.table) for kv in kvs])
         rows = self._rows_cache.get(key)
         if rows is None:
             rows = self._rows_cache[key] = torch.cat([kv.table.rows[p.start: p.end] for kv, p in zip(kvs, self.parts)])
         return rows
+
+    @staticmethod
+    def one_pool(kvs: list["LayerKV"]) -> bool:
+        """Every segment's view stores into (and, one-source, reads from) the same pool tensors: one call for all.
+        Checked per layer and depth (the views are), in a few identity tests."""
+        k, v = kvs[0].k_own, kvs[0].v_own
+        return all([isinstance(p, PagedKV) and p.k_own is k and p.v_own is v for p in kvs])
+
+    @functools.cached_property
+    def no_static_rows(self) -> bool:
+        """No segment uses the static-shape form (``Span.rows``)."""
+        return all(p.rows is None for p in self.parts)
+
+    def kernel_segments(self, q: Tensor) -> bool:
+        """Whether every segment's span suits the row kernel (``kernel_rows`` less its per-layer cache test),
+        decided once per call and query dtype."""
+        key = ("kernel", q.dtype, q.device, q.requires_grad, torch.compiler.is_compiling())
+        got = self._rows_cache.get(key)
+        if got is None:
+            got = self._rows_cache[key] = all(span_suits_kernel(q, p) for p in self.parts)
+        return got
 
     @classmethod
     def of(cls, parts: list[Span]) -> "RaggedSpan":
@@ -249,9 +271,7 @@ class BatchKV:
         """k, v [H_kv, T, hd]: each segment's rows into its own cache (every segment's before any attends, so a
         sequence's later segments see its earlier ones).  Segments in one paged pool: one indexed copy for all."""
         first = self.parts[0]
-        if (isinstance(first, PagedKV) and all(isinstance(p, PagedKV) and p.k_own is first.k_own
-                                               and p.v_own is first.v_own for p in self.parts)
-                and all(p.rows is None for p in span.parts)):
+        if span.no_static_rows and isinstance(first, PagedKV) and span.one_pool(self.parts):
             store_rows(first.k_own, first.v_own, span.pool_rows(self.parts), k, v)
             return
         for i, a, b, part in span.segments():
@@ -272,6 +292,12 @@ def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) 
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
     share a pool and suit the row kernel (``kernel_rows``) in one kernel call."""
+    kvs = kv.parts
+    if span.kernel_segments(q) and span.one_pool(kvs) and all([p.one_source for p in kvs]):
+        # a decode step or a prefill: every segment in one call (the common case, without the per-segment loop)
+        rows, starts, lengths = row_lists(kvs, span.parts, span._rows_cache)
+        return decode_kernel.rows_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, starts, lengths,
+                                            1.0 / math.sqrt(q.shape[-1])).transpose(0, 1)[None]
     out: list[Tensor | None] = [None] * len(span.parts)
     groups: dict[int, list[int]] = {}
     for i, a, b, part in span.segments():
@@ -284,9 +310,6 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     for idx in groups.values():
         kvs, parts = [kv.parts[i] for i in idx], [span.parts[i] for i in idx]
         rows, starts, lengths = row_lists(kvs, parts, span._rows_cache)
-        if len(idx) == len(span.parts):                       # every segment in one call (a decode step, a prefill)
-            return decode_kernel.rows_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, starts,
-                                                lengths, scale).transpose(0, 1)[None]
         qi = q[0, :, [r for i in idx for r in range(o[i], o[i + 1])]].transpose(0, 1)
         res = decode_kernel.rows_attention(qi, kvs[0].k_own, kvs[0].v_own, rows, starts, lengths, scale)
         at = 0
@@ -310,8 +333,13 @@ KERNEL_MAX_KEYS = 128
 
 
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
+    return kv.one_source and span_suits_kernel(q, span)
+
+
+def span_suits_kernel(q: Tensor, span: Span) -> bool:
+    """``kernel_rows``' tests of the span and the queries (the same for every layer and depth of a call)."""
     return (span.causal_rows and (span.W == 1 or span.end <= KERNEL_MAX_KEYS) and span.rows is None
-            and kv.one_source and q.device.type == "cpu" and q.dtype == torch.float32
+            and q.device.type == "cpu" and q.dtype == torch.float32
             and not q.requires_grad and not torch.compiler.is_compiling() and decode_kernel.available())
 
 
@@ -319,8 +347,8 @@ def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tenso
     """Each segment's rows [0, end) as rows of its tensors, end to end, and for each query row where its list
     starts and how many rows it sees (query j of a segment: rows [0, start + j]); built once per call and
     caches, shared by every layer and depth."""
-    key = ("read",) + tuple((id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end)
-                            for kv, p in zip(kvs, parts))
+    key = ("read",) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end)
+                             for kv, p in zip(kvs, parts)])
     got = cache.get(key)
     if got is None:
         dev = kvs[0].k_own.device

@@ -117,7 +117,8 @@ class _Packs:
             return hit[0]
         size = weight.numel() * 4
         if hit is False:
-            refused = self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
+            refused = (weight.dim() != 2 or weight.numel() < PACK_MIN_ELEMENTS or not onednn_packing()
+                       or self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes())
             self.table[key] = None
             weakref.finalize(weight, self._freed, key, 0 if refused else size)
             if refused:
@@ -145,11 +146,13 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     step = 8 if M <= 64 else 16 if M <= 512 else 64             # a few row counts: oneDNN builds a kernel per shape
     rows = 1 if M == 1 else -(-M // step) * step                 # one row: oneDNN's own one-row kernel
     if rows != M:
-        x2 = torch.cat((x2, x2.new_zeros(rows - M, K)))
-    out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, None, "none", [], "")[:M]
+        out = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2.new_zeros(rows - M, K))), packed, None, "none",
+                                                 [], "")[:M]
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, None, "none", [], "")
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], out_features)
+    return out.view(*x.shape[:-1], out_features) if x.dim() != 2 else out
 
 
 def one_row_packed() -> bool:
@@ -160,12 +163,11 @@ def one_row_packed() -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and x.device.type == "cpu" and weight.dim() == 2 and (x.numel() > x.shape[-1] or one_row_packed())
-            and weight.numel() >= PACK_MIN_ELEMENTS and not torch.compiler.is_compiling()
+    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and (x.numel() > x.shape[-1] or one_row_packed())
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and onednn_packing()):
-        packed = _PACKS.get(weight)
+            and not torch.compiler.is_compiling()):
+        packed = _PACKS.get(weight)         # None: a weight too small to pay, over budget, or no oneDNN here
         if packed is not None:
             return packed_float32_linear(x, packed, bias, weight.shape[0])
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
