@@ -189,3 +189,42 @@ def test_block_by_block_prefill_gives_the_full_forwards_logits_at_every_prompt_r
             h = model.initial_state(torch.arange(s, s + W), 1.0, 0).unsqueeze(0)
             got = model.full_depth(ids[:, s: s + W], h, model.span(s, s, W), cache)[0]
             torch.testing.assert_close(got, want[s: s + W], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family,overrides", [("ouro", {}), ("raven-llama", {}),              # raven-llama: GQA
+                                              ("raven-llama", {"qk_bias": True, "n_kv_heads": 4}), ("huginn", {})])
+@pytest.mark.parametrize("method", ["ar", "self-spec"])
+def test_sublayers_in_one_call_have_the_bits_of_the_modules_ops(family, overrides, method, monkeypatch):
+    """With the products packed (every weight here), a batched call's attention sublayer (halves-form RoPE) and
+    gated MLP each run as one kernel call, and every sublayer output of every step - prefill, decode rows,
+    verification chains - and every token are bit for bit those of the modules' own ops."""
+    from dasspec.model import layers
+    from dasspec.model import linear as lin
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+    model = random_model(family, seed=3, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1, **overrides)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+
+    def run(fused: bool):
+        outs, calls = [], {"attention_rows": 0, "mlp_rows": 0}
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+                 if isinstance(m, (layers.Attention, layers.GatedMLP))]
+        with monkeypatch.context() as mp:
+            if fused:
+                for name in calls:
+                    real = getattr(decode_kernel, name)
+                    mp.setattr(decode_kernel, name, lambda *a, _n=name, _f=real: calls.__setitem__(_n, calls[_n] + 1)
+                               or _f(*a))
+            else:
+                mp.setattr(layers, "packed_weight", lambda x, w: None)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
+        for h in hooks:
+            h.remove()
+        return [r.tokens for r in res], outs, calls
+
+    tokens, outs, calls = run(True)
+    tokens_ops, outs_ops, _ = run(False)
+    assert tokens == tokens_ops
+    assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
+    assert calls["mlp_rows"] > 0
+    assert (calls["attention_rows"] > 0) == (family != "huginn")      # Huginn's RoPE is the interleaved form

@@ -289,14 +289,25 @@ def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) 
         v_dst.index_copy_(1, idx, v)
 
 
+def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> tuple | None:
+    """For a batched call (a decode step, a prefill) whose every segment suits the row kernel and lies in one pool,
+    read at the depth it stores at: (K pool, V pool, each query row's pool row, and ``row_lists``' rows, starts,
+    lengths), all built once per call; None otherwise.  x: the call's queries or its input (dtype and device)."""
+    if not isinstance(span, RaggedSpan) or not span.no_static_rows or not span.kernel_segments(x):
+        return None
+    kvs = kv.parts
+    if not (span.one_pool(kvs) and all([p.one_source for p in kvs])):
+        return None
+    return (kvs[0].k_own, kvs[0].v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)
+
+
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
     share a pool and suit the row kernel (``kernel_rows``) in one kernel call."""
-    kvs = kv.parts
-    if span.kernel_segments(q) and span.one_pool(kvs) and all([p.one_source for p in kvs]):
-        # a decode step or a prefill: every segment in one call (the common case, without the per-segment loop)
-        rows, starts, lengths = row_lists(kvs, span.parts, span._rows_cache)
-        return decode_kernel.rows_attention(q[0].transpose(0, 1), kvs[0].k_own, kvs[0].v_own, rows, starts, lengths,
+    plan = row_plan(q, kv, span)
+    if plan is not None:             # every segment in one call, without the per-segment loop
+        k, v, _, rows, starts, lengths = plan
+        return decode_kernel.rows_attention(q[0].transpose(0, 1), k, v, rows, starts, lengths,
                                             1.0 / math.sqrt(q.shape[-1])).transpose(0, 1)[None]
     out: list[Tensor | None] = [None] * len(span.parts)
     groups: dict[int, list[int]] = {}

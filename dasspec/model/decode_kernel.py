@@ -14,7 +14,9 @@ bits.
 Query s attends to pool rows ``rows[starts[s]: starts[s] + lengths[s]]`` in that order.  Float32 arithmetic for
 every input dtype.
 Beside it, each one call instead of several torch ops: ``store_rows`` (K/V rows into the pool: a copy),
-``rms_norm`` (float32 rows, each row's sum in a fixed order) and ``rope_half`` (torch's roundings in torch's order).
+``rms_norm`` (float32 rows, each row's sum in a fixed order) and ``rope_half`` (torch's roundings in torch's order);
+and two whole sublayers whose products are oneDNN's packed ones, ``attention_rows`` and ``mlp_rows`` (the modules'
+ops on the same views in the same order: their bits, without a Python call per op).
 The kernels release the GIL.  ``available()`` is False where the extension cannot be built (no compiler or ninja)
 or ``DASSPEC_DECODE_KERNEL=0``; callers then use torch's ops, and the choice holds for the whole process (threads
 asking while it is built wait for it).  The build (about 30 s, cached per machine, source, flags and torch
@@ -311,12 +313,60 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
+// x [M, K] times a weight packed by oneDNN (linear.py's packed_float32_linear: the same op, arguments and padding;
+// `padded` rows, zeros past M).
+namespace {
+torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t padded) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  const int64_t M = x.size(0);
+  if (padded == M) return op.call(x.contiguous(), packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                   c10::string_view(""));
+  auto xp = torch::cat({x, x.new_zeros({padded - M, x.size(1)})});
+  return op.call(xp, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""))
+      .narrow(0, 0, M);
+}
+}  // namespace
+
+// The attention sublayer of a call's rows in one call (layers.py's Attention.forward on rows the row kernel takes,
+// halves-form RoPE, no q/k norm): the same ops on the same views in the same order, so the same bits, without a
+// Python call per op.  x [M, d] -> [M, d].
+torch::Tensor attention_rows(torch::Tensor x, torch::Tensor wqkv, torch::Tensor wproj, int64_t padded,
+                             std::optional<torch::Tensor> qk_bias, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor store_at, torch::Tensor rows,
+                             torch::Tensor starts, torch::Tensor lengths, double scale, int64_t H, int64_t Hkv) {
+  TORCH_CHECK(x.dim() == 2 && H > 0 && Hkv > 0, "x [M, d]");
+  const int64_t M = x.size(0);
+  auto qkv = packed_product(x, wqkv, padded);
+  TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
+  const int64_t hd = qkv.size(1) / (H + 2 * Hkv);
+  auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
+  auto qk = heads.narrow(2, 0, H + Hkv);
+  if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
+  qk = rope_half(qk, cos, sin);
+  store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
+             heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
+  auto y = rows_attention(qk[0].narrow(1, 0, H), k_pool, v_pool, rows, starts, lengths, scale);
+  return packed_product(y.view({M, H * hd}), wproj, padded);
+}
+
+// The gated MLP of a call's rows in one call (layers.py's GatedMLP.forward: fc, silu(gate) * up, proj).
+torch::Tensor mlp_rows(torch::Tensor x, torch::Tensor wfc, torch::Tensor wproj, int64_t padded) {
+  TORCH_CHECK(x.dim() == 2, "x [M, d]");
+  auto gate_up = packed_product(x, wfc, padded).chunk(2, -1);
+  return packed_product(at::silu(gate_up[0]) * gate_up[1], wproj, padded);
+}
+
 // The kernels touch no Python object: release the GIL while they run (as torch's own ops do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_attention", &rows_attention, py::call_guard<py::gil_scoped_release>());
   m.def("store_rows", &store_rows, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope_half", &rope_half, py::call_guard<py::gil_scoped_release>());
+  m.def("attention_rows", &attention_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("mlp_rows", &mlp_rows, py::call_guard<py::gil_scoped_release>());
 }
 """
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
@@ -396,3 +446,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE in HF's rotate_half form over x [B, W, n, hd] (float32) with cos / sin [W, hd]: torch's bits."""
     return (_module if _tried else _load()).rope_half(x, cos, sin)
+
+
+def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, padded: int, qk_bias: Tensor | None, cos: Tensor,
+                   sin: Tensor, k_pool: Tensor, v_pool: Tensor, store_at: Tensor, rows: Tensor, starts: Tensor,
+                   lengths: Tensor, scale: float, n_heads: int, n_kv_heads: int) -> Tensor:
+    """The attention sublayer over rows x [M, d] in one call: packed QKV product, q/k bias, halves RoPE, K/V stores
+    at pool rows ``store_at``, ``rows_attention``, packed output product (``padded``: the products' row count)."""
+    return (_module if _tried else _load()).attention_rows(x, wqkv, wproj, padded, qk_bias, cos, sin, k_pool, v_pool,
+                                                           store_at, rows, starts, lengths, scale, n_heads,
+                                                           n_kv_heads)
+
+
+def mlp_rows(x: Tensor, wfc: Tensor, wproj: Tensor, padded: int) -> Tensor:
+    """The gated MLP over rows x [M, d] in one call: packed fc product, silu(gate) * up, packed proj product."""
+    return (_module if _tried else _load()).mlp_rows(x, wfc, wproj, padded)

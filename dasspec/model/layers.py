@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import decode_kernel
-from .attention import LayerKV, Span, attend
+from .attention import LayerKV, Span, attend, row_plan
 from .config import LoopedConfig
-from .linear import Linear
+from .linear import Linear, packed_weight, padded_rows
 
 
 class RMSNorm(nn.Module):
@@ -127,6 +127,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         B, W, _ = x.shape
+        if kv is not None and self.q_norm is None and not self.interleaved:
+            out = self.rows(x, span, kv)
+            if out is not None:
+                return out
         q, k, v = self.qkv(x, span)
         if kv is None:      # a forward without cache (training, model(ids)): the call's own keys, causally
             y = F.scaled_dot_product_attention(q, k, v, is_causal=W > 1, enable_gqa=self.n_kv != self.n_heads)
@@ -134,6 +138,25 @@ class Attention(nn.Module):
             kv.store(span, k[0], v[0])
             y = attend(q, kv, span)
         return self.proj(y.transpose(1, 2).reshape(B, W, self.n_heads * self.head_dim))
+
+
+    def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
+        """This forward as one kernel call (``decode_kernel.attention_rows``: the same ops on the same views, so the
+        same bits, without a Python call per op) for a batched call's rows that the row kernel takes in one pool
+        (``attention.row_plan``) and whose products are packed; None where that does not apply."""
+        plan = row_plan(x, kv, span)
+        if plan is None:
+            return None
+        wqkv, wproj = packed_weight(x, self.Wqkv.weight), packed_weight(x, self.proj.weight)
+        if wqkv is None or wproj is None:
+            return None
+        B, W, d = x.shape
+        k_pool, v_pool, store_at, rows, starts, lengths = plan
+        cos, sin = span.rot
+        out = decode_kernel.attention_rows(x.reshape(B * W, d), wqkv, wproj, padded_rows(B * W), self.qk_bias, cos,
+                                           sin, k_pool, v_pool, store_at, rows, starts, lengths,
+                                           1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
+        return out.view(B, W, -1)
 
 
 class GatedMLP(nn.Module):
@@ -145,6 +168,11 @@ class GatedMLP(nn.Module):
         self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        wfc, wproj = packed_weight(x, self.fc.weight), packed_weight(x, self.proj.weight)
+        if wfc is not None and wproj is not None and decode_kernel.available():
+            # both products packed (CPU float32 inference): the same ops in one kernel call (decode_kernel.mlp_rows)
+            M = x.numel() // x.shape[-1]
+            return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1], -1)
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 

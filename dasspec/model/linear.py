@@ -143,8 +143,7 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    step = 8 if M <= 64 else 16 if M <= 512 else 64             # a few row counts: oneDNN builds a kernel per shape
-    rows = 1 if M == 1 else -(-M // step) * step                 # one row: oneDNN's own one-row kernel
+    rows = padded_rows(M)
     if rows != M:
         out = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2.new_zeros(rows - M, K))), packed, None, "none",
                                                  [], "")[:M]
@@ -155,6 +154,13 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     return out.view(*x.shape[:-1], out_features) if x.dim() != 2 else out
 
 
+def padded_rows(M: int) -> int:
+    """The row count a packed product of M rows runs at (zero rows past M): a few counts, since oneDNN builds a
+    kernel per shape; one row keeps oneDNN's own one-row kernel."""
+    step = 8 if M <= 64 else 16 if M <= 512 else 64
+    return 1 if M == 1 else -(-M // step) * step
+
+
 def one_row_packed() -> bool:
     """Whether a single row takes the packed product too: with more than one thread, where MKL's one-row product
     loses time to its threading; on one thread MKL's is the faster (docs/performance.md, "Batched AR against
@@ -162,14 +168,20 @@ def one_row_packed() -> bool:
     return torch.get_num_threads() > 1
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def packed_weight(x: Tensor, weight: Tensor) -> Tensor | None:
+    """The packed copy of ``weight`` that ``linear`` multiplies x by (None: it takes another product)."""
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and weight.device.type == "cpu" and (x.numel() > x.shape[-1] or one_row_packed())
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling()):
-        packed = _PACKS.get(weight)         # None: a weight too small to pay, over budget, or no oneDNN here
-        if packed is not None:
-            return packed_float32_linear(x, packed, bias, weight.shape[0])
+        return _PACKS.get(weight)           # None: a weight too small to pay, over budget, or no oneDNN here
+    return None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    packed = packed_weight(x, weight)
+    if packed is not None:
+        return packed_float32_linear(x, packed, bias, weight.shape[0])
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and x.numel() >= WIDE_ROWS * x.shape[-1] and weight.numel() >= MIN_WEIGHT_ELEMENTS
             and weight.is_contiguous() and not torch.compiler.is_compiling()
