@@ -64,4 +64,8 @@ def test_a_batch_follows_bfloat16_ar(models):
                                                          eos=False, max_batch=4, **knobs)]
         assert [o[0] for o in outs] == [a[0] for a in alone], method
         same = sum(x == y for o, a in zip(outs, alone) for x, y in zip(o, a))
-        assert same >= 0.85 * NEW * len(prompts), (method, same)
+        # one near-tie flip early in one request's decode costs up to a quarter of the tokens (Raven-Llama's DAS-Wave
+        # batch kept 53 of 64 when the batch's pool stopped preempting); one request whose batched rows were wrong
+        # would keep about 1 of its 16 (49 of 64 in all), so 80% still catches it (docs/performance.md,
+        # "bfloat16: how closely a batch follows batch-1 decoding")
+        assert same >= 0.8 * NEW * len(prompts), (method, same)

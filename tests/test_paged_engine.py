@@ -297,3 +297,17 @@ def test_a_request_that_fills_the_whole_pool_finishes(model):
     rid = engine.add(prompt, max_new_tokens=64 - len(prompt), eos=False)
     out = _drain(engine, [rid])[0]
     assert out.tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=64 - len(prompt), eos=False).tokens
+
+
+@pytest.mark.parametrize("method", ["ar", "das-wave"])
+def test_generate_batchs_default_pool_holds_every_running_request_without_preemption(model, method, monkeypatch):
+    """``generate_batch``'s default ``kv_budget`` is room for the ``max_batch`` largest requests at once, counted in
+    whole blocks (a request holds its rows in blocks), so no request is preempted and each still gets its own AR."""
+    import dasspec.engine.generate as gen
+    engines = []
+    monkeypatch.setattr(gen, "Engine", lambda *a, **k: engines.append(Engine(*a, **k)) or engines[-1])
+    prompts = _prompts(model.config.vocab_size, 6, seed=11, lo=17, hi=47)     # lengths that are not whole blocks
+    alone = [dasspec.generate(model, p, "ar", max_new_tokens=21, eos=False).tokens for p in prompts]
+    got = dasspec.generate_batch(model, prompts, method, max_new_tokens=21, eos=False, max_batch=6)
+    assert [r.tokens for r in got] == alone
+    assert engines[-1].cache_usage()["preemptions"] == 0
