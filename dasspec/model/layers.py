@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from . import decode_kernel
 from .attention import LayerKV, Span, attend, row_plan
 from .config import LoopedConfig
-from .linear import Linear, packed_weight, padded_rows
+from .linear import Linear, packed_weight, padded_rows, refused
 
 
 class RMSNorm(nn.Module):
@@ -167,12 +167,20 @@ class GatedMLP(nn.Module):
         self.fc = Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
+    never_packed = False       # fc's weight refused a packed copy for good: the one-call path is not asked again
+
     def forward(self, x: Tensor) -> Tensor:
-        wfc, wproj = packed_weight(x, self.fc.weight), packed_weight(x, self.proj.weight)
-        if wfc is not None and wproj is not None and decode_kernel.available():
-            # both products packed (CPU float32 inference): the same ops in one kernel call (decode_kernel.mlp_rows)
-            M = x.numel() // x.shape[-1]
-            return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1], -1)
+        if not self.never_packed:
+            wfc = packed_weight(x, self.fc.weight)
+            if wfc is not None:
+                wproj = packed_weight(x, self.proj.weight)
+                if wproj is not None and decode_kernel.available():
+                    # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows)
+                    M = x.numel() // x.shape[-1]
+                    return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1],
+                                                                                                    -1)
+            elif refused(self.fc.weight):
+                self.never_packed = True
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 

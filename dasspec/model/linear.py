@@ -168,8 +168,15 @@ def one_row_packed() -> bool:
     return torch.get_num_threads() > 1
 
 
+def refused(weight: Tensor) -> bool:
+    """Whether ``weight`` was refused a packed copy for good (too small to pay, over budget, no oneDNN)."""
+    return _PACKS.table.get(id(weight), False) is None
+
+
 def packed_weight(x: Tensor, weight: Tensor) -> Tensor | None:
     """The packed copy of ``weight`` that ``linear`` multiplies x by (None: it takes another product)."""
+    if refused(weight):                  # asked first: the common answer for a small model's weights
+        return None
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and weight.device.type == "cpu" and (x.numel() > x.shape[-1] or one_row_packed())
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
