@@ -191,17 +191,24 @@ def test_block_by_block_prefill_gives_the_full_forwards_logits_at_every_prompt_r
             torch.testing.assert_close(got, want[s: s + W], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family,overrides", [("ouro", {}), ("raven-llama", {}),              # raven-llama: GQA
-                                              ("raven-llama", {"qk_bias": True, "n_kv_heads": 4}), ("huginn", {})])
-@pytest.mark.parametrize("method", ["ar", "self-spec"])
-def test_sublayers_in_one_call_have_the_bits_of_the_modules_ops(family, overrides, method, monkeypatch):
-    """With the products packed (every weight here), a batched call's attention sublayer (halves-form RoPE) and
-    gated MLP each run as one kernel call, and every sublayer output of every step - prefill, decode rows,
-    verification chains - and every token are bit for bit those of the modules' own ops."""
-    from dasspec.model import layers
+def _pack_everything(monkeypatch):
     from dasspec.model import linear as lin
+    if not lin.onednn_packing():
+        pytest.skip("no oneDNN packed products on this build")
     monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+
+
+@pytest.mark.parametrize("family,overrides", [("ouro", {}), ("raven-llama", {}),              # raven-llama: GQA
+                                              ("raven-llama", {"qk_bias": True, "n_kv_heads": 4}), ("huginn", {}),
+                                              ("raven-olmo", {})])
+@pytest.mark.parametrize("method", ["ar", "self-spec"])
+def test_sublayers_in_one_call_have_the_bits_of_the_modules_ops(family, overrides, method, monkeypatch):
+    """With the products packed (every weight here), a batched call's attention sublayer (halves-form RoPE, no q/k
+    norm) and gated MLP each run as one kernel call, and every sublayer output of every step - prefill, decode
+    rows, verification chains - and every token are bit for bit those of the modules' own ops."""
+    from dasspec.model import layers
+    _pack_everything(monkeypatch)
     model = random_model(family, seed=3, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1, **overrides)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
 
@@ -227,4 +234,53 @@ def test_sublayers_in_one_call_have_the_bits_of_the_modules_ops(family, override
     assert tokens == tokens_ops
     assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
     assert calls["mlp_rows"] > 0
-    assert (calls["attention_rows"] > 0) == (family != "huginn")      # Huginn's RoPE is the interleaved form
+    # Huginn's RoPE is the interleaved form, Raven-OLMo norms q and k: their attention keeps the modules' path
+    assert (calls["attention_rows"] > 0) == (family not in ("huginn", "raven-olmo"))
+
+
+@pytest.mark.parametrize("M", [1, 8, 13, 65, 513])
+def test_the_one_call_mlp_has_the_modules_bits_at_every_row_count(M, monkeypatch):
+    """mlp_rows against the module's ops at row counts on every padding branch (one row, a multiple of 8, padded
+    below 64, past 64, past 512)."""
+    from dasspec.model.layers import GatedMLP
+    from dasspec.model.linear import packed_float32_linear, padded_rows
+    from dasspec.testing import tiny_config
+    _pack_everything(monkeypatch)
+    from dasspec.model import linear as lin
+    torch.manual_seed(0)
+    mlp = GatedMLP(tiny_config("ouro", n_embd=48, head_dim=12, intermediate_size=80)).requires_grad_(False)
+    x = torch.randn(M, 48)
+    wfc, wproj = lin._PACKS.get(mlp.fc.weight), lin._PACKS.get(mlp.proj.weight)
+    gate, up = packed_float32_linear(x, wfc, None, 160).chunk(2, dim=-1)
+    want = packed_float32_linear(F.silu(gate) * up, wproj, None, 48)
+    assert torch.equal(decode_kernel.mlp_rows(x, wfc, wproj, padded_rows(M)), want)
+
+
+def test_the_one_call_paths_leave_hooked_or_wrapped_products_and_a_trained_bias_to_the_modules(monkeypatch):
+    """A forward hook on a product still runs (its sublayer keeps the modules' path), and a q/k bias that needs its
+    gradient is not put through the kernels (they keep no autograd graph)."""
+    from dasspec.model import layers
+    _pack_everything(monkeypatch)
+    model = random_model("raven-llama", seed=3, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1, qk_bias=True,
+                         n_kv_heads=4)
+    prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
+    seen = []
+    fc = model.transformer.core_block[0].mlp.fc
+    handle = fc.register_forward_hook(lambda m, a, o: seen.append(a[0].shape))
+    calls = []
+    real_mlp = decode_kernel.mlp_rows
+    monkeypatch.setattr(decode_kernel, "mlp_rows", lambda *a: calls.append(1) or real_mlp(*a))
+    dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
+    handle.remove()
+    assert seen and calls             # the hooked MLP ran its modules (hook called); the others took one call
+    captured = []
+    real = layers.Attention.forward
+    monkeypatch.setattr(layers.Attention, "forward",
+                        lambda self, x, span, kv: captured.append((self, x, span, kv)) or real(self, x, span, kv))
+    dasspec.generate_batch(model, prompts, "ar", max_new_tokens=6, eos=False, max_batch=2)
+    attn, x, span, kv = next(c for c in captured if isinstance(c[2], attention.RaggedSpan) and c[1].shape[1] == 2)
+    with torch.no_grad():
+        assert attn.rows(x, span, kv) is not None
+    attn.qk_bias.requires_grad_(True)
+    with torch.enable_grad():
+        assert attn.rows(x, span, kv) is None

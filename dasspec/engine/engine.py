@@ -44,7 +44,7 @@ from .executor import Executor
 from .memory import reset_peak_memory
 from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
 from .policy import SpeculationPolicy
-from .request import greedy, rows_needed
+from .request import greedy, rows_needed, whole_blocks
 from .runtime import DEFAULT, Runtime
 from .scheduler import Entry, Scheduler
 from .stats import GenerationStats
@@ -54,13 +54,15 @@ MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
 
 
-def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int) -> int:
-    """``max_batch`` requests of the whole context, or as many positions as ``MEMORY_SHARE`` of the free memory
-    holds, whichever is less (a larger request is then refused with a message naming kv_budget)."""
+def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block_size: int = BLOCK_SIZE) -> int:
+    """``max_batch`` requests of the whole context (in whole blocks each), or as many positions as ``MEMORY_SHARE``
+    of the free memory holds, whichever is less (a larger request is then refused with a message naming
+    kv_budget)."""
     from ..model.cache import bytes_per_token
     from .memory import available_memory
 
-    want = max_batch * rows_needed(model.config.block_size, 0, model.config.block_size, width)
+    want = max_batch * whole_blocks(rows_needed(model.config.block_size, 0, model.config.block_size, width),
+                                    block_size)
     free = available_memory(model.device)
     if free is None:
         return want
@@ -115,7 +117,7 @@ class Engine:
             self.method, self.knobs = method, dict(knobs or {})
             self._default = self.drafter(method, self.knobs)  # the default method's knobs fail here, not later
         if kv_budget is None:
-            kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width)
+            kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size)
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
         self.pool = BlockPool(model, self.R, kv_budget, block_size)

@@ -41,6 +41,11 @@ def rows_needed(block_size: int, prompt: int, max_new_tokens: int, width: int) -
     return min(prompt + max_new_tokens + width + 1, block_size + width + 1)
 
 
+def whole_blocks(rows: int, block_size: int) -> int:
+    """``rows`` rounded up to whole blocks: what a request holding them takes from the pool."""
+    return -(-rows // block_size) * block_size
+
+
 class Request:
     def __init__(self, model: LoopedLM, prompt: list[int], cache: PagedCache, *, R: int, max_rows: int,
                  max_new_tokens: int, width: int, init_scale: float = 1.0, state_seed: int = 0, runtime: Runtime = DEFAULT,

@@ -30,7 +30,6 @@ depend on where the blocks lie.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -208,6 +207,10 @@ class RaggedSpan:
     offsets: list[int]
     rot: Tensor | tuple[Tensor, Tensor]
     _rows_cache: dict = field(default_factory=dict, repr=False)     # row index tensors of this call (stores, reads)
+    no_static_rows: bool = field(init=False, repr=False)            # no segment in the static-shape form
+
+    def __post_init__(self) -> None:
+        self.no_static_rows = all(p.rows is None for p in self.parts)
 
     def pool_rows(self, kvs: list["PagedKV"]) -> Tensor:
         """The pool row of every query row of the call, segment after segment (``kvs``: each segment's ``PagedKV``;
@@ -220,15 +223,10 @@ class RaggedSpan:
 
     @staticmethod
     def one_pool(kvs: list["LayerKV"]) -> bool:
-        """Every segment's view stores into (and, one-source, reads from) the same pool tensors: one call for all.
-        Checked per layer and depth (the views are), in a few identity tests."""
+        """Every segment's view is a ``PagedKV`` storing into the same pool tensors: one call for all.  Asked per
+        layer and depth (the views are), in a few identity tests."""
         k, v = kvs[0].k_own, kvs[0].v_own
         return all([isinstance(p, PagedKV) and p.k_own is k and p.v_own is v for p in kvs])
-
-    @functools.cached_property
-    def no_static_rows(self) -> bool:
-        """No segment uses the static-shape form (``Span.rows``)."""
-        return all(p.rows is None for p in self.parts)
 
     def kernel_segments(self, q: Tensor) -> bool:
         """Whether every segment's span suits the row kernel (``kernel_rows`` less its per-layer cache test),
@@ -271,7 +269,7 @@ class BatchKV:
         """k, v [H_kv, T, hd]: each segment's rows into its own cache (every segment's before any attends, so a
         sequence's later segments see its earlier ones).  Segments in one paged pool: one indexed copy for all."""
         first = self.parts[0]
-        if span.no_static_rows and isinstance(first, PagedKV) and span.one_pool(self.parts):
+        if span.no_static_rows and span.one_pool(self.parts):
             store_rows(first.k_own, first.v_own, span.pool_rows(self.parts), k, v)
             return
         for i, a, b, part in span.segments():

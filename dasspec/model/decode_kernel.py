@@ -337,11 +337,18 @@ torch::Tensor attention_rows(torch::Tensor x, torch::Tensor wqkv, torch::Tensor 
                              std::optional<torch::Tensor> qk_bias, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor store_at, torch::Tensor rows,
                              torch::Tensor starts, torch::Tensor lengths, double scale, int64_t H, int64_t Hkv) {
-  TORCH_CHECK(x.dim() == 2 && H > 0 && Hkv > 0, "x [M, d]");
+  // every check before the first write into the pool
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
   const int64_t M = x.size(0);
+  TORCH_CHECK(padded >= M && (padded == M || M > 1), "padded row count below the rows");
   auto qkv = packed_product(x, wqkv, padded);
-  TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == M && qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
   const int64_t hd = qkv.size(1) / (H + 2 * Hkv);
+  TORCH_CHECK(!qk_bias.has_value() || (Hkv == H && qk_bias->numel() == 2 * H * hd), "q/k bias [2, H, hd]");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3 && k_pool.size(0) == Hkv && k_pool.size(2) == hd &&
+              v_pool.size(0) == Hkv && v_pool.size(2) == hd && store_at.numel() == M && starts.numel() == M &&
+              lengths.numel() == M, "pools [H_kv, rows, hd], one store row, start and length per row");
   auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
   auto qk = heads.narrow(2, 0, H + Hkv);
   if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
@@ -354,12 +361,14 @@ torch::Tensor attention_rows(torch::Tensor x, torch::Tensor wqkv, torch::Tensor 
 
 // The gated MLP of a call's rows in one call (layers.py's GatedMLP.forward: fc, silu(gate) * up, proj).
 torch::Tensor mlp_rows(torch::Tensor x, torch::Tensor wfc, torch::Tensor wproj, int64_t padded) {
-  TORCH_CHECK(x.dim() == 2, "x [M, d]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  TORCH_CHECK(padded >= x.size(0) && (padded == x.size(0) || x.size(0) > 1), "padded row count below the rows");
   auto gate_up = packed_product(x, wfc, padded).chunk(2, -1);
   return packed_product(at::silu(gate_up[0]) * gate_up[1], wproj, padded);
 }
 
-// The kernels touch no Python object: release the GIL while they run (as torch's own ops do).
+// The kernels touch no Python object (the sublayers call torch's ops through the dispatcher, as torch's own C++
+// does): release the GIL while they run (as torch's own ops do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_attention", &rows_attention, py::call_guard<py::gil_scoped_release>());
   m.def("store_rows", &store_rows, py::call_guard<py::gil_scoped_release>());
@@ -415,8 +424,8 @@ def _load():
                                  verbose=False)
         except Exception as e:                                        # no compiler, no ninja, a read-only cache
             warnings.warn(f"dasspec: the CPU kernels could not be built ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); attention, stores, RMSNorm and RoPE run "
-                          f"through torch's ops", stacklevel=3)
+                          f"{str(e).splitlines()[0] if str(e) else ''}); attention, stores, RMSNorm, RoPE and the "
+                          f"sublayers run through torch's ops", stacklevel=3)
             module = None
         _module = module
         _tried = True

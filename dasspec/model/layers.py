@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import decode_kernel
 from .attention import LayerKV, Span, attend, row_plan
@@ -111,7 +112,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def qkv(self, x: Tensor, span: Span) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys (both after RoPE) and values of x [B, W, d], each [B, heads, W, hd]."""
+        """Queries, keys (both after RoPE) and values of x [B, W, d], each [B, heads, W, hd].  (Mirrored op for op by
+        ``decode_kernel.attention_rows``, which ``rows`` calls: change both.)"""
         B, W, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = self.Wqkv(x)
@@ -139,16 +141,23 @@ class Attention(nn.Module):
             y = attend(q, kv, span)
         return self.proj(y.transpose(1, 2).reshape(B, W, self.n_heads * self.head_dim))
 
-
     def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
-        """This forward as one kernel call (``decode_kernel.attention_rows``: the same ops on the same views, so the
-        same bits, without a Python call per op) for a batched call's rows that the row kernel takes in one pool
-        (``attention.row_plan``) and whose products are packed; None where that does not apply."""
+        """This forward as one kernel call (``decode_kernel.attention_rows``, which mirrors ``qkv`` and ``forward``:
+        the same ops on the same views, so the same bits, without a Python call per op) for a batched call's rows
+        that the row kernel takes in one pool (``attention.row_plan``) and whose products are packed; None where that
+        does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
+        if self.never_packed or not (bare(self.Wqkv) and bare(self.proj)):
+            return None
+        wqkv = packed_weight(x, self.Wqkv.weight)
+        wproj = packed_weight(x, self.proj.weight) if wqkv is not None else None
+        if wproj is None:
+            if refused(self.Wqkv.weight) or refused(self.proj.weight):
+                self.never_packed = True
+            return None
+        if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
+            return None
         plan = row_plan(x, kv, span)
         if plan is None:
-            return None
-        wqkv, wproj = packed_weight(x, self.Wqkv.weight), packed_weight(x, self.proj.weight)
-        if wqkv is None or wproj is None:
             return None
         B, W, d = x.shape
         k_pool, v_pool, store_at, rows, starts, lengths = plan
@@ -157,6 +166,15 @@ class Attention(nn.Module):
                                            sin, k_pool, v_pool, store_at, rows, starts, lengths,
                                            1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
         return out.view(B, W, -1)
+
+    never_packed = False       # a product's weight refused a packed copy for good: the one-call path is not asked
+
+
+def bare(linear: nn.Module) -> bool:
+    """A plain ``Linear`` (not a subclass or a wrapper) without hooks, whose product the one-call paths may take from
+    its weight directly (a module's own hooks and a wrapper's forward would be skipped)."""
+    return (type(linear) is Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+            and not (_global_forward_hooks or _global_forward_pre_hooks))
 
 
 class GatedMLP(nn.Module):
@@ -167,19 +185,19 @@ class GatedMLP(nn.Module):
         self.fc = Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
-    never_packed = False       # fc's weight refused a packed copy for good: the one-call path is not asked again
+    never_packed = False       # a product's weight refused a packed copy for good: the one-call path is not asked
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.never_packed:
+        if not self.never_packed and bare(self.fc) and bare(self.proj):
             wfc = packed_weight(x, self.fc.weight)
-            if wfc is not None:
-                wproj = packed_weight(x, self.proj.weight)
-                if wproj is not None and decode_kernel.available():
-                    # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows)
-                    M = x.numel() // x.shape[-1]
-                    return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1],
+            wproj = packed_weight(x, self.proj.weight) if wfc is not None else None
+            if wproj is not None and decode_kernel.available():     # (asked last: a GPU model never builds it)
+                # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows,
+                # which mirrors the two lines below)
+                M = x.numel() // x.shape[-1]
+                return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1],
                                                                                                     -1)
-            elif refused(self.fc.weight):
+            if refused(self.fc.weight) or refused(self.proj.weight):
                 self.never_packed = True
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 
 import torch
@@ -102,11 +103,13 @@ def onednn_packing() -> bool:
 
 class _Packs:
     """Packed copies of float32 weights, keyed by the weight tensor's identity (dropped with it; remade if it is
-    written in place)."""
+    written in place).  One thread decides and packs at a time; a thread asking meanwhile waits for the copy, so
+    no call takes another kernel because a copy was being made."""
 
     def __init__(self):
-        self.table: dict[int, tuple] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
+        self.table: dict[int, tuple | None] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def get(self, weight: Tensor) -> Tensor | None:
         key = id(weight)
@@ -115,19 +118,29 @@ class _Packs:
             return None
         if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
             return hit[0]
-        size = weight.numel() * 4
-        if hit is False:
-            refused = (weight.dim() != 2 or weight.numel() < PACK_MIN_ELEMENTS or not onednn_packing()
-                       or self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes())
-            self.table[key] = None
-            weakref.finalize(weight, self._freed, key, 0 if refused else size)
-            if refused:
+        with self._lock:
+            hit = self.table.get(key, False)
+            if hit is None:
                 return None
-            self.bytes += size
-        with torch.inference_mode(False), torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
-        self.table[key] = (packed, weight._version, weight.data_ptr())
-        return packed
+            if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
+                return hit[0]
+            if hit is False:                                  # first sight: decide once, for good
+                size = weight.numel() * 4
+                refused = (weight.dim() != 2 or weight.numel() < PACK_MIN_ELEMENTS
+                           or self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes())
+                weakref.finalize(weight, self._freed, key, 0 if refused else size)
+                if refused:
+                    self.table[key] = None
+                    return None
+                self.bytes += size
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
+            except RuntimeError:
+                self.table[key] = None                         # cannot be packed: F.linear for good
+                raise
+            self.table[key] = (packed, weight._version, weight.data_ptr())
+            return packed
 
     def _freed(self, key: int, size: int) -> None:
         self.table.pop(key, None)
@@ -139,7 +152,8 @@ _PACKS = _Packs()
 
 def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN; a row's value is the same in every call
-    of two or more rows (a single row takes oneDNN's one-row kernel, which may round differently)."""
+    of two or more rows (a single row takes oneDNN's one-row kernel, which may round differently).  The one-call
+    sublayers (``decode_kernel``'s ``packed_product``) make the same call with the same padding."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -169,19 +183,18 @@ def one_row_packed() -> bool:
 
 
 def refused(weight: Tensor) -> bool:
-    """Whether ``weight`` was refused a packed copy for good (too small to pay, over budget, no oneDNN)."""
+    """Whether ``weight`` was refused a packed copy for good (too small to pay, over budget)."""
     return _PACKS.table.get(id(weight), False) is None
 
 
 def packed_weight(x: Tensor, weight: Tensor) -> Tensor | None:
     """The packed copy of ``weight`` that ``linear`` multiplies x by (None: it takes another product)."""
-    if refused(weight):                  # asked first: the common answer for a small model's weights
-        return None
-    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and (x.numel() > x.shape[-1] or one_row_packed())
+    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and (x.numel() > x.shape[-1] or one_row_packed())
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.compiler.is_compiling()):
-        return _PACKS.get(weight)           # None: a weight too small to pay, over budget, or no oneDNN here
+            and onednn_packing()):
+        return _PACKS.get(weight)           # None: a weight too small to pay or over budget
     return None
 
 
