@@ -136,10 +136,6 @@ def accept_all(drafts: list[Placed], logits: list[Tensor]) -> list[Verdict]:
     host_parts, sizes = [], []
     for d, pred in zip(drafts, preds):
         n, layout = d.req.n, d.layout
-        if layout.size == 1 and d.inputs == 1:     # a plain AR row: nothing to accept, the target's token follows
-            host_parts.append(pred[:1])
-            sizes.append(1)
-            continue
         nodes = d.req.tokens[n: n + layout.size]
         acc, best = accept(nodes, pred, layout.paths)
         row = layout.paths[best]
@@ -150,8 +146,7 @@ def accept_all(drafts: list[Placed], logits: list[Tensor]) -> list[Verdict]:
     flat = (host_parts[0] if len(host_parts) == 1 else torch.cat(host_parts)).tolist()   # one transfer
     verdicts, o = [], 0
     for d, pred, z, size in zip(drafts, preds, logits, sizes):
-        host = flat[o: o + size] if size > 1 else [0, 0, -1, flat[o]]    # [a | path | its tokens | targets]
-        verdicts.append(commit(d, host, pred, z))
+        verdicts.append(commit(d, flat[o: o + size], pred, z))
         o += size
     return verdicts
 

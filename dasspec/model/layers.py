@@ -146,13 +146,8 @@ class Attention(nn.Module):
         the same ops on the same views, so the same bits, without a Python call per op) for a batched call's rows
         that the row kernel takes in one pool (``attention.row_plan``) and whose products are packed; None where that
         does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
-        if self.never_packed or not (bare(self.Wqkv) and bare(self.proj)):
-            return None
-        wqkv = packed_weight(x, self.Wqkv.weight)
-        wproj = packed_weight(x, self.proj.weight) if wqkv is not None else None
-        if wproj is None:
-            if refused(self.Wqkv.weight) or refused(self.proj.weight):
-                self.never_packed = True
+        packs = packed_pair(self, x, self.Wqkv, self.proj)
+        if packs is None:
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
             return None
@@ -162,12 +157,12 @@ class Attention(nn.Module):
         B, W, d = x.shape
         k_pool, v_pool, store_at, rows, starts, lengths = plan
         cos, sin = span.rot
-        out = decode_kernel.attention_rows(x.reshape(B * W, d), wqkv, wproj, padded_rows(B * W), self.qk_bias, cos,
+        out = decode_kernel.attention_rows(x.reshape(B * W, d), *packs, padded_rows(B * W), self.qk_bias, cos,
                                            sin, k_pool, v_pool, store_at, rows, starts, lengths,
                                            1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
         return out.view(B, W, -1)
 
-    never_packed = False       # a product's weight refused a packed copy for good: the one-call path is not asked
+    never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
 
 
 def bare(linear: nn.Module) -> bool:
@@ -175,6 +170,21 @@ def bare(linear: nn.Module) -> bool:
     its weight directly (a module's own hooks and a wrapper's forward would be skipped)."""
     return (type(linear) is Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
             and not (_global_forward_hooks or _global_forward_pre_hooks))
+
+
+def packed_pair(owner: nn.Module, x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
+    """The packed weights of ``owner``'s two products that a one-call path multiplies x by (both ``bare``, both
+    packed), or None: the modules' own path.  Once either weight is refused a packed copy for good,
+    ``owner.never_packed`` stops the asking (a small model's sublayers pay one attribute test a call)."""
+    if owner.never_packed or not (bare(first) and bare(second)):
+        return None
+    a = packed_weight(x, first.weight)
+    b = packed_weight(x, second.weight) if a is not None else None
+    if b is None:
+        if refused(first.weight) or refused(second.weight):
+            owner.never_packed = True
+        return None
+    return a, b
 
 
 class GatedMLP(nn.Module):
@@ -185,20 +195,15 @@ class GatedMLP(nn.Module):
         self.fc = Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
-    never_packed = False       # a product's weight refused a packed copy for good: the one-call path is not asked
+    never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.never_packed and bare(self.fc) and bare(self.proj):
-            wfc = packed_weight(x, self.fc.weight)
-            wproj = packed_weight(x, self.proj.weight) if wfc is not None else None
-            if wproj is not None and decode_kernel.available():     # (asked last: a GPU model never builds it)
-                # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows,
-                # which mirrors the two lines below)
-                M = x.numel() // x.shape[-1]
-                return decode_kernel.mlp_rows(x.reshape(M, -1), wfc, wproj, padded_rows(M)).view(*x.shape[:-1],
-                                                                                                    -1)
-            if refused(self.fc.weight) or refused(self.proj.weight):
-                self.never_packed = True
+        packs = packed_pair(self, x, self.fc, self.proj)
+        if packs is not None and decode_kernel.available():     # (asked last: a GPU model never builds it)
+            # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows, which
+            # mirrors the two lines below)
+            M = x.numel() // x.shape[-1]
+            return decode_kernel.mlp_rows(x.reshape(M, -1), *packs, padded_rows(M)).view(*x.shape[:-1], -1)
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 
