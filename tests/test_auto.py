@@ -157,7 +157,8 @@ def _fake_req(text: list[int], P: int, budget: int):
     def count_choice(name):
         stats.choices[name] = stats.choices.get(name, 0) + 1
     return SimpleNamespace(P=P, prompt=text[:P], generated=[text[P]], budget=budget, room=budget, done=False,
-                           stats=stats, device=torch.device("cpu"), count_choice=count_choice, cap=None)
+                           stats=stats, device=torch.device("cpu"), count_choice=count_choice, cap=None,
+                           closed=False)
 
 
 def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_tokens) -> list[str]:
@@ -235,14 +236,18 @@ class GroupWave(FakeWave):
         return [Draft([0] * 8) for _ in sessions]
 
 
-def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int) -> list[list[str]]:
-    """B requests decoding together on random text (the lookups never match): the fake wave's drafts commit
-    ``wave_tokens``; a verification pass costs 100 x the calibrated pass over the step's rows.  Returns the arms
-    per step."""
+def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, texts: list | None = None,
+                    budgets: list[int] | None = None, closed: bool = False) -> list[list[str]]:
+    """B requests decoding together on ``texts`` (default random text: the lookups never match): the fake wave's
+    drafts commit ``wave_tokens``, a lookup's what matches the text; a verification pass costs 100 x the calibrated
+    pass over the step's rows.  ``closed``: a closed batch with nobody waiting (``DraftContext.closed``); budgets
+    default 1000.  Returns the arms per step."""
     clock = drafter.clock
     g = torch.Generator().manual_seed(5)
-    texts = [torch.randint(10, 5000, (1200,), generator=g).tolist() for _ in range(B)]
-    reqs = [_fake_req(t, 5, 1000) for t in texts]
+    texts = texts or [torch.randint(10, 5000, (1200,), generator=g).tolist() for _ in range(B)]
+    reqs = [_fake_req(t, 5, b) for t, b in zip(texts, budgets or [1000] * B)]
+    for r in reqs:
+        r.closed = closed
     sessions = [drafter.start(r) for r in reqs]
     out = []
     for _ in range(steps):
@@ -252,7 +257,12 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int) 
         for s, d, req, text in zip(sessions, drafts, reqs, texts):
             toks = d.tokens.tolist() if hasattr(d.tokens, "tolist") else list(d.tokens)
             at = len(req.generated) + req.P
-            m = wave_tokens - 1 if s.arm == "das-wave" else 0
+            if s.arm == "das-wave":
+                m = wave_tokens - 1
+            else:
+                m = 0
+                while m < len(toks) and toks[m] == text[at + m]:
+                    m += 1
             rows = len(toks) + 1
             rows_all += rows
             verdicts.append((s, req, text[at: at + m + 1], m, rows))
@@ -289,6 +299,51 @@ def test_a_batch_does_not_draft_together_where_that_loses() -> None:
     late = arms[10:]
     drafting = sum(a == "das-wave" for step in late for a in step)
     assert drafting <= 0.1 * 4 * len(late), arms
+
+
+def _lookup_batch(repeating: list[bool], budgets: list[int], closed: bool) -> list[list[str]]:
+    """Four requests under auto with prompt lookup only, wide rows nearly free (as on the bundled model): request
+    i's text repeats a 7-token period when ``repeating[i]`` (its lookup drafts match), else is random."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    g = torch.Generator().manual_seed(8)
+    texts = [list(range(3000 + 10 * i, 3007 + 10 * i)) * 200 if rep else
+             torch.randint(10, 2000, (1400,), generator=g).tolist() for i, rep in enumerate(repeating)]
+    return _simulate_batch(d, len(texts), 40, 1, texts=texts, budgets=budgets, closed=closed)
+
+
+def test_a_closed_batch_drafts_only_where_that_brings_its_end_nearer() -> None:
+    """One of four equal requests has text its lookup drafts match.  In a server auto drafts for it: its extra
+    tokens raise the step's tokens per second.  In a closed batch it does not: the batch ends with the three that
+    cannot draft, so its drafts would only end that request sooner, for more rows than its plain steps (fails when a
+    closed batch is valued as a server's steps).  Given the longest budget of the batch, or alone (the last request
+    of a closed batch), it drafts: now its steps are the batch's end (fails when drafting never counts there)."""
+    lone = [True, False, False, False]
+    open_arms = _lookup_batch(lone, [200] * 4, closed=False)
+    assert sum(step[0] == "pld" for step in open_arms[10:]) >= 20, open_arms
+    closed_arms = _lookup_batch(lone, [200] * 4, closed=True)
+    assert sum(step[0] == "pld" for step in closed_arms[10:]) <= 3, closed_arms
+    longest = _lookup_batch(lone, [1000, 200, 200, 200], closed=True)
+    assert sum(step[0] == "pld" for step in longest[10:]) >= 20, longest
+    last = _lookup_batch([True], [1000], closed=True)
+    assert sum(step[0] == "pld" for step in last[10:]) >= 20, last
+
+
+def test_a_closed_batch_drafts_together_where_every_request_gains() -> None:
+    """Every request's text repeats: in a closed batch all four draft with prompt lookup - together they bring the
+    batch's end nearer (fails when a closed batch weighs only plain steps)."""
+    arms = _lookup_batch([True] * 4, [200] * 4, closed=True)
+    together = sum(all(a == "pld" for a in step) for step in arms[10:])
+    assert together >= 20, arms
+
+
+def test_a_closed_batch_of_unequal_requests_drafts_where_it_pays() -> None:
+    """A model drafter that pays for every request (3 tokens a block, drafting together cheap) in a closed batch
+    whose requests have 400, 390, 380 and 370 tokens to go: all four draft, every step - each request left on plain
+    steps would become the batch's end (fails when only the requests at the longest budget may draft, as a
+    step-by-step valuation of the batch's end had it: the bundled model's batch then ran mostly plain steps)."""
+    arms = _simulate_batch(_batched_auto(0.05), 4, 40, 3, budgets=[400, 390, 380, 370], closed=True)
+    assert all(step == ["das-wave"] * 4 for step in arms[10:]), arms
 
 
 # --- calibration ------------------------------------------------------------------------------------------------

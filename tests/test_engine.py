@@ -207,3 +207,43 @@ def test_sampled_decoding_takes_the_models_sampled_defaults(monkeypatch):
         widths[sample] = len(out.trace[0][0].tokens)
     assert widths == {False: 4, True: 6}
     assert dasspec.build_drafter(model, "das-wave", {"gamma": 5}, sampled=True).knobs.gamma == 5
+
+
+class ClosedSession(Session):
+    def propose(self) -> Draft:
+        self.drafter.seen.append(self.ctx.closed)
+        return Draft()
+
+
+class ClosedRecorder(Drafter):
+    """Proposes nothing; records what each drafting session sees of ``closed`` at each step."""
+
+    name = "closed-recorder"
+    session = ClosedSession
+    width = 1
+
+    def __init__(self):
+        self.seen = []
+
+
+def test_a_closed_batch_says_so_to_drafters():
+    """generate_batch is a closed batch: once no request waits for a slot, every drafting session sees ``closed``;
+    while requests wait, and in an Engine a server drives, it does not (fails when the scheduler never says so, or
+    says so while requests wait); generate_batch's default pool runs all four small requests at once (fails
+    without the admission headroom: half of them waited)."""
+    model = random_model("huginn", seed=2, mean_recurrence=4)
+    rec = ClosedRecorder()
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [3, 3, 3], [4, 5]]
+    caps = [9, 5, 5, 3]
+    dasspec.generate_batch(model, prompts, drafter=rec, max_new_tokens=caps, eos=False, max_batch=4)
+    assert len(rec.seen) == 8 + 4 + 4 + 2 and all(rec.seen)     # every step closed: none ever waited
+    rec.seen.clear()
+    dasspec.generate_batch(model, prompts, drafter=rec, max_new_tokens=caps, eos=False, max_batch=2)
+    assert rec.seen[0] is False and rec.seen[-1] is True         # two wait at first; at the end none does
+    rec.seen.clear()
+    engine = dasspec.Engine(model, max_batch=4, drafter=rec)
+    for p, c in zip(prompts, caps):
+        engine.add(p, max_new_tokens=c, eos=False)
+    while engine.has_work:
+        engine.step()
+    assert rec.seen and not any(rec.seen)

@@ -1,10 +1,11 @@
 """DraftContext: what a drafting session may see of its request - the contract of ``draft.py`` enforced by code.
 
 A session reads positions (``n``, ``P``), tokens (``prompt``, ``generated``: committed, the anchor last), the
-step's budget (``room``: tokens the next verification may commit, the engine's draft cap included; ``cap``),
-``R``, ``config``, ``device``, ``depth_limit``, ``static_shapes``, the token choice (``choose``) and ``stopping()``;
-it writes proposals into ``scratch(w)`` / ``draft_slots(w)`` and runs the model only through ``Batch`` over
-contexts (``batch.py``: the three primitives on its scratch rows past ``n``), counting what it ran with ``count``.
+step's budget (``room``: tokens the next verification may commit, the engine's draft cap included; ``cap``), whether
+the batch is closed (``closed``), ``R``, ``config``, ``device``, ``depth_limit``, ``static_shapes``, the token choice
+(``choose``) and ``stopping()``; it writes proposals into ``scratch(w)`` / ``draft_slots(w)`` and runs the model
+only through ``Batch`` over contexts (``batch.py``: the three primitives on its scratch rows past ``n``), counting
+what it ran with ``count``.
 Nothing else of the request is reachable from here: the cache, the committed rows and the stop rule are not.
 """
 
@@ -62,6 +63,14 @@ class DraftContext:
     @property
     def cap(self) -> int | None:
         return self._req.cap
+
+    @property
+    def closed(self) -> bool:
+        """True in a closed batch (generate_batch) once no request waits for a slot: the caller takes every result
+        at once, so the batch is done when its last request is, and a request finishing early frees nothing anyone
+        waits for (each request's ``budget`` bounds its remaining steps).  False in a server, where an early finish
+        hands the slot on and every request's own latency counts."""
+        return self._req.closed
 
     @property
     def depth_limit(self) -> int:

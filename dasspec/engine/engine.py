@@ -94,7 +94,10 @@ class Engine:
                  num_steps: int | None = None, runtime: Runtime | None = None, max_batch: int = 8,
                  kv_budget: int | None = None, block_size: int = BLOCK_SIZE, max_step_tokens: int = MAX_STEP_TOKENS,
                  policy: SpeculationPolicy | None = None, tokenizer=None, drafter: Drafter | None = None,
-                 drafters: DrafterCache | None = None):
+                 drafters: DrafterCache | None = None, closed: bool = False):
+        """``closed``: every request is added before the first step and the caller takes the results together
+        (generate_batch) - drafters that weigh speed then plan for the batch's end (``DraftContext.closed``); a
+        server leaves it False."""
         for name, v in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -122,7 +125,7 @@ class Engine:
             reset_peak_memory(model.device)
         self.pool = BlockPool(model, self.R, kv_budget, block_size)
         self.runtime.prepare_cache(self.pool.tensors())
-        self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R)
+        self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R, closed=closed)
         self.executor = Executor(model, self.R, self.pool, self.runtime)
         self._ids = itertools.count()
         self._table: dict[int, Entry] = {}

@@ -112,6 +112,7 @@ class Executor:
             elif w.id in self.sessions:
                 req.room = w.room if not w.cap else min(w.room, w.cap + 1)
                 req.cap = w.cap
+                req.closed = plan.closed
                 s = self.sessions[w.id]
                 sessions.append(s)
                 out_of[s] = req

@@ -189,12 +189,13 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     if kv_budget is None:
         ctx = model.config.block_size
         # whole blocks per request: a request holds its rows in blocks, so exact rows would leave the last ones
-        # short of a block and preempt a request near the end
-        need = sorted((whole_blocks(rows_needed(ctx, len(p), c, drafter.width), BLOCK_SIZE)
+        # short of a block and preempt a request near the end; and one block more each, the headroom the scheduler
+        # keeps per running request when it admits one (without it, requests of one block each ran half a batch)
+        need = sorted((whole_blocks(rows_needed(ctx, len(p), c, drafter.width), BLOCK_SIZE) + BLOCK_SIZE
                        for p, c in zip(ids, caps)), reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
-                    tokenizer=tokenizer, policy=policy, drafter=drafter)
+                    tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True)
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, state_seed=state_seed, init_scale=init_scale,
                            do_sample=do_sample,

@@ -70,6 +70,7 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.room = max_new_tokens          # tokens the next verification may commit (set by the executor per step)
         self.cap: int | None = None         # the step's draft cap (None: the drafter's own)
+        self.closed = False                 # the step's StepPlan.closed (set by the executor)
         self.trace: list | None = None      # (Draft, Verdict) per block, when asked for
         self.stats = stats or GenerationStats(prompt_tokens=self.P)
         self.timer = PhaseTimer(self.stats, model.device)

@@ -78,6 +78,7 @@ class StepPlan:
     swap_out: list[int] = field(default_factory=list)     # rows to host memory, blocks released, state kept
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (id, blocks to restore its rows into)
     work: list[Work] = field(default_factory=list)
+    closed: bool = False               # a closed batch (``Scheduler.closed``) in which no request waits for a slot
 
     @property
     def rows(self) -> int:
@@ -153,9 +154,12 @@ class Entry:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_step_tokens: int,
-                 policy: SpeculationPolicy | None = None, R: int | None = None):
-        """``R``: the depth, for depth slices of prompt blocks (None: whole blocks only)."""
+                 policy: SpeculationPolicy | None = None, R: int | None = None, closed: bool = False):
+        """``R``: the depth, for depth slices of prompt blocks (None: whole blocks only).  ``closed``: the caller
+        added every request up front and takes the results together (generate_batch), so once none waits the batch
+        is done when its longest request is (``StepPlan.closed``)."""
         self.pool, self.max_batch, self.max_step_tokens, self.R = pool, max_batch, max_step_tokens, R
+        self.closed = closed
         self.policy = policy or SpeculationPolicy()
         self.waiting: deque[Entry] = deque()       # swapped-out requests first, then new ones, FIFO
         self.running: list[Entry] = []             # in admission order (the last is preempted first)
@@ -245,6 +249,7 @@ class Scheduler:
             if e.status != "running":                     # it preempted itself: the pool is full for now
                 break
             claimed.update(e.keys[e.computed // B:])
+        plan.closed = self.closed and not self.waiting
         return plan, ended
 
     def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,

@@ -35,6 +35,13 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   weighing it alone undervalues it; the step with every request on that arm (each at its own, or the drafter's
   average, tokens and rows; the group's measured drafting cost; one pass over all rows) is valued against the
   requests' own choices and taken when it wins by ``MARGIN``.
+* **a closed batch** (``DraftContext.closed``: generate_batch, once no request waits for a slot): the caller waits
+  for the last request, so tokens per second of a step is the wrong measure - a request whose drafts let it finish
+  early while the others keep the batch going saves only its own rows.  There the step's arms come from the time
+  until the batch is done (``batch_time``: request j on an arm for the rest of its budget takes budget / tokens
+  steps; each step costs one pass over the rows of the requests still decoding plus the drafting of each arm's
+  group), weighed for every request plain, every request on one drafter, and each request's own choice; the
+  quickest is taken if it beats plain steps by ``MARGIN`` (probes keep their arm).
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
@@ -622,6 +629,63 @@ class AutoDrafter(Drafter):
             seconds += d * m
         return tok / seconds if seconds > 0 else None
 
+    def batch_time(self, plan: list[tuple[str, float, float]]) -> float | None:
+        """Seconds until the last request is done when request j stays on ``plan[j]`` = (arm, tokens, rows per
+        step) for the rest of its budget: it takes budget / tokens steps, and each step costs one pass over the rows
+        of the requests still decoding plus each arm's drafting for its group then (None while a cost is
+        unmeasured)."""
+        scale = self.scale
+        if scale is None:
+            return None
+        rows = sum(r for _, _, r in plan)
+        group: dict[str, int] = {}
+        for arm, _, _ in plan:
+            group[arm] = group.get(arm, 0) + 1
+        total = done = 0.0
+        for steps, arm, r in sorted((t, arm, r) for arm, t, r in plan):
+            if steps > done:
+                step = scale * self.pass_cost(rows)
+                for a, m in group.items():
+                    if m and a != "ar":
+                        d = self.draft_time(a, m)
+                        if d is None:
+                            return None
+                        step += d * m
+                total += (steps - done) * step
+                done = steps
+            rows -= r
+            group[arm] -= 1
+        return total
+
+    def closed_plan(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """The arms of a closed batch's step (``DraftContext.closed``): the caller waits for the last request, so
+        what counts is the time until then (``batch_time``), not this step's tokens per second - drafts that let one
+        request finish early while the others keep the batch going save nothing.  The plans weighed: every
+        request plain, every request on one drafter, and each request's own choice; the quickest is taken if it
+        beats plain steps by ``MARGIN``.  Probes keep their arm."""
+        B = len(sessions)
+        budgets = [max(s.ctx.budget, 1) for s in sessions]
+        plans = [["ar"] * B] + [[arm] * B for arm in self.subs] + [[a for a, _ in picks]]
+        best, best_time, plain = None, None, None
+        for arms in plans:
+            plan = []
+            for s, b, arm in zip(sessions, budgets, arms):
+                tok, rows = s.tok_rows(arm)
+                if tok is None or rows is None:
+                    break
+                plan.append((arm, b / max(tok, 1.0), rows))
+            else:
+                t = self.batch_time(plan)
+                if t is None:
+                    continue
+                if plain is None:
+                    plain = t
+                if best_time is None or t < best_time:
+                    best, best_time = arms, t
+        if best is None or plain is None or best_time >= (1.0 - MARGIN) * plain:
+            best = ["ar"] * B
+        return [(a, probe) if probe else (arm, False) for (a, probe), arm in zip(picks, best)]
+
     def together(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         """Each request weighs an arm as if it drafted alone, but a model-drafting arm's rounds run for all of
         its requests at once, so drafting together can pay where drafting alone does not: the step with every
@@ -644,7 +708,9 @@ class AutoDrafter(Drafter):
         self._step_time(sessions)
         self.probed = set()
         B = len(sessions)
-        picks = self.together(sessions, [s.choose(B) for s in sessions])
+        picks = [s.choose(B) for s in sessions]
+        closed = B > 0 and sessions[0].ctx.closed
+        picks = self.closed_plan(sessions, picks) if closed else self.together(sessions, picks)
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):
             s.arm, s.probe = pick
