@@ -284,3 +284,46 @@ def test_the_one_call_paths_leave_hooked_or_wrapped_products_and_a_trained_bias_
     attn.qk_bias.requires_grad_(True)
     with torch.enable_grad():
         assert attn.rows(x, span, kv) is None
+
+
+@pytest.mark.parametrize("method", ["ar", "self-spec"])
+def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeypatch):
+    """With the products packed, a batched call's whole Ouro layer (four norms, both sublayers, both residual adds)
+    runs as one kernel call, and every layer output of every step - prefill, decode rows, verification chains - and
+    every token are bit for bit those of the modules' own ops."""
+    from dasspec.model.families.ouro import PeriNormBlock
+    _pack_everything(monkeypatch)
+    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+
+    def run(fused: bool):
+        outs, calls = [], []
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+                 if isinstance(m, PeriNormBlock)]
+        with monkeypatch.context() as mp:
+            if fused:
+                real = decode_kernel.peri_layer_rows
+                mp.setattr(decode_kernel, "peri_layer_rows", lambda *a: calls.append(1) or real(*a))
+            else:
+                mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: None)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
+        for h in hooks:
+            h.remove()
+        return [r.tokens for r in res], outs, len(calls)
+
+    tokens, outs, calls = run(True)
+    tokens_ops, outs_ops, _ = run(False)
+    assert calls > 0 and tokens == tokens_ops
+    assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
+
+
+def test_a_hooked_part_keeps_ouros_layer_on_the_modules(monkeypatch):
+    """A forward hook on one of a layer's norms still runs: that layer takes its modules, the others one call."""
+    _pack_everything(monkeypatch)
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2)
+    seen, calls = [], []
+    model.transformer.core_block[0].norm_2.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    real = decode_kernel.peri_layer_rows
+    monkeypatch.setattr(decode_kernel, "peri_layer_rows", lambda *a: calls.append(1) or real(*a))
+    dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
+    assert seen and calls

@@ -16,7 +16,8 @@ every input dtype.
 Beside it, each one call instead of several torch ops: ``store_rows`` (K/V rows into the pool: a copy),
 ``rms_norm`` (float32 rows, each row's sum in a fixed order) and ``rope_half`` (torch's roundings in torch's order);
 and two whole sublayers whose products are oneDNN's packed ones, ``attention_rows`` and ``mlp_rows`` (the modules'
-ops on the same views in the same order: their bits, without a Python call per op).
+ops on the same views in the same order: their bits, without a Python call per op), and Ouro's whole layer of
+both with its four norms and residual adds, ``peri_layer_rows``.
 The kernels release the GIL.  ``available()`` is False where the extension cannot be built (no compiler or ninja)
 or ``DASSPEC_DECODE_KERNEL=0``; callers then use torch's ops, and the choice holds for the whole process (threads
 asking while it is built wait for it).  The build (about 30 s, cached per machine, source, flags and torch
@@ -367,6 +368,23 @@ torch::Tensor mlp_rows(torch::Tensor x, torch::Tensor wfc, torch::Tensor wproj, 
   return packed_product(at::silu(gate_up[0]) * gate_up[1], wproj, padded);
 }
 
+// Ouro's layer (families/ouro.py PeriNormBlock: x + n2(attn(n1 x)), then that + n4(mlp(n3 of it))) of a call's rows
+// in one call: rms_norm and the two sublayers above, the same ops in the same order, so the same bits.
+torch::Tensor peri_layer_rows(torch::Tensor x, std::vector<torch::Tensor> norms, double eps, torch::Tensor wqkv,
+                              torch::Tensor wproj, int64_t padded, std::optional<torch::Tensor> qk_bias,
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool, torch::Tensor v_pool,
+                              torch::Tensor store_at, torch::Tensor rows, torch::Tensor starts, torch::Tensor lengths,
+                              double scale, int64_t H, int64_t Hkv, torch::Tensor wfc, torch::Tensor wdown,
+                              int64_t padded_mlp) {
+  TORCH_CHECK(norms.size() == 4, "four norm weights");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  for (const auto& w : norms) TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "norm weight size");
+  auto a = attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, padded, qk_bias, cos, sin, k_pool, v_pool,
+                          store_at, rows, starts, lengths, scale, H, Hkv);
+  auto h = x + rms_norm(a, norms[1], eps);
+  return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown, padded_mlp), norms[3], eps);
+}
+
 // The kernels touch no Python object (the sublayers call torch's ops through the dispatcher, as torch's own C++
 // does): release the GIL while they run (as torch's own ops do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -376,6 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_half", &rope_half, py::call_guard<py::gil_scoped_release>());
   m.def("attention_rows", &attention_rows, py::call_guard<py::gil_scoped_release>());
   m.def("mlp_rows", &mlp_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("peri_layer_rows", &peri_layer_rows, py::call_guard<py::gil_scoped_release>());
 }
 """
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
@@ -470,3 +489,9 @@ def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, padded: int, qk_bias:
 def mlp_rows(x: Tensor, wfc: Tensor, wproj: Tensor, padded: int) -> Tensor:
     """The gated MLP over rows x [M, d] in one call: packed fc product, silu(gate) * up, packed proj product."""
     return (_module if _tried else _load()).mlp_rows(x, wfc, wproj, padded)
+
+
+def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
+    """Ouro's layer of a call's rows in one call (``PeriNormBlock.rows``): ``attention_args`` / ``mlp_args`` as
+    ``attention_rows`` / ``mlp_rows`` take them after x."""
+    return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)

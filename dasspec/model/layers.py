@@ -29,11 +29,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def takes_kernel(self, x: Tensor) -> bool:
+        """Whether this norm of x is ``decode_kernel.rms_norm`` (float32 on the CPU, no gradient to keep)."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
+                and x.numel() > 0 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and not torch.compiler.is_compiling() and decode_kernel.available())
+
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
-            if (x.device.type == "cpu" and self.weight.dtype == torch.float32 and x.numel() > 0
-                    and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                    and not torch.compiler.is_compiling() and decode_kernel.available()):
+            if self.takes_kernel(x):
                 return decode_kernel.rms_norm(x, self.weight, self.eps)    # one call, not a composite of five
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
@@ -146,21 +150,26 @@ class Attention(nn.Module):
         the same ops on the same views, so the same bits, without a Python call per op) for a batched call's rows
         that the row kernel takes in one pool (``attention.row_plan``) and whose products are packed; None where that
         does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
+        args = self.row_args(x, span, kv)
+        if args is None:
+            return None
+        B, W, d = x.shape
+        return decode_kernel.attention_rows(x.reshape(B * W, d), *args).view(B, W, -1)
+
+    def row_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
+        """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply."""
+        plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
+        if plan is None:
+            return None
         packs = packed_pair(self, x, self.Wqkv, self.proj)
         if packs is None:
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
             return None
-        plan = row_plan(x, kv, span)
-        if plan is None:
-            return None
-        B, W, d = x.shape
-        k_pool, v_pool, store_at, rows, starts, lengths = plan
+        B, W, _ = x.shape
         cos, sin = span.rot
-        out = decode_kernel.attention_rows(x.reshape(B * W, d), *packs, padded_rows(B * W), self.qk_bias, cos,
-                                           sin, k_pool, v_pool, store_at, rows, starts, lengths,
-                                           1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
-        return out.view(B, W, -1)
+        return (*packs, padded_rows(B * W), self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim),
+                self.n_heads, self.n_kv)
 
     never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
 
@@ -198,14 +207,20 @@ class GatedMLP(nn.Module):
     never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
 
     def forward(self, x: Tensor) -> Tensor:
-        packs = packed_pair(self, x, self.fc, self.proj)
-        if packs is not None and decode_kernel.available():     # (asked last: a GPU model never builds it)
+        args = self.row_args(x)
+        if args is not None:
             # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows, which
             # mirrors the two lines below)
-            M = x.numel() // x.shape[-1]
-            return decode_kernel.mlp_rows(x.reshape(M, -1), *packs, padded_rows(M)).view(*x.shape[:-1], -1)
+            return decode_kernel.mlp_rows(x.reshape(-1, x.shape[-1]), *args).view(*x.shape[:-1], -1)
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
+
+    def row_args(self, x: Tensor) -> tuple | None:
+        """``mlp_rows``' arguments after x, or None: the modules' path."""
+        packs = packed_pair(self, x, self.fc, self.proj)
+        if packs is None or not decode_kernel.available():     # (asked last: a GPU model never builds it)
+            return None
+        return (*packs, padded_rows(x.numel() // x.shape[-1]))
 
 
 class NormedBlock(nn.Module):
@@ -220,3 +235,17 @@ class NormedBlock(nn.Module):
             setattr(self, f"norm_{i}", RMSNorm(cfg.n_embd, cfg.norm_eps))
         self.attn = Attention(cfg)
         self.mlp = GatedMLP(cfg)
+
+    def plain_parts(self, x: Tensor) -> tuple[Tensor, ...] | None:
+        """The norms' weights where a one-call layer may stand in for the submodules' calls: the norms, the
+        attention and the MLP of their own classes without hooks (their calls are skipped), the norms on the kernel
+        with one eps; None otherwise."""
+        norms = [getattr(self, f"norm_{i}") for i in range(1, self.norms + 1)]
+        parts = (*norms, self.attn, self.mlp)
+        if (type(self.attn) is not Attention or type(self.mlp) is not GatedMLP
+                or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
+                or any(m._forward_hooks or m._forward_pre_hooks for m in parts) or not norms[0].takes_kernel(x)
+                or any(n.weight.dtype != torch.float32 or (n.weight.requires_grad and torch.is_grad_enabled())
+                       for n in norms)):
+            return None
+        return tuple(n.weight for n in norms)

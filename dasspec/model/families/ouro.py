@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..attention import LayerKV, Span
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
+from .. import decode_kernel
 from ..layers import NormedBlock
 from . import Family, LayerGroup, Slot, register
 
@@ -34,8 +35,23 @@ class PeriNormBlock(NormedBlock):
     style = "peri"
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        y = self.rows(x, span, kv) if kv is not None else None
+        if y is not None:
+            return y
         x = x + self.norm_2(self.attn(self.norm_1(x), span, kv))
         return x + self.norm_4(self.mlp(self.norm_3(x)))
+
+    def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
+        """This forward as one kernel call (``decode_kernel.peri_layer_rows``: the two lines above with the
+        sublayers' one-call kernels, the same ops in the same order) where both sublayers take theirs and nothing
+        needs the submodules' calls (``plain_parts``); None otherwise."""
+        a = self.attn.row_args(x, span, kv)           # first: where it fails (one row, bfloat16) it fails soonest
+        weights = self.plain_parts(x) if a is not None else None
+        m = self.mlp.row_args(x) if weights is not None else None
+        if m is None:
+            return None
+        B, W, d = x.shape
+        return decode_kernel.peri_layer_rows(x.reshape(B * W, d), list(weights), self.norm_1.eps, a, m).view(B, W, d)
 
 
 class Ouro(Family):
