@@ -313,7 +313,7 @@ def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeyp
 
     tokens, outs, calls = run(True)
     tokens_ops, outs_ops, _ = run(False)
-    assert calls > 0 and tokens == tokens_ops
+    assert calls > 3 * 4 * 2 and tokens == tokens_ops        # decode steps too, not only the prefill's 4 x 2 layers
     assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
 
 
@@ -327,3 +327,25 @@ def test_a_hooked_part_keeps_ouros_layer_on_the_modules(monkeypatch):
     monkeypatch.setattr(decode_kernel, "peri_layer_rows", lambda *a: calls.append(1) or real(*a))
     dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert seen and calls
+
+
+def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monkeypatch):
+    """q/k norms (not in the kernel) and a layer whose norms differ in eps keep the modules' path (fails when the
+    layer's gates skip the attention's own or the eps test)."""
+    from dasspec.model.families.ouro import PeriNormBlock
+    _pack_everything(monkeypatch)
+    fused = []
+    real = PeriNormBlock.rows
+    monkeypatch.setattr(PeriNormBlock, "rows",
+                        lambda self, x, span, kv: (lambda y: fused.append((self, y is not None)) or y)(
+                            real(self, x, span, kv)))
+    prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2, qk_norm=True)
+    dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
+    assert fused and not any(ok for _, ok in fused)
+    fused.clear()
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2)
+    odd = model.transformer.core_block[0]
+    odd.norm_3.eps = odd.norm_1.eps * 10
+    dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
+    assert not any(ok for b, ok in fused if b is odd) and any(ok for b, ok in fused if b is not odd)

@@ -247,3 +247,17 @@ def test_a_closed_batch_says_so_to_drafters():
     while engine.has_work:
         engine.step()
     assert rec.seen and not any(rec.seen)
+
+
+def test_a_closed_batch_is_not_closed_while_a_prompt_prefills():
+    """A long prompt prefilled over several steps beside two decoding requests: until it decodes, the drafters
+    are not told the batch is closed (it is the batch's end, and they do not see it; fails when the flag only waits
+    for an empty queue)."""
+    model = random_model("huginn", seed=2, mean_recurrence=4)
+    rec = ClosedRecorder()
+    engine = dasspec.Engine(model, max_batch=4, drafter=rec, closed=True, max_step_tokens=16, block_size=8)
+    for p, c in (([5, 6, 7], 8), ([8, 9, 10], 8), (list(range(3, 43)), 4)):
+        engine.add(p, max_new_tokens=c, eos=False)
+    while engine.has_work:
+        engine.step()
+    assert rec.seen[0] is False and rec.seen[-1] is True

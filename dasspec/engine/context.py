@@ -66,10 +66,10 @@ class DraftContext:
 
     @property
     def closed(self) -> bool:
-        """True in a closed batch (generate_batch) once no request waits for a slot: the caller takes every result
-        at once, so the batch is done when its last request is, and a request finishing early frees nothing anyone
-        waits for (each request's ``budget`` bounds its remaining steps).  False in a server, where an early finish
-        hands the slot on and every request's own latency counts."""
+        """True in a closed batch (generate_batch) once no request waits for a slot or still prefills: the caller
+        takes every result at once, so the batch is done when its last request is, and a request finishing early
+        frees nothing anyone waits for (each request's ``budget`` bounds its remaining steps).  False in a server,
+        where an early finish hands the slot on and every request's own latency counts."""
         return self._req.closed
 
     @property

@@ -249,7 +249,9 @@ class Scheduler:
             if e.status != "running":                     # it preempted itself: the pool is full for now
                 break
             claimed.update(e.keys[e.computed // B:])
-        plan.closed = self.closed and not self.waiting
+        # closed once nobody waits for a slot and every running request decodes (a prompt still prefilling is the
+        # batch's end, and the drafters do not see it)
+        plan.closed = self.closed and not self.waiting and all(e.generated for e in self.running)
         return plan, ended
 
     def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,

@@ -35,13 +35,14 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   weighing it alone undervalues it; the step with every request on that arm (each at its own, or the drafter's
   average, tokens and rows; the group's measured drafting cost; one pass over all rows) is valued against the
   requests' own choices and taken when it wins by ``MARGIN``.
-* **a closed batch** (``DraftContext.closed``: generate_batch, once no request waits for a slot): the caller waits
-  for the last request, so tokens per second of a step is the wrong measure - a request whose drafts let it finish
-  early while the others keep the batch going saves only its own rows.  There the step's arms come from the time
-  until the batch is done (``batch_time``: request j on an arm for the rest of its budget takes budget / tokens
-  steps; each step costs one pass over the rows of the requests still decoding plus the drafting of each arm's
-  group), weighed for every request plain, every request on one drafter, and each request's own choice; the
-  quickest is taken if it beats plain steps by ``MARGIN`` (probes keep their arm).
+* **a closed batch** (``DraftContext.closed``: generate_batch with more than one request decoding, once none waits
+  for a slot or prefills): the caller waits for the last request, so tokens per second of a step is the wrong
+  measure - a request whose drafts let it finish early while the others keep the batch going saves only its own
+  rows.  There the step's arms come from the time until every request has used its budget (``batch_time``: request
+  j on an arm for the rest of its budget takes budget / tokens steps; each step costs one pass over the rows of the
+  requests still decoding plus the drafting of each arm's group), weighed for every request plain, every request
+  on one drafter, and each request's own choice; the quickest is taken if it beats plain steps by ``MARGIN``
+  (probes keep their arm).
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
 bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
@@ -629,14 +630,15 @@ class AutoDrafter(Drafter):
             seconds += d * m
         return tok / seconds if seconds > 0 else None
 
-    def batch_time(self, plan: list[tuple[str, float, float]]) -> float | None:
-        """Seconds until the last request is done when request j stays on ``plan[j]`` = (arm, tokens, rows per
-        step) for the rest of its budget: it takes budget / tokens steps, and each step costs one pass over the rows
-        of the requests still decoding plus each arm's drafting for its group then (None while a cost is
-        unmeasured)."""
+    def batch_time(self, plan: list[tuple[str, float, float]], memo: dict | None = None) -> float | None:
+        """Seconds until the last request has used its budget (``max_new_tokens``: an end of sequence may come
+        sooner) when request j stays on ``plan[j]`` = (arm, steps, rows per step): each step costs one pass over the
+        rows of the requests still decoding plus each arm's drafting for its group then (None while a cost is
+        unmeasured).  ``memo``: drafting times by (arm, group) shared by the plans of one step."""
         scale = self.scale
         if scale is None:
             return None
+        memo = {} if memo is None else memo
         rows = sum(r for _, _, r in plan)
         group: dict[str, int] = {}
         for arm, _, _ in plan:
@@ -647,7 +649,7 @@ class AutoDrafter(Drafter):
                 step = scale * self.pass_cost(rows)
                 for a, m in group.items():
                     if m and a != "ar":
-                        d = self.draft_time(a, m)
+                        d = memo[a, m] if (a, m) in memo else memo.setdefault((a, m), self.draft_time(a, m))
                         if d is None:
                             return None
                         step += d * m
@@ -659,14 +661,15 @@ class AutoDrafter(Drafter):
 
     def closed_plan(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         """The arms of a closed batch's step (``DraftContext.closed``): the caller waits for the last request, so
-        what counts is the time until then (``batch_time``), not this step's tokens per second - drafts that let one
-        request finish early while the others keep the batch going save nothing.  The plans weighed: every
-        request plain, every request on one drafter, and each request's own choice; the quickest is taken if it
-        beats plain steps by ``MARGIN``.  Probes keep their arm."""
+        what counts is the time until then (``batch_time``, bounded by the budgets), not this step's tokens per
+        second - drafts that let one request finish early while the others keep the batch going save nothing.  The
+        plans weighed: every request plain, every request on one drafter, and each request's own choice; the
+        quickest is taken if it beats plain steps by ``MARGIN``.  Probes keep their arm."""
         B = len(sessions)
         budgets = [max(s.ctx.budget, 1) for s in sessions]
         plans = [["ar"] * B] + [[arm] * B for arm in self.subs] + [[a for a, _ in picks]]
         best, best_time, plain = None, None, None
+        memo: dict = {}
         for arms in plans:
             plan = []
             for s, b, arm in zip(sessions, budgets, arms):
@@ -675,7 +678,7 @@ class AutoDrafter(Drafter):
                     break
                 plan.append((arm, b / max(tok, 1.0), rows))
             else:
-                t = self.batch_time(plan)
+                t = self.batch_time(plan, memo)
                 if t is None:
                     continue
                 if plain is None:
@@ -709,7 +712,7 @@ class AutoDrafter(Drafter):
         self.probed = set()
         B = len(sessions)
         picks = [s.choose(B) for s in sessions]
-        closed = B > 0 and sessions[0].ctx.closed
+        closed = B > 1 and sessions[0].ctx.closed           # alone, the step's tokens per second is its end
         picks = self.closed_plan(sessions, picks) if closed else self.together(sessions, picks)
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):

@@ -133,7 +133,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         B, W, _ = x.shape
-        if kv is not None and self.q_norm is None and not self.interleaved:
+        if kv is not None:
             out = self.rows(x, span, kv)
             if out is not None:
                 return out
@@ -157,7 +157,10 @@ class Attention(nn.Module):
         return decode_kernel.attention_rows(x.reshape(B * W, d), *args).view(B, W, -1)
 
     def row_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
-        """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply."""
+        """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply (q/k norms
+        and the interleaved RoPE are not in the kernel)."""
+        if self.q_norm is not None or self.interleaved:
+            return None
         plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
         if plan is None:
             return None
