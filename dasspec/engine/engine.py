@@ -44,7 +44,7 @@ from .executor import Executor
 from .memory import reset_peak_memory
 from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
 from .policy import SpeculationPolicy
-from .request import greedy, rows_needed, whole_blocks
+from .request import greedy, pool_share, rows_needed
 from .runtime import DEFAULT, Runtime
 from .scheduler import Entry, Scheduler
 from .stats import GenerationStats
@@ -55,14 +55,14 @@ MEMORY_SHARE = 0.5         # the default pool: at most this share of the free de
 
 
 def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block_size: int = BLOCK_SIZE) -> int:
-    """``max_batch`` requests of the whole context (in whole blocks each), or as many positions as ``MEMORY_SHARE``
+    """``max_batch`` requests of the whole context (``pool_share`` each), or as many positions as ``MEMORY_SHARE``
     of the free memory holds, whichever is less (a larger request is then refused with a message naming
     kv_budget)."""
     from ..model.cache import bytes_per_token
     from .memory import available_memory
 
-    want = max_batch * whole_blocks(rows_needed(model.config.block_size, 0, model.config.block_size, width),
-                                    block_size)
+    ctx = model.config.block_size
+    want = max_batch * pool_share(ctx, 0, ctx, width, block_size)
     free = available_memory(model.device)
     if free is None:
         return want

@@ -24,7 +24,7 @@ from .blocks import BLOCK_SIZE
 from .engine import Engine
 from .options import (GenerationResult, as_token_list, default_stop_ids, drop_hf_options, is_token_id,  # noqa: F401
                       sampling_options, split_stop)
-from .request import rows_needed, whole_blocks
+from .request import pool_share, rows_needed
 from .runtime import Runtime
 from .stopping import Criterion, check_max_new_tokens
 
@@ -188,11 +188,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     if kv_budget is None:
         ctx = model.config.block_size
-        # whole blocks per request: a request holds its rows in blocks, so exact rows would leave the last ones
-        # short of a block and preempt a request near the end; and one block more each, the headroom the scheduler
-        # keeps per running request when it admits one (without it, requests of one block each ran half a batch)
-        need = sorted((whole_blocks(rows_needed(ctx, len(p), c, drafter.width), BLOCK_SIZE) + BLOCK_SIZE
-                       for p, c in zip(ids, caps)), reverse=True)
+        need = sorted((pool_share(ctx, len(p), c, drafter.width, BLOCK_SIZE) for p, c in zip(ids, caps)),
+                      reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
                     tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True)

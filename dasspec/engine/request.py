@@ -41,9 +41,11 @@ def rows_needed(block_size: int, prompt: int, max_new_tokens: int, width: int) -
     return min(prompt + max_new_tokens + width + 1, block_size + width + 1)
 
 
-def whole_blocks(rows: int, block_size: int) -> int:
-    """``rows`` rounded up to whole blocks: what a request holding them takes from the pool."""
-    return -(-rows // block_size) * block_size
+def pool_share(block_size: int, prompt: int, max_new_tokens: int, width: int, B: int) -> int:
+    """Positions of a default pool kept for one request of blocks of B: its ``rows_needed`` in whole blocks (exact
+    rows would leave its last ones short of a block, and preempt it near its end) and one block more, the headroom
+    the scheduler keeps free per running request when it admits another (``Scheduler._admit``)."""
+    return (-(-rows_needed(block_size, prompt, max_new_tokens, width) // B) + 1) * B
 
 
 class Request:

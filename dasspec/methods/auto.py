@@ -649,7 +649,9 @@ class AutoDrafter(Drafter):
                 step = scale * self.pass_cost(rows)
                 for a, m in group.items():
                     if m and a != "ar":
-                        d = memo[a, m] if (a, m) in memo else memo.setdefault((a, m), self.draft_time(a, m))
+                        if (a, m) not in memo:
+                            memo[a, m] = self.draft_time(a, m)
+                        d = memo[a, m]
                         if d is None:
                             return None
                         step += d * m
