@@ -349,3 +349,50 @@ def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monke
     odd.norm_3.eps = odd.norm_1.eps * 10
     dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert not any(ok for b, ok in fused if b is odd) and any(ok for b, ok in fused if b is not odd)
+
+
+@pytest.mark.parametrize("method", ["ar", "self-spec", "das-wave"])
+def test_ouros_core_steps_in_one_call_have_the_bits_of_the_layer_calls(method, monkeypatch):
+    """With the products packed, a batched call's core steps (every layer of every step, each step closed by ln_f) run
+    as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows - and every
+    token are bit for bit those of the per-layer calls (fails when a step's norm or a layer's depth is wrong)."""
+    from dasspec.model import looped
+    from dasspec.model.families.ouro import Ouro
+    _pack_everything(monkeypatch)
+    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+
+    def run(fused: bool):
+        outs, calls = [], []
+        real_recur = looped.LoopedLM.recur
+        with monkeypatch.context() as mp:
+            mp.setattr(looped.LoopedLM, "recur", lambda self, *a, **k: (lambda y: outs.append(y.clone()) or y)(
+                real_recur(self, *a, **k)))
+            if fused:
+                real = decode_kernel.peri_recur_rows
+                mp.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(a[1]) or real(*a))
+            else:
+                mp.setattr(Ouro, "recur_rows", lambda *a: None)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
+        return [r.tokens for r in res], outs, calls
+
+    tokens, outs, calls = run(True)
+    tokens_ops, outs_ops, _ = run(False)
+    # decode steps too, not only the 3 prompts' prefill (DAS-Wave's passes past it hold rows the kernel does not take)
+    assert len(calls) > (3 if method != "das-wave" else 0) and tokens == tokens_ops
+    assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
+
+
+@pytest.mark.parametrize("hooked", ["block", "ln_f", "norm"])
+def test_a_hooked_block_or_norm_keeps_ouros_core_steps_on_their_calls(hooked, monkeypatch):
+    """A forward hook on a core block, on ln_f or on a layer's norm still runs (the steps are not put into one call)."""
+    _pack_everything(monkeypatch)
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2)
+    t = model.transformer
+    module = {"block": t.core_block[1], "ln_f": t.ln_f, "norm": t.core_block[0].norm_3}[hooked]
+    seen, calls = [], []
+    module.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    real = decode_kernel.peri_recur_rows
+    monkeypatch.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(1) or real(*a))
+    dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
+    assert seen and not calls

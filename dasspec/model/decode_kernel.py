@@ -385,6 +385,35 @@ torch::Tensor peri_layer_rows(torch::Tensor x, std::vector<torch::Tensor> norms,
   return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown, padded_mlp), norms[3], eps);
 }
 
+// Core steps of Ouro layers over a call's rows in one call (families/ouro.py: LoopedLM.core_step's loop over the
+// layers, each a PeriNormBlock, then ln_f, for each step): peri_layer_rows and rms_norm in the same order, so the
+// same bits.  Layer i of step s stores into and reads k_pools / v_pools[s * L + i]; every layer application shares
+// the call's rows (store_at, rows, starts, lengths) and RoPE tables.
+torch::Tensor peri_recur_rows(torch::Tensor x, int64_t steps, std::vector<torch::Tensor> norms, std::vector<double> eps,
+                              std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wproj, int64_t padded,
+                              std::vector<std::optional<torch::Tensor>> qk_bias, torch::Tensor cos, torch::Tensor sin,
+                              std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+                              torch::Tensor store_at, torch::Tensor rows, torch::Tensor starts, torch::Tensor lengths,
+                              double scale, int64_t H, int64_t Hkv, std::vector<torch::Tensor> wfc,
+                              std::vector<torch::Tensor> wdown, int64_t padded_mlp, torch::Tensor ln_w, double ln_eps) {
+  const int64_t L = static_cast<int64_t>(wqkv.size());
+  TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(eps.size()) == L &&
+              static_cast<int64_t>(wproj.size()) == L && static_cast<int64_t>(qk_bias.size()) == L &&
+              static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
+              static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
+              "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
+  TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = 0; i < L; ++i) {
+      x = peri_layer_rows(x, {norms[4 * i], norms[4 * i + 1], norms[4 * i + 2], norms[4 * i + 3]}, eps[i], wqkv[i],
+                          wproj[i], padded, qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i], store_at,
+                          rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i], padded_mlp);
+    }
+    x = rms_norm(x, ln_w, ln_eps);
+  }
+  return x;
+}
 // The kernels touch no Python object (the sublayers call torch's ops through the dispatcher, as torch's own C++
 // does): release the GIL while they run (as torch's own ops do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -395,6 +424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_rows", &attention_rows, py::call_guard<py::gil_scoped_release>());
   m.def("mlp_rows", &mlp_rows, py::call_guard<py::gil_scoped_release>());
   m.def("peri_layer_rows", &peri_layer_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("peri_recur_rows", &peri_recur_rows, py::call_guard<py::gil_scoped_release>());
 }
 """
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
@@ -495,3 +525,20 @@ def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: 
     """Ouro's layer of a call's rows in one call (``PeriNormBlock.rows``): ``attention_args`` / ``mlp_args`` as
     ``attention_rows`` / ``mlp_rows`` take them after x."""
     return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+
+
+def peri_recur_rows(x: Tensor, steps: int, layers: list[tuple], pools: list[tuple[Tensor, Tensor]], ln_weight: Tensor,
+                    ln_eps: float) -> Tensor:
+    """``steps`` core steps of Ouro's layers over a call's rows x [M, d] in one call, each step's layers then ln_f
+    (``Ouro.recur_rows``).  ``layers``: each layer's ``peri_layer_rows`` arguments after x, as
+    ``PeriNormBlock.layer_args`` gives them for the first step; ``pools``: the (K, V) pool of every layer of every
+    step, step after step, in place of the first step's (every other attention argument is the call's)."""
+    L = len(layers)
+    norms = [w for n, *_ in layers for w in n]
+    a0 = layers[0][2]
+    # attention_rows' arguments: wqkv, wproj, padded, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts,
+    # lengths, scale, H, Hkv; mlp_rows': wfc, wdown, padded
+    return (_module if _tried else _load()).peri_recur_rows(
+        x, steps, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers], a0[2],
+        [l[2][3] for l in layers], a0[4], a0[5], [k for k, _ in pools], [v for _, v in pools], *a0[8:15],
+        [l[3][0] for l in layers], [l[3][1] for l in layers], layers[0][3][2], ln_weight, ln_eps)

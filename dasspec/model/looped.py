@@ -180,6 +180,15 @@ class LoopedLM(Recurrence, nn.Module):
         z = position_noise(positions.to(self.device), d, seed)
         return (z * (std * cfg.embed_scale)).to(self.dtype)
 
+    def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
+              depths: range | None = None) -> Tensor:
+        steps = depths if depths is not None else range(1, self.R + 1)
+        if cache is not None and len(steps):      # a batched call's steps in one kernel call, where the family has one
+            y = self.family.recur_rows(self, h, span, cache, steps)
+            if y is not None:
+                return y
+        return super().recur(h, inj, span, cache, steps)
+
     # --- the three primitives ----------------------------------------------------------------------------
     def prelude(self, ids: Tensor, span: Span, cache: DepthCache | None = None) -> Tensor:
         """Token ids [B, W] -> the injected embedding e (the prelude output) [B, W, d].

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from ..attention import LayerKV, Span
+from ..attention import LayerKV, Span, row_plan
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
 from .. import decode_kernel
-from ..layers import NormedBlock
+from ..layers import NormedBlock, RMSNorm
 from . import Family, LayerGroup, Slot, register
 
 # The checkpoint's four norms of a layer, in the order of the block's norm_1..norm_4.
@@ -43,15 +45,22 @@ class PeriNormBlock(NormedBlock):
 
     def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
         """This forward as one kernel call (``decode_kernel.peri_layer_rows``: the two lines above with the
-        sublayers' one-call kernels, the same ops in the same order) where both sublayers take theirs and nothing
-        needs the submodules' calls (``plain_parts``); None otherwise."""
+        sublayers' one-call kernels, the same ops in the same order) where ``layer_args`` gives its arguments; None
+        otherwise."""
+        args = self.layer_args(x, span, kv)
+        if args is None:
+            return None
+        B, W, d = x.shape
+        return decode_kernel.peri_layer_rows(x.reshape(B * W, d), *args).view(B, W, d)
+
+    def layer_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
+        """``peri_layer_rows``' arguments after x (the norms' weights, their eps, ``attention_rows``' and
+        ``mlp_rows``' arguments) where both sublayers take their one-call kernels and nothing needs the submodules'
+        calls (``plain_parts``); None otherwise."""
         a = self.attn.row_args(x, span, kv)           # first: where it fails (one row, bfloat16) it fails soonest
         weights = self.plain_parts(x) if a is not None else None
         m = self.mlp.row_args(x) if weights is not None else None
-        if m is None:
-            return None
-        B, W, d = x.shape
-        return decode_kernel.peri_layer_rows(x.reshape(B * W, d), list(weights), self.norm_1.eps, a, m).view(B, W, d)
+        return None if m is None else (list(weights), self.norm_1.eps, a, m)
 
 
 class Ouro(Family):
@@ -78,6 +87,37 @@ class Ouro(Family):
     # ChatML turns end with <|im_end|>; the published base configs give EOS id 0 (<|endoftext|>), so without this
     # stop a chat reply would run on into the next turn.
     stop_tokens = ("<|im_end|>",)
+
+    def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range) -> Tensor | None:
+        """The core steps ``steps`` of a batched call in one kernel call (``decode_kernel.peri_recur_rows``: each
+        step's layers, then ln_f - ``core_step``'s calls, so the same bits), where every layer application would take
+        ``PeriNormBlock.rows`` with the same rows and RoPE tables and neither the blocks nor ln_f need their own calls
+        (another class, hooks); None otherwise.  Saves the Python around each of the R x N layer calls."""
+        t = model.transformer
+        blocks, ln_f = list(t.core_block), t.ln_f
+        if (type(ln_f) is not RMSNorm or _global_forward_hooks or _global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in (ln_f, *blocks))
+                or any(type(b) is not PeriNormBlock for b in blocks) or not ln_f.takes_kernel(h)
+                or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
+            return None
+        r0 = steps[0]
+        layers = []
+        for i, block in enumerate(blocks):
+            args = block.layer_args(h, span, cache.core_kv(i, (r0, r0), (r0, r0)))
+            if args is None:
+                return None
+            layers.append(args)
+        shared = layers[0][2][8:12]         # the call's store rows, read rows, starts and lengths
+        pools = []
+        for r in steps:
+            for i in range(len(blocks)):
+                plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)
+                if plan is None or any(p is not q for p, q in zip(plan[2:], shared)):
+                    return None
+                pools.append(plan[:2])
+        B, W, d = h.shape
+        return decode_kernel.peri_recur_rows(h.reshape(B * W, d), len(steps), layers, pools, ln_f.weight,
+                                             ln_f.eps).view(B, W, d)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.layers.") for n in names):
