@@ -291,7 +291,7 @@ def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeyp
     """With the products packed, a batched call's whole Ouro layer (four norms, both sublayers, both residual adds)
     runs as one kernel call, and every layer output of every step - prefill, decode rows, verification chains - and
     every token are bit for bit those of the modules' own ops."""
-    from dasspec.model.families.ouro import PeriNormBlock
+    from dasspec.model.families.ouro import Ouro, PeriNormBlock
     _pack_everything(monkeypatch)
     model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
@@ -306,6 +306,7 @@ def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeyp
                 mp.setattr(decode_kernel, "peri_layer_rows", lambda *a: calls.append(1) or real(*a))
             else:
                 mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: None)
+                mp.setattr(Ouro, "recur_rows", lambda *a: None)
             res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
         for h in hooks:
             h.remove()
@@ -351,15 +352,19 @@ def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monke
     assert not any(ok for b, ok in fused if b is odd) and any(ok for b, ok in fused if b is not odd)
 
 
-@pytest.mark.parametrize("method", ["ar", "self-spec", "das-wave"])
-def test_ouros_core_steps_in_one_call_have_the_bits_of_the_layer_calls(method, monkeypatch):
+@pytest.mark.parametrize("method,overrides", [("ar", {}), ("self-spec", {}), ("das-wave", {}),
+                                              ("ar", {"qk_bias": True, "n_kv_heads": 4})])
+def test_ouros_core_steps_in_one_call_have_the_bits_of_the_layer_calls(method, overrides, monkeypatch):
     """With the products packed, a batched call's core steps (every layer of every step, each step closed by ln_f) run
     as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows - and every
-    token are bit for bit those of the per-layer calls (fails when a step's norm or a layer's depth is wrong)."""
+    token are bit for bit those of the per-layer calls (fails when a step's norm, a layer's depth, its q/k bias or
+    its norms' eps is another layer's)."""
     from dasspec.model import looped
     from dasspec.model.families.ouro import Ouro
     _pack_everything(monkeypatch)
-    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2)
+    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2, **overrides)
+    for i in range(1, 5):                         # the second layer's norms with an eps of their own
+        setattr(getattr(model.transformer.core_block[1], f"norm_{i}"), "eps", 1e-2)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
 
     def run(fused: bool):
@@ -396,3 +401,36 @@ def test_a_hooked_block_or_norm_keeps_ouros_core_steps_on_their_calls(hooked, mo
     monkeypatch.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(1) or real(*a))
     dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert seen and not calls
+
+
+def test_a_replaced_core_step_or_block_forward_keeps_ouros_core_steps_on_their_calls(monkeypatch):
+    """An instance's own core_step or a block's own forward (wrappers, instrumentation) and a class-level replacement
+    of the layer's methods are still called: the steps are not put into one call (fails when recur_rows skips them)."""
+    from dasspec.model.families.ouro import PeriNormBlock
+    _pack_everything(monkeypatch)
+    prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
+    calls = []
+    real = decode_kernel.peri_recur_rows
+    monkeypatch.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(1) or real(*a))
+
+    def decode(model):
+        dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
+
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2)
+    decode(model)
+    assert calls                                  # the plain model takes the one call
+    seen = []
+    step = model.core_step
+    model.core_step = lambda *a, **k: seen.append("core_step") or step(*a, **k)
+    block = model.transformer.core_block[1]
+    forward = block.forward
+    calls.clear()
+    decode(model)
+    del model.core_step
+    block.forward = lambda *a, **k: seen.append("forward") or forward(*a, **k)
+    decode(model)
+    del block.forward
+    with monkeypatch.context() as mp:
+        mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: seen.append("rows") or None)
+        decode(model)
+    assert not calls and {"core_step", "forward", "rows"} <= set(seen)

@@ -388,7 +388,7 @@ torch::Tensor peri_layer_rows(torch::Tensor x, std::vector<torch::Tensor> norms,
 // Core steps of Ouro layers over a call's rows in one call (families/ouro.py: LoopedLM.core_step's loop over the
 // layers, each a PeriNormBlock, then ln_f, for each step): peri_layer_rows and rms_norm in the same order, so the
 // same bits.  Layer i of step s stores into and reads k_pools / v_pools[s * L + i]; every layer application shares
-// the call's rows (store_at, rows, starts, lengths) and RoPE tables.
+// the call's rows (store_at, rows, starts, lengths), RoPE tables, products' row counts, scale and heads.
 torch::Tensor peri_recur_rows(torch::Tensor x, int64_t steps, std::vector<torch::Tensor> norms, std::vector<double> eps,
                               std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wproj, int64_t padded,
                               std::vector<std::optional<torch::Tensor>> qk_bias, torch::Tensor cos, torch::Tensor sin,
@@ -404,6 +404,16 @@ torch::Tensor peri_recur_rows(torch::Tensor x, int64_t steps, std::vector<torch:
               static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
               "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
   TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
+  TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_w.device().is_cpu(), "ln_f weight: float32, CPU");
+  // every layer and step as the first, checked before the first layer writes into a pool
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
+                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes(), "layers of one shape");
+  for (int64_t p = 0; p < steps * L; ++p)
+    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
+                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
+                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
+                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = 0; i < L; ++i) {
       x = peri_layer_rows(x, {norms[4 * i], norms[4 * i + 1], norms[4 * i + 2], norms[4 * i + 3]}, eps[i], wqkv[i],
@@ -532,7 +542,8 @@ def peri_recur_rows(x: Tensor, steps: int, layers: list[tuple], pools: list[tupl
     """``steps`` core steps of Ouro's layers over a call's rows x [M, d] in one call, each step's layers then ln_f
     (``Ouro.recur_rows``).  ``layers``: each layer's ``peri_layer_rows`` arguments after x, as
     ``PeriNormBlock.layer_args`` gives them for the first step; ``pools``: the (K, V) pool of every layer of every
-    step, step after step, in place of the first step's (every other attention argument is the call's)."""
+    step, step after step, in place of the first step's.  The products' row counts, RoPE tables, the call's rows,
+    scale and heads are taken from the first layer for all (the caller checks that they agree)."""
     L = len(layers)
     norms = [w for n, *_ in layers for w in n]
     a0 = layers[0][2]

@@ -183,7 +183,12 @@ class LoopedLM(Recurrence, nn.Module):
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
               depths: range | None = None) -> Tensor:
         steps = depths if depths is not None else range(1, self.R + 1)
-        if cache is not None and len(steps):      # a batched call's steps in one kernel call, where the family has one
+        if not isinstance(steps, (range, list, tuple)):
+            steps = list(steps)
+        # a batched call's steps in one kernel call where the family has one - unless core_step is not this class's
+        # (a subclass's or an instance's own), which every step must then go through
+        if (cache is not None and len(steps) and type(self).core_step is LoopedLM.core_step
+                and "core_step" not in vars(self)):
             y = self.family.recur_rows(self, h, span, cache, steps)
             if y is not None:
                 return y

@@ -63,6 +63,13 @@ class PeriNormBlock(NormedBlock):
         return None if m is None else (list(weights), self.norm_1.eps, a, m)
 
 
+def _own_methods() -> tuple:
+    return PeriNormBlock.forward, PeriNormBlock.rows, PeriNormBlock.layer_args, RMSNorm.forward
+
+
+_OWN = _own_methods()     # what ``Ouro.recur_rows`` stands in for: a class-level replacement keeps the calls
+
+
 class Ouro(Family):
     name = "ouro"
     model_type = "ouro"
@@ -91,14 +98,16 @@ class Ouro(Family):
     def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call (``decode_kernel.peri_recur_rows``: each
         step's layers, then ln_f - ``core_step``'s calls, so the same bits), where every layer application would take
-        ``PeriNormBlock.rows`` with the same rows and RoPE tables and neither the blocks nor ln_f need their own calls
-        (another class, hooks); None otherwise.  Saves the Python around each of the R x N layer calls."""
+        ``PeriNormBlock.rows`` (a batched call in one paged pool, packed products, no gradient) and nothing whose call
+        it skips is replaced or hooked: the blocks are ``PeriNormBlock`` and ln_f ``RMSNorm``, with this module's
+        methods, without hooks or an instance's own forward; None otherwise.  Saves the Python around each of the
+        R x N layer calls."""
         t = model.transformer
         blocks, ln_f = list(t.core_block), t.ln_f
-        if (type(ln_f) is not RMSNorm or _global_forward_hooks or _global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in (ln_f, *blocks))
-                or any(type(b) is not PeriNormBlock for b in blocks) or not ln_f.takes_kernel(h)
-                or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
+        if (type(ln_f) is not RMSNorm or any(type(b) is not PeriNormBlock for b in blocks) or _own_methods() != _OWN
+                or _global_forward_hooks or _global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (ln_f, *blocks))
+                or not ln_f.takes_kernel(h) or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
             return None
         r0 = steps[0]
         layers = []
@@ -107,7 +116,13 @@ class Ouro(Family):
             if args is None:
                 return None
             layers.append(args)
-        shared = layers[0][2][8:12]         # the call's store rows, read rows, starts and lengths
+        # what the kernel takes from the first layer for all: products' row counts, RoPE tables, the call's rows,
+        # scale and heads (the same for every layer of one config; checked, since a module may be changed)
+        a0, m0 = layers[0][2], layers[0][3]
+        if any(a[2] != a0[2] or a[4] is not a0[4] or a[5] is not a0[5] or a[12:15] != a0[12:15] or m[2] != m0[2]
+               or any(x is not y for x, y in zip(a[8:12], a0[8:12])) for _, _, a, m in layers[1:]):
+            return None
+        shared = a0[8:12]                   # the call's store rows, read rows, starts and lengths
         pools = []
         for r in steps:
             for i in range(len(blocks)):
