@@ -103,6 +103,40 @@ def test_packed_float32_rows_do_not_depend_on_the_row_count(monkeypatch):
             torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def _avx512() -> bool:
+    try:
+        return " avx512f" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("N,K", [(96, 64), (300, 176), (64, 1408), (40, 2100)])
+def test_a_few_rows_read_panels_with_onednns_bits(N, K):
+    """Products of 1-16 rows read the weight's 16-column panels (``decode_kernel.register_panels``: oneDNN's
+    arithmetic, k in oneDNN's blocks) and give every row the bits oneDNN's packed product gives it among 37 rows -
+    a single row too.  Fails when the panels are refused (their test product disagreed with oneDNN's: a wrong
+    k-block or summation order) or when a registered product's bits differ."""
+    from dasspec.model import decode_kernel
+    if not lin.onednn_packing() or not decode_kernel.available():
+        pytest.skip("no oneDNN linear or no CPU kernels here")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(N, K, generator=g) * 0.05
+    x = torch.randn(37, K, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+    among = torch.ops.mkldnn._linear_pointwise(torch.cat((x, x.new_zeros(3, K))), packed, None, "none", [], "")[:37]
+    kb = decode_kernel.register_panels(packed, w)
+    try:
+        if not _avx512():
+            assert kb == 0                          # no panels: oneDNN's product serves every call
+            return
+        assert kb > 0
+        for M in range(1, 17):
+            assert torch.equal(decode_kernel.packed_linear(x[:M], packed, lin.padded_rows(M)), among[:M]), M
+            assert torch.equal(decode_kernel.packed_linear(x[37 - M:], packed, lin.padded_rows(M)), among[37 - M:]), M
+    finally:
+        decode_kernel.unregister_panels(packed)
+
+
 def test_a_single_row_takes_the_packed_product_only_with_more_than_one_thread(monkeypatch):
     """One row (a batch-1 decode step): oneDNN's product at two threads or more, MKL's at one; both compute the
     product; wide calls of every rounding step keep their rows' bits."""
@@ -138,7 +172,7 @@ def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
     assert not calls and w.grad is not None
     monkeypatch.setattr(lin, "_PACKS", lin._Packs())
     monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4)
+    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4 * 2)        # one weight: oneDNN's copy and its panels
     a, b = torch.randn(64, 32), torch.randn(64, 32)
     with torch.no_grad():
         lin.linear(torch.randn(3, 32), a)                   # fits the budget: packed

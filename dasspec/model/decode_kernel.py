@@ -43,7 +43,12 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // Built with -ffp-contract=off: a vectorised loop and its scalar remainder then round alike, so each value depends
 // only on its own inputs, never on where a buffer lies or how a loop was split.
@@ -314,15 +319,97 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// x [M, K] times a weight packed by oneDNN (linear.py's packed_float32_linear: the same op, arguments and padding;
-// `padded` rows, zeros past M).
 namespace {
+// Few rows (a decode step's) times a weight: oneDNN's packed product of float32 computes each output element as a
+// chain of FMAs over k from zero, in blocks of k whose sums are then added in order; its kernels for few rows stream
+// the weight well below this machine's memory bandwidth.  ``panels`` is a copy of the weight in 16-column panels
+// [N / 16, K, 16] read by a kernel of the same arithmetic (the same bits: registered only where a test product
+// agrees bit for bit with oneDNN's, with the k-block found there), so a call takes either and a row's value does not
+// depend on which.
+struct Panels {
+  torch::Tensor packed, panels;   // packed: held, so its address is never another tensor's while registered
+  int64_t N = 0, kb = 0;
+};
+std::mutex panels_mu;
+std::unordered_map<const c10::TensorImpl*, Panels> panels_of;
+constexpr int64_t PANEL_MAX_ROWS = 16;
+
+bool find_panels(const torch::Tensor& packed, Panels& out) {
+  std::lock_guard<std::mutex> lock(panels_mu);
+  auto it = panels_of.find(packed.unsafeGetTensorImpl());
+  if (it == panels_of.end()) return false;
+  out = it->second;
+  return true;
+}
+
+#if defined(__AVX512F__)
+template <int MR>
+void panel_tile(const float* xt, int64_t ldx, const float* wp, int64_t K, int64_t kb, float* out, int64_t ldo,
+                int64_t nc) {
+  __m512 total[MR];
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t k1 = std::min(K, k0 + kb);
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 w = _mm512_loadu_ps(wp + k * 16);
+      const float* xk = xt + k * ldx;
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), w, acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) total[m] = k0 == 0 ? acc[m] : _mm512_add_ps(total[m], acc[m]);
+  }
+  const __mmask16 mask = nc >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo, mask, total[m]);
+}
+
+torch::Tensor panel_product(const torch::Tensor& x_in, const Panels& p) {
+  const auto x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = p.N, P = p.panels.size(0);
+  TORCH_CHECK(K == p.panels.size(1) && M <= PANEL_MAX_ROWS, "panel product: shapes");
+  const auto xt = x.t().contiguous();                  // [K, M]: a k's rows side by side
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = xt.data_ptr<float>();
+  const float* wp = p.panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kb = p.kb;
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t nc = std::min<int64_t>(16, N - j * 16);
+      const float* w = wp + j * K * 16;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const float* xs = xp + m0;
+        float* o = op + m0 * N + j * 16;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 8: panel_tile<8>(xs, M, w, K, kb, o, N, nc); break;
+          case 7: panel_tile<7>(xs, M, w, K, kb, o, N, nc); break;
+          case 6: panel_tile<6>(xs, M, w, K, kb, o, N, nc); break;
+          case 5: panel_tile<5>(xs, M, w, K, kb, o, N, nc); break;
+          case 4: panel_tile<4>(xs, M, w, K, kb, o, N, nc); break;
+          case 3: panel_tile<3>(xs, M, w, K, kb, o, N, nc); break;
+          case 2: panel_tile<2>(xs, M, w, K, kb, o, N, nc); break;
+          default: panel_tile<1>(xs, M, w, K, kb, o, N, nc); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
+// x [M, K] times a weight packed by oneDNN (linear.py's packed_float32_linear: the same op, arguments and padding;
+// `padded` rows, zeros past M), or its panels where it has them and x has few rows.
 torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t padded) {
+  const int64_t M = x.size(0);
+#if defined(__AVX512F__)
+  if (M <= PANEL_MAX_ROWS && x.scalar_type() == at::kFloat) {
+    Panels p;
+    if (find_panels(packed, p)) return panel_product(x, p);
+  }
+#endif
   static auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-  const int64_t M = x.size(0);
   if (padded == M) return op.call(x.contiguous(), packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
                    c10::string_view(""));
   auto xp = torch::cat({x, x.new_zeros({padded - M, x.size(1)})});
@@ -424,6 +511,53 @@ torch::Tensor peri_recur_rows(torch::Tensor x, int64_t steps, std::vector<torch:
   }
   return x;
 }
+// Register panels of weight w [N, K] (float32) for its oneDNN-packed copy: the k-block that reproduces oneDNN's bits
+// on a test product of two rows, or 0 (not registered: no AVX-512 here, or no block agreed).
+int64_t register_panels(torch::Tensor packed, torch::Tensor w) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "w [N, K]: float32, CPU");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16;
+  auto panels = torch::zeros({P, K, 16}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = panels.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j)
+      for (int64_t c = 0; c < 16 && j * 16 + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) dst[(j * K + k) * 16 + c] = src[(j * 16 + c) * K + k];
+  });
+  {
+    std::lock_guard<std::mutex> lock(panels_mu);
+    panels_of.erase(packed.unsafeGetTensorImpl());     // the test's reference is oneDNN's own product
+  }
+  auto x = torch::empty({2, K}, w.options());          // fixed test rows (the global RNG is left alone)
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < 2 * K; ++i) xp[i] = std::sin(0.731f * static_cast<float>(i) + 0.5f);
+  const auto want = packed_product(x, packed, 8);      // no panels registered yet: oneDNN's
+  for (int64_t kb : {K, int64_t(1024), int64_t(512), int64_t(2048), int64_t(256), int64_t(768), int64_t(128)}) {
+    if (kb > K && kb != K) continue;
+    Panels p{packed, panels, N, kb};
+    if (torch::equal(panel_product(x, p), want)) {
+      std::lock_guard<std::mutex> lock(panels_mu);
+      panels_of[packed.unsafeGetTensorImpl()] = p;
+      return kb;
+    }
+  }
+#endif
+  return 0;
+}
+
+void unregister_panels(torch::Tensor packed) {
+  std::lock_guard<std::mutex> lock(panels_mu);
+  panels_of.erase(packed.unsafeGetTensorImpl());
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t padded) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, K]: float32, CPU");
+  TORCH_CHECK(padded >= x.size(0) && (padded == x.size(0) || x.size(0) > 1), "padded row count below the rows");
+  return packed_product(x, packed, padded);
+}
+
 // The kernels touch no Python object (the sublayers call torch's ops through the dispatcher, as torch's own C++
 // does): release the GIL while they run (as torch's own ops do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -435,6 +569,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_rows", &mlp_rows, py::call_guard<py::gil_scoped_release>());
   m.def("peri_layer_rows", &peri_layer_rows, py::call_guard<py::gil_scoped_release>());
   m.def("peri_recur_rows", &peri_recur_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("register_panels", &register_panels, py::call_guard<py::gil_scoped_release>());
+  m.def("unregister_panels", &unregister_panels, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>());
 }
 """
 # -fopenmp: ATen's parallel_for is a header template, threaded only when the extension is built with OpenMP
@@ -553,3 +690,20 @@ def peri_recur_rows(x: Tensor, steps: int, layers: list[tuple], pools: list[tupl
         x, steps, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers], a0[2],
         [l[2][3] for l in layers], a0[4], a0[5], [k for k, _ in pools], [v for _, v in pools], *a0[8:15],
         [l[3][0] for l in layers], [l[3][1] for l in layers], layers[0][3][2], ln_weight, ln_eps)
+
+
+def register_panels(packed: Tensor, weight: Tensor) -> int:
+    """Give ``packed`` (oneDNN's copy of ``weight``) a 16-column panel copy that products of at most 16 rows read
+    with oneDNN's arithmetic (a decode step's weights stream faster): the k-block that reproduced oneDNN's bits on a
+    test product, or 0 where none did or the CPU has no AVX-512 (oneDNN's product then serves every call)."""
+    return (_module if _tried else _load()).register_panels(packed, weight)
+
+
+def unregister_panels(packed: Tensor) -> None:
+    (_module if _tried else _load()).unregister_panels(packed)
+
+
+def packed_linear(x: Tensor, packed: Tensor, padded: int) -> Tensor:
+    """x [M, K] times a packed weight: its panels for at most 16 rows where it has them, else oneDNN's product over
+    ``padded`` rows (zeros past M)."""
+    return (_module if _tried else _load()).packed_linear(x, packed, padded)

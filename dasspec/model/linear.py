@@ -16,8 +16,12 @@ every count from 2 up (its one-row kernel sums some shapes differently).  A sing
 runs more than one thread (``one_row_packed``: MKL's one-row product loses time to its threading there) and keeps
 MKL's product on one thread, where that is faster; so a batch-1 decode's last bits may differ between one thread
 and more, and a row decoded alone and the same row in a batch may differ in the last bits on such a host, while
-rows of batches of any two sizes agree.  The packed copy is made on a
-weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
+rows of batches of any two sizes agree.  Where the CPU kernels are built with AVX-512, a product of at most 16 rows
+reads a second copy of the weight in 16-column panels instead (``decode_kernel.register_panels``): oneDNN's own
+arithmetic - each output element a chain of FMAs over k from zero in oneDNN's k-blocks, registered only where a
+test product agrees with oneDNN's bit for bit - streamed faster than oneDNN's few-row kernels do, and a single row
+then gets the bits it has among others.  The packed copies are made on a
+weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, both copies counted, each at most
 ``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
 kernel).  Figures: docs/performance.md, "Batched AR
 against vLLM".
@@ -125,7 +129,7 @@ class _Packs:
             if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
                 return hit[0]
             if hit is False:                                  # first sight: decide once, for good
-                size = weight.numel() * 4
+                size = weight.numel() * 4 * 2                 # oneDNN's copy and the panels (a few rows' product)
                 refused = (weight.dim() != 2 or weight.numel() < PACK_MIN_ELEMENTS
                            or self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes())
                 weakref.finalize(weight, self._freed, key, 0 if refused else size)
@@ -136,6 +140,9 @@ class _Packs:
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
+                    if hit is not False:
+                        _unregister(hit[0])                    # written in place: the old copy's panels go
+                    _register(packed, weight.detach())
             except RuntimeError:
                 self.table[key] = None                         # cannot be packed: F.linear for good
                 raise
@@ -143,8 +150,23 @@ class _Packs:
             return packed
 
     def _freed(self, key: int, size: int) -> None:
-        self.table.pop(key, None)
+        hit = self.table.pop(key, None)
+        if hit:
+            _unregister(hit[0])
         self.bytes -= size
+
+
+def _register(packed: Tensor, weight: Tensor) -> None:
+    """Panels for products of few rows beside oneDNN's copy (``decode_kernel.register_panels``: the same bits)."""
+    from . import decode_kernel
+    if decode_kernel.available():
+        decode_kernel.register_panels(packed, weight)
+
+
+def _unregister(packed: Tensor) -> None:
+    from . import decode_kernel
+    if decode_kernel.available():
+        decode_kernel.unregister_panels(packed)
 
 
 _PACKS = _Packs()
@@ -152,13 +174,17 @@ _PACKS = _Packs()
 
 def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """``F.linear(x, weight, bias)`` for a float32 weight packed by oneDNN; a row's value is the same in every call
-    of two or more rows (a single row takes oneDNN's one-row kernel, which may round differently).  The one-call
+    of two or more rows (a single row takes oneDNN's one-row kernel, which may round differently, unless the weight
+    has panels: ``decode_kernel.register_panels``, oneDNN's arithmetic for every row count up to 16).  The one-call
     sublayers (``decode_kernel``'s ``packed_product``) make the same call with the same padding."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     rows = padded_rows(M)
-    if rows != M:
+    from . import decode_kernel
+    if decode_kernel.available():       # the same call as the one-call sublayers' (panels for a few rows)
+        out = decode_kernel.packed_linear(x2, packed, rows)
+    elif rows != M:
         out = torch.ops.mkldnn._linear_pointwise(torch.cat((x2, x2.new_zeros(rows - M, K))), packed, None, "none",
                                                  [], "")[:M]
     else:
