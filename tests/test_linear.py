@@ -115,7 +115,8 @@ def test_a_few_rows_read_panels_with_onednns_bits(N, K):
     """Products of 1-16 rows read the weight's 16-column panels (``decode_kernel.register_panels``: oneDNN's
     arithmetic, k in oneDNN's blocks) and give every row the bits oneDNN's packed product gives it among 37 rows -
     a single row too.  Fails when the panels are refused (their test product disagreed with oneDNN's: a wrong
-    k-block or summation order) or when a registered product's bits differ."""
+    k-block or summation order) or when a registered product's bits differ.  (The k-blocks asserted found are those
+    of the pinned torch's oneDNN on an AVX-512 host.)"""
     from dasspec.model import decode_kernel
     if not lin.onednn_packing() or not decode_kernel.available():
         pytest.skip("no oneDNN linear or no CPU kernels here")
@@ -135,6 +136,28 @@ def test_a_few_rows_read_panels_with_onednns_bits(N, K):
             assert torch.equal(decode_kernel.packed_linear(x[37 - M:], packed, lin.padded_rows(M)), among[37 - M:]), M
     finally:
         decode_kernel.unregister_panels(packed)
+
+
+def test_panels_serve_only_the_thread_count_they_were_checked_at(monkeypatch):
+    """oneDNN splits k over threads for a narrow weight with a long k, so its arithmetic follows the thread count:
+    panels registered at one thread must not serve a call at two (fails when the thread count is not compared)."""
+    from dasspec.model import decode_kernel
+    if not lin.onednn_packing() or not decode_kernel.available():
+        pytest.skip("no oneDNN linear or no CPU kernels here")
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(32, 32768, generator=g) * 0.05, torch.randn(40, 32768, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            lin.linear(x[:2], w)                        # packed (and its panels checked) at one thread
+            for t in (2, 1):
+                torch.set_num_threads(t)
+                assert torch.equal(lin.linear(x[:8], w), lin.linear(x, w)[:8]), t
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_single_row_takes_the_packed_product_only_with_more_than_one_thread(monkeypatch):
@@ -172,10 +195,26 @@ def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
     assert not calls and w.grad is not None
     monkeypatch.setattr(lin, "_PACKS", lin._Packs())
     monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4 * 2)        # one weight: oneDNN's copy and its panels
+    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4)             # one copy (its panels do not fit)
     a, b = torch.randn(64, 32), torch.randn(64, 32)
     with torch.no_grad():
         lin.linear(torch.randn(3, 32), a)                   # fits the budget: packed
         lin.linear(torch.randn(3, 32), b)                   # past it: F.linear, for good
         lin.linear(torch.randn(3, 32), b)
     assert len(calls) == (1 if lin.onednn_packing() else 0)
+
+
+def test_the_budget_counts_panels_only_where_they_are_made(monkeypatch):
+    """Weights whose panels are not made (refused, no AVX-512, no kernels) cost the budget their oneDNN copy only:
+    three of them fit a budget of three copies (fails when the panels are charged before they exist)."""
+    from dasspec.model import decode_kernel
+    if not lin.onednn_packing():
+        pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 3 * 64 * 32 * 4)
+    monkeypatch.setattr(decode_kernel, "register_panels", lambda packed, w: 0)
+    weights = [torch.randn(64, 32) for _ in range(3)]
+    with torch.no_grad():
+        packed = [lin.packed_weight(torch.randn(3, 32), w) is not None for w in weights]
+    assert packed == [True, True, True] and lin._PACKS.bytes == 3 * 64 * 32 * 4

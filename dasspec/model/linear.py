@@ -19,9 +19,10 @@ and more, and a row decoded alone and the same row in a batch may differ in the 
 rows of batches of any two sizes agree.  Where the CPU kernels are built with AVX-512, a product of at most 16 rows
 reads a second copy of the weight in 16-column panels instead (``decode_kernel.register_panels``): oneDNN's own
 arithmetic - each output element a chain of FMAs over k from zero in oneDNN's k-blocks, registered only where a
-test product agrees with oneDNN's bit for bit - streamed faster than oneDNN's few-row kernels do, and a single row
-then gets the bits it has among others.  The packed copies are made on a
-weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, both copies counted, each at most
+test product agrees with oneDNN's bit for bit at the thread count of the call - streamed faster than oneDNN's
+few-row kernels do, and a single row taking the packed product (two threads or more) then gets the bits it has among
+others.  The packed copies (oneDNN's, then the panels where they fit) are made on a
+weight's first product without autograd and kept beside it (``PACK_BUDGET_BYTES`` in all, each copy at most
 ``MEMORY_SHARE`` of the free memory; a weight past that keeps ``F.linear`` for good, so each weight always takes one
 kernel).  Figures: docs/performance.md, "Batched AR
 against vLLM".
@@ -112,6 +113,7 @@ class _Packs:
 
     def __init__(self):
         self.table: dict[int, tuple | None] = {}      # id(weight) -> (packed, version, data_ptr); None: refused
+        self.panel_bytes: dict[int, int] = {}          # id(weight) -> bytes of its panels (registered ones only)
         self.bytes = 0
         self._lock = threading.Lock()
 
@@ -129,7 +131,7 @@ class _Packs:
             if hit is not False and hit[1] == weight._version and hit[2] == weight.data_ptr():
                 return hit[0]
             if hit is False:                                  # first sight: decide once, for good
-                size = weight.numel() * 4 * 2                 # oneDNN's copy and the panels (a few rows' product)
+                size = weight.numel() * 4
                 refused = (weight.dim() != 2 or weight.numel() < PACK_MIN_ELEMENTS
                            or self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes())
                 weakref.finalize(weight, self._freed, key, 0 if refused else size)
@@ -140,33 +142,43 @@ class _Packs:
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
-                    if hit is not False:
-                        _unregister(hit[0])                    # written in place: the old copy's panels go
-                    _register(packed, weight.detach())
             except RuntimeError:
                 self.table[key] = None                         # cannot be packed: F.linear for good
                 raise
+            if hit is not False:                               # written in place: the old copy's panels go
+                self._drop_panels(key, hit[0])
+            self._add_panels(key, packed, weight)
             self.table[key] = (packed, weight._version, weight.data_ptr())
             return packed
+
+    def _add_panels(self, key: int, packed: Tensor, weight: Tensor) -> None:
+        """Panels for products of few rows beside oneDNN's copy (``decode_kernel.register_panels``: the same bits),
+        where they fit what is left of the budget; an optional copy, so any failure leaves oneDNN's product alone."""
+        from . import decode_kernel
+        size = -(-weight.shape[0] // 16) * 16 * weight.shape[1] * 4
+        if (self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
+                or not decode_kernel.available()):
+            return
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                registered = decode_kernel.register_panels(packed, weight.detach()) > 0
+        except RuntimeError:
+            registered = False
+        if registered:
+            self.panel_bytes[key] = size
+            self.bytes += size
+
+    def _drop_panels(self, key: int, packed: Tensor) -> None:
+        from . import decode_kernel
+        if decode_kernel.available():
+            decode_kernel.unregister_panels(packed)
+        self.bytes -= self.panel_bytes.pop(key, 0)
 
     def _freed(self, key: int, size: int) -> None:
         hit = self.table.pop(key, None)
         if hit:
-            _unregister(hit[0])
+            self._drop_panels(key, hit[0])
         self.bytes -= size
-
-
-def _register(packed: Tensor, weight: Tensor) -> None:
-    """Panels for products of few rows beside oneDNN's copy (``decode_kernel.register_panels``: the same bits)."""
-    from . import decode_kernel
-    if decode_kernel.available():
-        decode_kernel.register_panels(packed, weight)
-
-
-def _unregister(packed: Tensor) -> None:
-    from . import decode_kernel
-    if decode_kernel.available():
-        decode_kernel.unregister_panels(packed)
 
 
 _PACKS = _Packs()
