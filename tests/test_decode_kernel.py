@@ -434,3 +434,18 @@ def test_a_replaced_core_step_or_block_forward_keeps_ouros_core_steps_on_their_c
         mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: seen.append("rows") or None)
         decode(model)
     assert not calls and {"core_step", "forward", "rows"} <= set(seen)
+
+
+def test_the_recurrences_one_call_takes_once_only_what_every_layer_shares():
+    """``layers_agree``: the layers may differ in their weights, q/k bias, pools, norms and eps, but not in what the
+    one call takes from the first layer (row counts, RoPE tables, the call's rows, scale, heads) - a layer whose
+    scale or RoPE table was changed keeps the per-layer calls (fails when it is not asked)."""
+    t = [torch.zeros(2) for _ in range(20)]
+    attention = (t[0], t[1], 8, None, t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], 0.125, 8, 8)
+    layer = ([t[10]] * 4, 1e-6, attention, (t[11], t[12], 8))
+    own = ([t[13]] * 4, 1e-5, (t[14], t[15], 8, t[16], t[2], t[3], t[17], t[18]) + attention[8:], (t[19], t[1], 8))
+    assert decode_kernel.layers_agree([layer, own])
+    for j, other in ((12, 0.25), (4, torch.zeros(2)), (9, torch.zeros(2)), (2, 16)):
+        changed = attention[:j] + (other,) + attention[j + 1:]
+        assert not decode_kernel.layers_agree([layer, (layer[0], layer[1], changed, layer[3])]), j
+    assert not decode_kernel.layers_agree([layer, (layer[0], layer[1], attention, (t[11], t[12], 16))])

@@ -321,8 +321,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 namespace {
 // Few rows (a decode step's) times a weight: oneDNN's packed product of float32 computes each output element as a
-// chain of FMAs over k from zero, in blocks of k whose sums are then added in order; its kernels for few rows stream
-// the weight well below this machine's memory bandwidth.  ``panels`` is a copy of the weight in 16-column panels
+// chain of FMAs over k from zero, in blocks of k whose sums are then added in order (docs/performance.md: its kernels
+// for few rows stream the weight slower than this plain walk does).  ``panels`` is a copy of the weight in 16-column panels
 // [N / 16, K, 16] read by a kernel of the same arithmetic (the same bits: registered only where a test product
 // agrees bit for bit with oneDNN's, with the k-block found there), so a call takes either and a row's value does not
 // depend on which.
@@ -686,18 +686,30 @@ def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: 
     return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)
 
 
+# attention_rows' arguments: wqkv, wproj, padded, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts, lengths,
+# scale, H, Hkv; mlp_rows': wfc, wdown, padded.  Of these peri_recur_rows takes per layer the weights and the bias (and
+# the pools per layer and step); the rest once, from the first layer.
+_PER_LAYER = (0, 1, 3, 6, 7)
+
+
+def layers_agree(layers: list[tuple]) -> bool:
+    """Whether every layer's ``peri_layer_rows`` arguments that ``peri_recur_rows`` takes once (the products' row
+    counts, RoPE tables, the call's rows, scale, heads) are the first layer's (the same for every layer of one config;
+    asked, since a module may be changed)."""
+    a0, m0 = layers[0][2], layers[0][3]
+    return all(m[2] == m0[2] and all(j in _PER_LAYER or x is y or (not isinstance(x, Tensor) and x == y)
+                                     for j, (x, y) in enumerate(zip(a, a0)))
+               for _, _, a, m in layers[1:])
+
+
 def peri_recur_rows(x: Tensor, steps: int, layers: list[tuple], pools: list[tuple[Tensor, Tensor]], ln_weight: Tensor,
                     ln_eps: float) -> Tensor:
     """``steps`` core steps of Ouro's layers over a call's rows x [M, d] in one call, each step's layers then ln_f
     (``Ouro.recur_rows``).  ``layers``: each layer's ``peri_layer_rows`` arguments after x, as
-    ``PeriNormBlock.layer_args`` gives them for the first step; ``pools``: the (K, V) pool of every layer of every
-    step, step after step, in place of the first step's.  The products' row counts, RoPE tables, the call's rows,
-    scale and heads are taken from the first layer for all (the caller checks that they agree)."""
-    L = len(layers)
+    ``PeriNormBlock.layer_args`` gives them (``layers_agree``); ``pools``: the (K, V) pool of every layer of every
+    step, step after step, in place of the layers' own."""
     norms = [w for n, *_ in layers for w in n]
     a0 = layers[0][2]
-    # attention_rows' arguments: wqkv, wproj, padded, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts,
-    # lengths, scale, H, Hkv; mlp_rows': wfc, wdown, padded
     return (_module if _tried else _load()).peri_recur_rows(
         x, steps, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers], a0[2],
         [l[2][3] for l in layers], a0[4], a0[5], [k for k, _ in pools], [v for _, v in pools], *a0[8:15],

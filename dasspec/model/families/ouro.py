@@ -116,15 +116,11 @@ class Ouro(Family):
             if args is None:
                 return None
             layers.append(args)
-        # what the kernel takes from the first layer for all: products' row counts, RoPE tables, the call's rows,
-        # scale and heads (the same for every layer of one config; checked, since a module may be changed)
-        a0, m0 = layers[0][2], layers[0][3]
-        if any(a[2] != a0[2] or a[4] is not a0[4] or a[5] is not a0[5] or a[12:15] != a0[12:15] or m[2] != m0[2]
-               or any(x is not y for x, y in zip(a[8:12], a0[8:12])) for _, _, a, m in layers[1:]):
+        if not decode_kernel.layers_agree(layers):
             return None
-        shared = a0[8:12]                   # the call's store rows, read rows, starts and lengths
-        pools = []
-        for r in steps:
+        shared = layers[0][2][8:12]         # the call's store rows, read rows, starts and lengths
+        pools = [a[6:8] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
+        for r in steps[1:]:
             for i in range(len(blocks)):
                 plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)
                 if plan is None or any(p is not q for p, q in zip(plan[2:], shared)):
