@@ -237,11 +237,11 @@ class GroupWave(FakeWave):
 
 
 def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, texts: list | None = None,
-                    budgets: list[int] | None = None, closed: bool = False) -> list[list[str]]:
+                    budgets: list[int] | None = None, closed: bool = False, verify=None) -> list[list[str]]:
     """B requests decoding together on ``texts`` (default random text: the lookups never match): the fake wave's
     drafts commit ``wave_tokens``, a lookup's what matches the text; a verification pass costs 100 x the calibrated
-    pass over the step's rows.  ``closed``: a closed batch with nobody waiting (``DraftContext.closed``); budgets
-    default 1000.  Returns the arms per step."""
+    pass over the step's rows (``verify(rows, requests)``: seconds, instead).  ``closed``: a closed batch with
+    nobody waiting (``DraftContext.closed``); budgets default 1000.  Returns the arms per step."""
     clock = drafter.clock
     g = torch.Generator().manual_seed(5)
     texts = texts or [torch.randint(10, 5000, (1200,), generator=g).tolist() for _ in range(B)]
@@ -266,7 +266,7 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
             rows = len(toks) + 1
             rows_all += rows
             verdicts.append((s, req, text[at: at + m + 1], m, rows))
-        clock.t += 100 * drafter.pass_cost(rows_all)
+        clock.t += 100 * drafter.pass_cost(rows_all) if verify is None else verify(rows_all, len(verdicts))
         for s, req, committed, m, rows in verdicts:
             req.generated.extend(committed)
             req.room = req.budget = req.budget - len(committed)
@@ -301,15 +301,16 @@ def test_a_batch_does_not_draft_together_where_that_loses() -> None:
     assert drafting <= 0.1 * 4 * len(late), arms
 
 
-def _lookup_batch(repeating: list[bool], budgets: list[int], closed: bool) -> list[list[str]]:
-    """Four requests under auto with prompt lookup only, wide rows nearly free (as on the bundled model): request
-    i's text repeats a 7-token period when ``repeating[i]`` (its lookup drafts match), else is random."""
+def _lookup_batch(repeating: list[bool], budgets: list[int], closed: bool, verify=None) -> list[list[str]]:
+    """Four requests under auto with prompt lookup only, wide rows nearly free in the calibration (as on the
+    bundled model): request i's text repeats a 7-token period when ``repeating[i]`` (its lookup drafts match), else
+    is random.  ``verify``: the simulated verification cost (``_simulate_batch``)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.01), 4)
     g = torch.Generator().manual_seed(8)
     texts = [list(range(3000 + 10 * i, 3007 + 10 * i)) * 200 if rep else
              torch.randint(10, 2000, (1400,), generator=g).tolist() for i, rep in enumerate(repeating)]
-    return _simulate_batch(d, len(texts), 40, 1, texts=texts, budgets=budgets, closed=closed)
+    return _simulate_batch(d, len(texts), 40, 1, texts=texts, budgets=budgets, closed=closed, verify=verify)
 
 
 def test_a_closed_batch_drafts_only_where_that_brings_its_end_nearer() -> None:
@@ -319,7 +320,7 @@ def test_a_closed_batch_drafts_only_where_that_brings_its_end_nearer() -> None:
     closed batch is valued as a server's steps).  Given the longest budget of the batch, or alone (the last request
     of a closed batch), it drafts: now its steps are the batch's end (fails when drafting never counts there)."""
     lone = [True, False, False, False]
-    open_arms = _lookup_batch(lone, [200] * 4, closed=False)
+    open_arms = _lookup_batch(lone, [1000] * 4, closed=False)      # 200 would end its budget by step 24
     assert sum(step[0] == "pld" for step in open_arms[10:]) >= 20, open_arms
     closed_arms = _lookup_batch(lone, [200] * 4, closed=True)
     assert sum(step[0] == "pld" for step in closed_arms[10:]) <= 3, closed_arms
@@ -332,7 +333,7 @@ def test_a_closed_batch_drafts_only_where_that_brings_its_end_nearer() -> None:
 def test_a_closed_batch_drafts_together_where_every_request_gains() -> None:
     """Every request's text repeats: in a closed batch all four draft with prompt lookup - together they bring the
     batch's end nearer (fails when a closed batch weighs only plain steps)."""
-    arms = _lookup_batch([True] * 4, [200] * 4, closed=True)
+    arms = _lookup_batch([True] * 4, [1000] * 4, closed=True)
     together = sum(all(a == "pld" for a in step) for step in arms[10:])
     assert together >= 20, arms
 
@@ -344,6 +345,59 @@ def test_a_closed_batch_of_unequal_requests_drafts_where_it_pays() -> None:
     step-by-step valuation of the batch's end had it: the bundled model's batch then ran mostly plain steps)."""
     arms = _simulate_batch(_batched_auto(0.05), 4, 40, 3, budgets=[400, 390, 380, 370], closed=True)
     assert all(step == ["das-wave"] * 4 for step in arms[10:]), arms
+
+
+def test_rows_past_the_plain_ones_are_priced_as_measured() -> None:
+    """Every request's text repeats, so prompt lookup's drafts commit about 8 tokens; the calibration says wide
+    rows are nearly free, but here each row past a request's first costs 0.3 of a plain 4-row pass (so the drafted
+    steps, about 44 rows, lose to plain ones).  After its first drafted steps auto prices those rows as measured
+    and decodes plain (fails when one scale fitted over all steps prices them: it keeps drafting)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.3 * (rows - n)
+    for closed in (False, True):
+        arms = _lookup_batch([True] * 4, [1000] * 4, closed=closed, verify=verify)
+        drafted = sum(a == "pld" for step in arms for a in step)
+        assert drafted <= 4 * 4, (closed, arms)
+        assert all(a == "ar" for step in arms[-20:] for a in step), (closed, arms)
+
+
+def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
+    """A closed batch plans for the rest of its budgets, so one lucky step must not commit it: four requests whose
+    lookup drafts committed one token for 20 steps and then five once (the step's average jumps to 2.2, a drafted
+    step costs 1.75 plain ones: drafting would pay at 2.2) stay plain; where the drafts keep committing three, they
+    draft (fails when the plan takes the step's average: the lucky step puts the batch on prompt lookup)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
+    d.ema_v = d.ema_f = 1.0
+    d.dcost["pld"] = (1e-9, 1.0)
+    text = list(range(100, 400))
+    reqs = [_fake_req(text, 5, 100) for _ in range(4)]
+    for r in reqs:
+        r.closed = True
+    sessions = [d.start(r) for r in reqs]
+    for s in sessions:
+        for step in range(20):
+            s.arms["pld"].add(1, 11, step, auto_mod.STEP_ALPHA)
+        s.arms["pld"].add(5, 11, 20, auto_mod.STEP_ALPHA)
+    assert sessions[0].tok_rows("pld")[0] > 2.0
+    plain = [("ar", False)] * 4
+    assert d.closed_plan(sessions, plain) == plain
+    for s in sessions:
+        for step in range(21, 40):
+            s.arms["pld"].add(3, 11, step, auto_mod.STEP_ALPHA)
+    assert d.closed_plan(sessions, plain) == [("pld", False)] * 4
+
+
+def test_a_request_with_one_token_to_go_takes_a_plain_step() -> None:
+    """With one token left a draft cannot commit more and a probe measures nothing: the request takes a plain step
+    although DAS-Wave was never measured (fails without the rule: the step probes it)."""
+    d = _auto("das-wave", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0)})
+    text = list(range(10, 100))
+    arms = _simulate(d, _fake_req(text, 5, 2), text, 2, lambda step: 1)
+    assert arms == ["ar", "ar"], arms
+    arms = _simulate(_auto("das-wave", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0)}),
+                     _fake_req(text, 5, 3), text, 2, lambda step: 1)
+    assert arms == ["ar", "das-wave"], arms           # with two to go it probes
 
 
 # --- calibration ------------------------------------------------------------------------------------------------
@@ -362,6 +416,61 @@ def test_calibration_is_cached_and_optional(monkeypatch) -> None:
     assert d.sizing is None
     d = build_drafter(model, "auto")
     assert d.sizing is not None and d.width >= max(s.width for s in d.subs.values())
+
+
+class _BurstModel:
+    """What measure_costs calls, on a fake clock: a core step over W rows takes (1 + W / 32) ms, calls
+    ``burst`` 20 x that (another process took the machine)."""
+
+    def __init__(self, clock: FakeClock, burst: range):
+        self.clock, self.burst, self.calls = clock, burst, 0
+        self.device = torch.device("cpu")
+
+    def span(self, start, past, W):
+        return W
+
+    def initial_state(self, positions):
+        return torch.zeros(len(positions), 1)
+
+    def start_state(self, h0, e):
+        return h0
+
+    def prelude(self, ids, span):
+        return None
+
+    def core_step(self, h, e, W):
+        self.calls += 1
+        self.clock.t += 1e-3 * (1 + W / 32) * (20 if self.calls in self.burst else 1)
+        return h
+
+    def readout(self, h, span):
+        return None
+
+
+def test_calibration_survives_a_burst_of_load(monkeypatch) -> None:
+    """A burst of load over five consecutive core steps: measured width by width, it would cover every
+    repetition of one width (that width then costs 20 x its neighbours and the window and pass costs follow the
+    noise); measured round the widths, each width keeps a quiet repetition (fails when the repetitions of a width
+    run back to back)."""
+    clock = FakeClock()
+    monkeypatch.setattr(auto_mod, "time", SimpleNamespace(perf_counter=clock))
+    for start in range(2, 16):
+        model = _BurstModel(clock, range(start, start + 5))
+        core = auto_mod.measure_costs(model, budget_s=10.0)["core"]
+        assert set(core) == set(auto_mod.CAL_WIDTHS)
+        for W, t in core.items():
+            assert t == pytest.approx(1e-3 * (1 + W / 32)), (start, W, core)
+
+
+def test_a_narrow_width_measured_dearer_is_not_believed() -> None:
+    """A pass over more rows never costs less: a width measured dearer than a wider one takes the wider one's
+    time (fails without the envelope: full(2) would exceed full(32))."""
+    costs = _table(0.01)
+    costs["core"][2] = 10 * costs["core"][32]
+    s = Sizing.of(costs, 4)
+    widths = sorted(costs["core"])
+    assert all(s.full(a) <= s.full(b) for a, b in zip(widths, widths[1:]))
+    assert s.window == 32
 
 
 def _table(core_wide: float) -> dict:

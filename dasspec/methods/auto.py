@@ -8,7 +8,11 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
 * **what a pass costs**: the step's time minus the sub-drafters' drafting time is the verification (and engine)
   time V; it is modelled as ``V = scale * full(rows)`` over the step's verifier rows, where ``full(W)`` is the
   calibrated model time of a full-depth pass over W rows (below; without a calibration ``DEFAULT_K + W``) and
-  ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).
+  ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).  Once
+  plain steps (a row per request) are measured, a pass over n requests' rows is priced in two parts: the n plain
+  rows at the plain steps' scale, the rows past them at the scale measured on drafted steps (``verify_time``) -
+  the calibration's rows are one sequence's own, while a drafted step's extra rows each read a request's cached
+  prefix beside the others, and can cost far more than the calibration's shape says (docs/performance.md, "auto").
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
   per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
@@ -42,10 +46,15 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   j on an arm for the rest of its budget takes budget / tokens steps; each step costs one pass over the rows of the
   requests still decoding plus the drafting of each arm's group), weighed for every request plain, every request
   on one drafter, and each request's own choice; the quickest is taken if it beats plain steps by ``MARGIN``
-  (probes keep their arm).
+  (probes keep their arm).  Such a plan holds for the rest of the budgets, so it takes each request's *sustained*
+  tokens per step (the lower of its moving average and a slower one): a single long match among misses does not
+  put the batch on a drafter, a fall is followed at once.
+* a request with one token to go takes a plain step: a draft cannot commit more, a probe would measure nothing.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
-bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32, from
+bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32 (the
+minimum of repetitions taken round the widths, so a burst of load cannot make one width look dear; a width measured
+dearer than a wider one takes the wider one's time), from
 which (a) ``full(W)`` above, and (b) DAS-Wave's window for this model: gamma = W_init = the
 widest window whose round costs at most ``WIDE_ROUND`` times a one-row round (wider rows stop being nearly free), and
 the rounds J cut so a block's rounds cost at most one full-depth one-row pass (an AR step), so a block that gains a
@@ -58,6 +67,7 @@ What was chosen: each draft's ``notes["auto"]`` (the arm; ``probe`` when it was 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -80,7 +90,8 @@ CALIBRATION_BUDGET_S = 3.0
 CAL_WIDTHS = (1, 8, 32, 2, 4, 16)       # the most telling first: a slow model measures only what the budget allows
 WIDE_ROUND = 1.5          # a window is "nearly free" while a round over it costs at most this x a one-row round
 DEFAULT_K = 4.0           # the fixed part of a pass in row units, without a calibration
-CAL_VERSION = 2
+CAL_VERSION = 3
+CAL_REPS = 4               # passes round the widths (each width's minimum is kept)
 
 
 @dataclass(frozen=True)
@@ -135,46 +146,51 @@ def _keys(model) -> tuple[str, str]:
 
 def measure_costs(model, budget_s: float = CALIBRATION_BUDGET_S, widths=CAL_WIDTHS) -> dict[str, dict[int, float]]:
     """Seconds of the prelude, one core step and the readout over W rows (no cache: own rows only), for each W in
-    ``widths`` while the budget lasts (the minimum of a few repetitions)."""
+    ``widths`` while the budget lasts: a first pass over the widths (the most telling first, while half the budget
+    lasts), then up to ``CAL_REPS - 1`` more passes round the widths it reached, keeping each width's minimum - a
+    burst of load then touches every width alike instead of corrupting the one being measured."""
     cuda = model.device.type == "cuda"
 
     def sync():
         if cuda:
             torch.cuda.synchronize(model.device)
 
+    def once(W: int) -> tuple[float, float, float]:
+        ids = torch.zeros(1, W, dtype=torch.long, device=model.device)
+        span = model.span(0, 0, W)
+        h0 = model.initial_state(torch.arange(W, device=model.device)).unsqueeze(0)
+        sync()
+        t0 = time.perf_counter()
+        e = model.prelude(ids, span)
+        sync()
+        t1 = time.perf_counter()
+        h = model.core_step(model.start_state(h0, e), e, span)
+        sync()
+        t2 = time.perf_counter()
+        model.readout(h, span)
+        sync()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
     t_start = time.perf_counter()
     out: dict[str, dict[int, float]] = {"prelude": {}, "core": {}, "head": {}}
+
+    def keep(W: int, got: tuple[float, float, float]) -> None:
+        for name, t in zip(out, got):
+            out[name][W] = min(out[name].get(W, math.inf), t)
+
     with torch.no_grad():
+        once(widths[0])                                  # warms up
+        reached = []
         for W in widths:
-            if out["core"] and time.perf_counter() - t_start > budget_s * 0.5:
+            if reached and time.perf_counter() - t_start > budget_s * 0.5:
                 break
-            ids = torch.zeros(1, W, dtype=torch.long, device=model.device)
-            span = model.span(0, 0, W)
-            h0 = model.initial_state(torch.arange(W, device=model.device)).unsqueeze(0)
-            best = {"prelude": math.inf, "core": math.inf, "head": math.inf}
-            for rep in range(4 if not out["core"] else 3):
-                sync()
-                t0 = time.perf_counter()
-                e = model.prelude(ids, span)
-                sync()
-                t1 = time.perf_counter()
-                h = model.core_step(model.start_state(h0, e), e, span)
-                sync()
-                t2 = time.perf_counter()
-                model.readout(h, span)
-                sync()
-                t3 = time.perf_counter()
-                if rep or out["core"]:                   # the very first repetition warms up
-                    best["prelude"] = min(best["prelude"], t1 - t0)
-                    best["core"] = min(best["core"], t2 - t1)
-                    best["head"] = min(best["head"], t3 - t2)
-                if math.isfinite(best["core"]) and time.perf_counter() - t_start > budget_s:
-                    break
-            if math.isfinite(best["core"]):
-                for name in out:
-                    out[name][W] = best[name]
-            if time.perf_counter() - t_start > budget_s:
-                break
+            keep(W, once(W))
+            reached.append(W)
+        for _ in range(CAL_REPS - 1):
+            for W in reached:
+                if time.perf_counter() - t_start > budget_s:
+                    return out
+                keep(W, once(W))
     return out
 
 
@@ -206,18 +222,36 @@ def calibration(model, use_cache: bool = True) -> dict[str, dict[int, float]]:
     return costs
 
 
-def _interp(table: dict[int, float], W: float) -> float:
-    """``table`` (width -> seconds) at width W: piecewise linear, extrapolated along the last two widths."""
-    ws = sorted(table)
-    if len(ws) == 1:
-        return table[ws[0]] * max(W, 1) / ws[0] if W > ws[0] else table[ws[0]]
-    if W <= ws[0]:
-        return table[ws[0]]
-    for lo, hi in zip(ws, ws[1:]):
-        if W <= hi:
-            return table[lo] + (table[hi] - table[lo]) * (W - lo) / (hi - lo)
-    lo, hi = ws[-2], ws[-1]
-    return table[hi] + max(table[hi] - table[lo], 0.0) * (W - hi) / (hi - lo)
+class Curve:
+    """A table of seconds by width as a function of width: piecewise linear, extrapolated along the last two
+    widths (one width: in proportion past it)."""
+    __slots__ = ("ws", "ts")
+
+    def __init__(self, table: dict[int, float]):
+        self.ws = sorted(table)
+        self.ts = [table[w] for w in self.ws]
+
+    def __call__(self, W: float) -> float:
+        ws, ts = self.ws, self.ts
+        if len(ws) == 1:
+            return ts[0] * W / ws[0] if W > ws[0] else ts[0]
+        if W <= ws[0]:
+            return ts[0]
+        i = min(bisect.bisect_left(ws, W), len(ws) - 1)
+        lo, hi = ws[i - 1], ws[i]
+        if W > hi:
+            return ts[i] + max(ts[i] - ts[i - 1], 0.0) * (W - hi) / (hi - lo)
+        return ts[i - 1] + (ts[i] - ts[i - 1]) * (W - lo) / (hi - lo)
+
+
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """``table`` (width -> seconds) with each width's time at most every wider one's: a pass over more rows never
+    costs less, so a narrower width measured dearer was measured under load."""
+    out, low = {}, math.inf
+    for W in sorted(table, reverse=True):
+        low = min(low, table[W])
+        out[W] = low
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -228,11 +262,22 @@ class Sizing:
     R: int
     window: int | None          # the widest nearly-free window (None: only one width measured)
 
+    def __post_init__(self) -> None:       # the cost model asks these per request and step: built once
+        parts = {name: Curve(part) for name, part in self.costs.items()}
+        widths = sorted(set().union(*(part.ws for part in parts.values())))
+        object.__setattr__(self, "_parts", parts)
+        object.__setattr__(self, "_full", Curve({W: self._sum(parts, W, self.R) for W in widths}))
+
+    @staticmethod
+    def _sum(parts: dict[str, Curve], W: float, k: int) -> float:
+        return parts["prelude"](W) + k * parts["core"](W) + parts["head"](W)
+
     @classmethod
     def of(cls, costs: dict[str, dict[int, float]], R: int) -> "Sizing | None":
-        core = costs.get("core", {})
-        if 1 not in core:
+        if 1 not in costs.get("core", {}):
             return None
+        costs = {name: monotone(part) for name, part in costs.items()}
+        core = costs["core"]
         s = cls(costs, R, None)
         if max(core) > 1:
             window = max(W for W in sorted(core) if s.round_cost(W, 1) <= WIDE_ROUND * s.round_cost(1, 1))
@@ -240,12 +285,10 @@ class Sizing:
         return s
 
     def full(self, W: float) -> float:
-        c = self.costs
-        return _interp(c["prelude"], W) + self.R * _interp(c["core"], W) + _interp(c["head"], W)
+        return self._full(W)
 
     def round_cost(self, W: float, k: int) -> float:
-        c = self.costs
-        return _interp(c["prelude"], W) + k * _interp(c["core"], W) + _interp(c["head"], W)
+        return self._sum(self._parts, W, k)
 
     @property
     def full1(self) -> float:
@@ -258,24 +301,38 @@ def _ema(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
 
 
+def _ema2(old: tuple[float, float] | None, v: float, f: float) -> tuple[float, float]:
+    """Moving averages of a measured time and its modelled cost (their ratio: a fitted scale)."""
+    return (v, f) if old is None else (_ema(old[0], v, STEP_ALPHA), _ema(old[1], f, STEP_ALPHA))
+
+
 class ArmStats:
-    __slots__ = ("tok", "rows", "n", "last")   # per request and arm
+    __slots__ = ("tok", "slow", "rows", "n", "last")   # per request and arm
 
     def __init__(self):
         self.tok: float | None = None      # tokens committed per step (moving average)
+        self.slow: float | None = None     # the same, averaged over more steps (``SLOW_ALPHA``)
         self.rows: float | None = None     # verifier rows per step
         self.n = 0
         self.last = 0                      # the step of the last measurement (the session's start: none yet)
 
     def add(self, tok: float, rows: float, step: int, alpha: float) -> None:
         self.tok = _ema(self.tok, tok, alpha)
+        self.slow = _ema(self.slow, tok, min(alpha, SLOW_ALPHA))
         self.rows = _ema(self.rows, rows, alpha)
         self.n += 1
         self.last = step
 
+    @property
+    def sustained(self) -> float | None:
+        """Tokens per step to expect for the rest of a budget: the lower of the two averages, so one lucky step
+        (one long match among misses) does not commit a whole batch, while a fall is followed at once."""
+        return None if self.tok is None else min(self.tok, self.slow)
+
 
 PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
 STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
+SLOW_ALPHA = 0.1           # the slower average of tokens per step, for plans over the rest of a budget
 PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
 MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
@@ -301,14 +358,15 @@ class AutoSession(Session):
         self.hint_level = 0.0              # the lookup acceptance that triggered the last hinted probe
 
     # -- estimates --
-    def tok_rows(self, arm: str) -> tuple[float | None, float | None]:
+    def tok_rows(self, arm: str, sustained: bool = False) -> tuple[float | None, float | None]:
         """Tokens and verifier rows per step of ``arm`` for this request (the drafter's average over its requests
-        while this one has not measured it; None when nobody has)."""
+        while this one has not measured it; None when nobody has).  ``sustained``: the tokens to expect over the
+        rest of the budget (``ArmStats.sustained``) rather than next step."""
         if arm == "ar":
             return 1.0, 1.0
         st = self.arms[arm]
         if st.n:
-            return st.tok, st.rows
+            return (st.sustained if sustained else st.tok), st.rows
         prior = self.drafter.prior.get(arm)
         return (prior[0], prior[1]) if prior is not None else (None, None)
 
@@ -321,7 +379,7 @@ class AutoSession(Session):
         for arm in ("ar", *d.subs):
             tok, rows = self.tok_rows(arm)
             m = d.groups_last.get(arm, 0) + (self.prev != arm)        # the group it would draft in
-            t = d.step_time(arm, rows, others, m) if tok is not None else None
+            t = d.step_time(arm, rows, others, m, B) if tok is not None else None
             out[arm] = None if t is None else ((others[0] + tok) / t, t, others[0] + tok)
         return out
 
@@ -415,6 +473,7 @@ class AutoSession(Session):
         tok, rows = len(verdict.tokens), int(verdict.pred.shape[0])
         self.drafter.step_tok += tok
         self.drafter.step_rows += rows
+        self.drafter.step_n += 1
         if arm != "ar":
             self.arms[arm].add(tok, rows, self.steps, STEP_ALPHA if arm in LOOKUP else PROBE_ALPHA)
             self.drafter.add_prior(arm, tok, rows)
@@ -443,13 +502,17 @@ class AutoDrafter(Drafter):
         self.sizing: Sizing | None = None
         self.ema_v: float | None = None          # verification (+ engine) seconds per step, measured
         self.ema_f: float | None = None          # the model's pass cost of those steps' rows (``pass_cost``)
+        self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
+        self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, and its cost
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
+        self._units: dict[tuple[str, int], float] = {}     # draft_units by (arm, group size)
         self.probed: set[str] = set()            # arms probed this step (one request each)
         self.elapsed = 0.0                       # seconds of the steps measured so far
         self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
         self.prior: dict[str, tuple[float, float]] = {}
         self.step_tok = self.step_rows = 0       # the step being verified: tokens, rows (from the verdicts)
+        self.step_n = 0                          # and its verified requests
         self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
         self._t_prev: float | None = None
         self._d_prev = 0.0
@@ -527,6 +590,20 @@ class AutoDrafter(Drafter):
         """Measured verification seconds per unit of ``pass_cost`` (engine overhead and load included)."""
         return None if self.ema_v is None else self.ema_v / self.ema_f
 
+    def verify_time(self, rows: float, n: int) -> float | None:
+        """Expected seconds of a verification pass over ``rows`` rows of n requests: once plain steps are measured,
+        their n rows at the plain steps' scale and the rows past them at the scale measured on drafted steps (the
+        calibration's shape misses what a cached, batched row costs beside a request's first one: on a small model
+        rows past the first cost several times their share); before that, every row at the one measured scale."""
+        if self.plain is None:
+            scale = self.scale
+            return None if scale is None else scale * self.pass_cost(rows)
+        base = self.pass_cost(n)
+        extra = max(self.pass_cost(rows) - base, 0.0)
+        sp = self.plain[0] / self.plain[1]
+        sw = sp if self.wide is None else self.wide[0] / self.wide[1]
+        return sp * base + sw * extra
+
     def others(self, B: int) -> tuple[float, float, float]:
         """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
         last step's totals, scaled to B - 1 of its sessions)."""
@@ -547,7 +624,11 @@ class AutoDrafter(Drafter):
         kn = getattr(self.subs.get(arm), "knobs", None)
         if self.sizing is None or kn is None or not hasattr(kn, "w"):
             return 1.0 + m
-        return sum(self.sizing.round_cost(min(kn.gamma, kn.w_init + j) * m, kn.k) for j in range(kn.rounds))
+        key = (arm, m)
+        if key not in self._units:
+            self._units[key] = sum(self.sizing.round_cost(min(kn.gamma, kn.w_init + j) * m, kn.k)
+                                   for j in range(kn.rounds))
+        return self._units[key]
 
     def draft_time(self, arm: str, m: int) -> float | None:
         """Expected drafting seconds per request of ``arm`` in a group of m requests (None: never measured)."""
@@ -559,16 +640,17 @@ class AutoDrafter(Drafter):
         m = max(m, 1)
         return got[0] / got[1] * self.draft_units(arm, m) / m
 
-    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int = 1) -> float | None:
+    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int = 1,
+                  B: int = 1) -> float | None:
         """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
-        requests drafting with it) beside ``others``."""
-        scale = self.scale
-        if scale is None or rows is None:
+        requests drafting with it) beside ``others`` (B - 1 requests)."""
+        if rows is None:
             return None
+        v = self.verify_time(others[1] + rows, B)
         d = self.draft_time(arm, m)
-        if d is None:
+        if v is None or d is None:
             return None
-        return d + others[2] + scale * self.pass_cost(others[1] + rows)
+        return d + others[2] + v
 
     def may_probe(self, loss: float) -> bool:
         """Whether a probe estimated to cost ``loss`` seconds over the best arm keeps every probe so far within
@@ -599,21 +681,26 @@ class AutoDrafter(Drafter):
             self.last = (len(self._ids_prev), self.step_tok, self.step_rows, self._d_prev)
             if ids <= self._ids_prev:             # no request joined (its prefill rode in that pass)
                 v = max(now - self._t_prev - self._d_prev, 0.0)
-                f = self.pass_cost(self.step_rows)
-                scale = self.scale
-                if scale is not None:
-                    v = min(v, 3.0 * scale * f)   # a step that also prefilled a waiting prompt, or a pause: clipped
+                rows, n = self.step_rows, self.step_n
+                f = self.pass_cost(rows)
+                expected = self.verify_time(rows, n)
+                if expected is not None:
+                    v = min(v, 3.0 * expected)    # a step that also prefilled a waiting prompt, or a pause: clipped
                 self.ema_v = _ema(self.ema_v, v, STEP_ALPHA)
                 self.ema_f = _ema(self.ema_f, f, STEP_ALPHA)
+                if rows <= n:
+                    self.plain = _ema2(self.plain, v, f)
+                elif self.plain is not None:
+                    base = self.pass_cost(n)
+                    past = (max(v - self.plain[0] / self.plain[1] * base, 0.0), self.pass_cost(rows) - base)
+                    if past[1] > 0:
+                        self.wide = _ema2(self.wide, *past)
         self._t_prev, self._ids_prev = now, ids
-        self.step_tok = self.step_rows = 0
+        self.step_tok = self.step_rows = self.step_n = 0
 
     def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
         """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
         groups' drafting and one pass over every session's rows (None while any part is unmeasured)."""
-        scale = self.scale
-        if scale is None:
-            return None
         tok = rows = 0.0
         groups: dict[str, int] = {}
         for s, arm in zip(sessions, arms):
@@ -622,7 +709,9 @@ class AutoDrafter(Drafter):
                 return None
             tok, rows = tok + t, rows + r
             groups[arm] = groups.get(arm, 0) + 1
-        seconds = scale * self.pass_cost(rows)
+        seconds = self.verify_time(rows, len(sessions))
+        if seconds is None:
+            return None
         for arm, m in groups.items():
             d = self.draft_time(arm, m)
             if d is None:
@@ -635,8 +724,7 @@ class AutoDrafter(Drafter):
         sooner) when request j stays on ``plan[j]`` = (arm, steps, rows per step): each step costs one pass over the
         rows of the requests still decoding plus each arm's drafting for its group then (None while a cost is
         unmeasured).  ``memo``: drafting times by (arm, group) shared by the plans of one step."""
-        scale = self.scale
-        if scale is None:
+        if self.scale is None:
             return None
         memo = {} if memo is None else memo
         rows = sum(r for _, _, r in plan)
@@ -644,9 +732,10 @@ class AutoDrafter(Drafter):
         for arm, _, _ in plan:
             group[arm] = group.get(arm, 0) + 1
         total = done = 0.0
+        n = len(plan)
         for steps, arm, r in sorted((t, arm, r) for arm, t, r in plan):
             if steps > done:
-                step = scale * self.pass_cost(rows)
+                step = self.verify_time(rows, n)
                 for a, m in group.items():
                     if m and a != "ar":
                         if (a, m) not in memo:
@@ -658,6 +747,7 @@ class AutoDrafter(Drafter):
                 total += (steps - done) * step
                 done = steps
             rows -= r
+            n -= 1
             group[arm] -= 1
         return total
 
@@ -675,7 +765,7 @@ class AutoDrafter(Drafter):
         for arms in plans:
             plan = []
             for s, b, arm in zip(sessions, budgets, arms):
-                tok, rows = s.tok_rows(arm)
+                tok, rows = s.tok_rows(arm, sustained=True)
                 if tok is None or rows is None:
                     break
                 plan.append((arm, b / max(tok, 1.0), rows))
@@ -716,6 +806,8 @@ class AutoDrafter(Drafter):
         picks = [s.choose(B) for s in sessions]
         closed = B > 1 and sessions[0].ctx.closed           # alone, the step's tokens per second is its end
         picks = self.closed_plan(sessions, picks) if closed else self.together(sessions, picks)
+        # one token to go: a draft cannot commit more, a probe would measure nothing
+        picks = [("ar", False) if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):
             s.arm, s.probe = pick
