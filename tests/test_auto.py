@@ -165,7 +165,7 @@ def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_token
     """Drive one session for ``steps`` steps: drafts are judged against ``text`` (the target's tokens), the fake
     wave's by ``wave_tokens(step)``; a verification costs 0.1 x (4 + rows) seconds.  Returns the arm per step."""
     clock = drafter.clock
-    s = drafter.start(req)
+    s = req.session = drafter.start(req)
     arms = []
     for step in range(steps):
         [d] = drafter.propose_batch([s])
@@ -239,9 +239,10 @@ class GroupWave(FakeWave):
 def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, texts: list | None = None,
                     budgets: list[int] | None = None, closed: bool = False, verify=None) -> list[list[str]]:
     """B requests decoding together on ``texts`` (default random text: the lookups never match): the fake wave's
-    drafts commit ``wave_tokens``, a lookup's what matches the text; a verification pass costs 100 x the calibrated
-    pass over the step's rows (``verify(rows, requests)``: seconds, instead).  ``closed``: a closed batch with
-    nobody waiting (``DraftContext.closed``); budgets default 1000.  Returns the arms per step."""
+    drafts commit ``wave_tokens``, a lookup's what matches the text, at most what the budget leaves (a request
+    whose budget is spent leaves the batch: "done"); a verification pass costs 100 x the calibrated pass over the
+    step's rows (``verify(rows, requests)``: seconds, instead).  ``closed``: a closed batch with nobody waiting
+    (``DraftContext.closed``); budgets default 1000.  Returns the arms per step."""
     clock = drafter.clock
     g = torch.Generator().manual_seed(5)
     texts = texts or [torch.randint(10, 5000, (1200,), generator=g).tolist() for _ in range(B)]
@@ -251,14 +252,19 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
     sessions = [drafter.start(r) for r in reqs]
     out = []
     for _ in range(steps):
-        drafts = drafter.propose_batch(sessions)
+        live = [i for i, r in enumerate(reqs) if r.budget > 0]
+        if not live:
+            break
+        drafts = drafter.propose_batch([sessions[i] for i in live])
         rows_all = 0
         verdicts = []
-        for s, d, req, text in zip(sessions, drafts, reqs, texts):
+        for i, d in zip(live, drafts):
+            s, req, text = sessions[i], reqs[i], texts[i]
             toks = d.tokens.tolist() if hasattr(d.tokens, "tolist") else list(d.tokens)
+            toks = toks[: req.room - 1]                  # the engine cuts a chain to the budget rule
             at = len(req.generated) + req.P
             if s.arm == "das-wave":
-                m = wave_tokens - 1
+                m = min(wave_tokens - 1, len(toks))
             else:
                 m = 0
                 while m < len(toks) and toks[m] == text[at + m]:
@@ -272,7 +278,7 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
             req.room = req.budget = req.budget - len(committed)
             s.observe(Verdict(kept=len(committed), accepted=m, path=list(range(m + 1)), tokens=committed,
                               pred=torch.zeros(rows, dtype=torch.long), logits=torch.zeros(rows, 1)))
-        out.append([s.arm for s in sessions])
+        out.append([s.arm if r.budget > 0 or i in live else "done" for i, (s, r) in enumerate(zip(sessions, reqs))])
     return out
 
 
@@ -376,27 +382,58 @@ def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
         r.closed = True
     sessions = [d.start(r) for r in reqs]
     for s in sessions:
-        for step in range(20):
-            s.arms["pld"].add(1, 11, step, auto_mod.STEP_ALPHA)
-        s.arms["pld"].add(5, 11, 20, auto_mod.STEP_ALPHA)
+        for step in range(20):           # as a lookup arm's measurements are taken (AutoSession.resolve)
+            s.arms["pld"].add(1, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
+        s.arms["pld"].add(5, 11, 20, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
     assert sessions[0].tok_rows("pld")[0] > 2.0
     plain = [("ar", False)] * 4
     assert d.closed_plan(sessions, plain) == plain
     for s in sessions:
         for step in range(21, 40):
-            s.arms["pld"].add(3, 11, step, auto_mod.STEP_ALPHA)
+            s.arms["pld"].add(3, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
     assert d.closed_plan(sessions, plain) == [("pld", False)] * 4
+
+
+def _lookup_stats(d: AutoDrafter, budgets: list[int], tok: float) -> list:
+    """Closed-batch sessions of ``d`` whose prompt lookup has committed ``tok`` tokens of 11 rows every step."""
+    reqs = [_fake_req(list(range(100, 400)), 5, b) for b in budgets]
+    sessions = []
+    for r in reqs:
+        r.closed = True
+        s = d.start(r)
+        for step in range(40):
+            s.arms["pld"].add(tok, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
+        sessions.append(s)
+    return sessions
+
+
+def test_a_request_with_one_token_to_go_is_left_out_of_a_batch_plan(monkeypatch) -> None:
+    """A batch plan (closed or drafting together) puts every request on prompt lookup; its request with one token
+    to go takes a plain step all the same (fails when the plan overrides the rule)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.0248), 4)
+    d.ema_v = d.ema_f = 1.0
+    d.dcost["pld"] = (1e-9, 1.0)
+    sessions = _lookup_stats(d, [100, 100, 100, 1], 3.0)
+    monkeypatch.setattr(d, "closed_plan", lambda sessions, picks: [("pld", False)] * len(sessions))
+    d.propose_batch(sessions)
+    assert [s.arm for s in sessions] == ["pld", "pld", "pld", "ar"]
 
 
 def test_a_request_with_one_token_to_go_takes_a_plain_step() -> None:
     """With one token left a draft cannot commit more and a probe measures nothing: the request takes a plain step
-    although DAS-Wave was never measured (fails without the rule: the step probes it)."""
-    d = _auto("das-wave", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0)})
+    although DAS-Wave was never measured (fails without the rule: the step probes it), and the lookup arm is not
+    scored on an empty draft (fails when it is: a miss recorded at every request's end)."""
+    make = lambda: _auto("das-wave,pld", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0),  # noqa: E731
+                                                              "pld": PLDDrafter(PLDKnobs())})
     text = list(range(10, 100))
-    arms = _simulate(d, _fake_req(text, 5, 2), text, 2, lambda step: 1)
+    req = _fake_req(text, 5, 2)
+    d = make()
+    arms = _simulate(d, req, text, 2, lambda step: 1)
     assert arms == ["ar", "ar"], arms
-    arms = _simulate(_auto("das-wave", 0.2, lambda clock: {"das-wave": FakeWave(clock, 1.0)}),
-                     _fake_req(text, 5, 3), text, 2, lambda step: 1)
+    assert not d.probed                               # no probe booked that would not run (fails without the rule)
+    assert req.session.arms["pld"].n == 1, req.session.arms["pld"].n      # scored at step 0 only
+    arms = _simulate(make(), _fake_req(text, 5, 3), text, 2, lambda step: 1)
     assert arms == ["ar", "das-wave"], arms           # with two to go it probes
 
 
@@ -470,7 +507,6 @@ def test_a_narrow_width_measured_dearer_is_not_believed() -> None:
     s = Sizing.of(costs, 4)
     widths = sorted(costs["core"])
     assert all(s.full(a) <= s.full(b) for a, b in zip(widths, widths[1:]))
-    assert s.window == 32
 
 
 def _table(core_wide: float) -> dict:

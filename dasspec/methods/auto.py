@@ -10,9 +10,10 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   calibrated model time of a full-depth pass over W rows (below; without a calibration ``DEFAULT_K + W``) and
   ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).  Once
   plain steps (a row per request) are measured, a pass over n requests' rows is priced in two parts: the n plain
-  rows at the plain steps' scale, the rows past them at the scale measured on drafted steps (``verify_time``) -
-  the calibration's rows are one sequence's own, while a drafted step's extra rows each read a request's cached
-  prefix beside the others, and can cost far more than the calibration's shape says (docs/performance.md, "auto").
+  rows at the plain steps' scale, the rows past them at that scale times a factor measured on drafted steps
+  (``verify_time``) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
+  request's cached prefix beside the others', and can cost far more than the calibration's shape says
+  (docs/performance.md, "auto").
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
   per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
@@ -47,8 +48,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   requests still decoding plus the drafting of each arm's group), weighed for every request plain, every request
   on one drafter, and each request's own choice; the quickest is taken if it beats plain steps by ``MARGIN``
   (probes keep their arm).  Such a plan holds for the rest of the budgets, so it takes each request's *sustained*
-  tokens per step (the lower of its moving average and a slower one): a single long match among misses does not
-  put the batch on a drafter, a fall is followed at once.
+  tokens per step of a lookup arm (the lower of its moving average and a slower one): a single long match among
+  misses does not put the batch on a drafter.
 * a request with one token to go takes a plain step: a draft cannot commit more, a probe would measure nothing.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
@@ -267,6 +268,7 @@ class Sizing:
         widths = sorted(set().union(*(part.ws for part in parts.values())))
         object.__setattr__(self, "_parts", parts)
         object.__setattr__(self, "_full", Curve({W: self._sum(parts, W, self.R) for W in widths}))
+        object.__setattr__(self, "_units", {})
 
     @staticmethod
     def _sum(parts: dict[str, Curve], W: float, k: int) -> float:
@@ -289,6 +291,13 @@ class Sizing:
 
     def round_cost(self, W: float, k: int) -> float:
         return self._sum(self._parts, W, k)
+
+    def wave_units(self, gamma: int, w_init: int, k: int, rounds: int, m: int) -> float:
+        """A DAS-Wave block's rounds over m windows (growing from W_init to gamma), in seconds; kept per schedule."""
+        key = (gamma, w_init, k, rounds, m)
+        if key not in self._units:
+            self._units[key] = sum(self.round_cost(min(gamma, w_init + j) * m, k) for j in range(rounds))
+        return self._units[key]
 
     @property
     def full1(self) -> float:
@@ -316,9 +325,10 @@ class ArmStats:
         self.n = 0
         self.last = 0                      # the step of the last measurement (the session's start: none yet)
 
-    def add(self, tok: float, rows: float, step: int, alpha: float) -> None:
+    def add(self, tok: float, rows: float, step: int, alpha: float, slow: float | None = None) -> None:
+        """One measurement at moving-average weight ``alpha`` (``slow``: the slower average's, default the same)."""
         self.tok = _ema(self.tok, tok, alpha)
-        self.slow = _ema(self.slow, tok, min(alpha, SLOW_ALPHA))
+        self.slow = _ema(self.slow, tok, alpha if slow is None else slow)
         self.rows = _ema(self.rows, rows, alpha)
         self.n += 1
         self.last = step
@@ -326,13 +336,14 @@ class ArmStats:
     @property
     def sustained(self) -> float | None:
         """Tokens per step to expect for the rest of a budget: the lower of the two averages, so one lucky step
-        (one long match among misses) does not commit a whole batch, while a fall is followed at once."""
+        (one long match among misses of a lookup drafter, scored every step) does not commit a whole batch, while a
+        fall is followed at the faster one's pace.  A model drafter's probes are rare and weighed as they come."""
         return None if self.tok is None else min(self.tok, self.slow)
 
 
 PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
 STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
-SLOW_ALPHA = 0.1           # the slower average of tokens per step, for plans over the rest of a budget
+SLOW_ALPHA = 0.1           # the slower average of a lookup's tokens per step, for plans over the rest of a budget
 PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
 MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
@@ -385,6 +396,8 @@ class AutoSession(Session):
 
     def choose(self, B: int) -> tuple[str, bool]:
         d = self.drafter
+        if self.ctx.room <= 1:             # one token to go: nothing to gain, no probe charged (propose_batch too)
+            return "ar", False
         vals = self.values(B)
         if vals["ar"] is None:             # no pass measured yet (no calibration): a plain step measures one
             return "ar", False
@@ -440,6 +453,8 @@ class AutoSession(Session):
         """Ask each lookup arm not used this step for its draft (host work only) and keep it, to score once the
         next tokens are committed."""
         gen = len(self.ctx.generated)
+        if self.ctx.room <= 1:             # an empty draft would score as a miss
+            return
         for arm in LOOKUP:
             if arm not in self.subs or arm == self.arm or arm in self.pending:
                 continue
@@ -465,7 +480,7 @@ class AutoSession(Session):
             if m < len(seen) or m == len(toks) or m >= EARLY_RESOLVE:
                 del self.pending[arm]
                 rows = len(toks) + 1 if toks else 1
-                self.arms[arm].add(m + 1, rows, self.steps, STEP_ALPHA)
+                self.arms[arm].add(m + 1, rows, self.steps, STEP_ALPHA, SLOW_ALPHA)
                 self.drafter.add_prior(arm, m + 1, rows)
 
     def observe(self, verdict: Verdict) -> None:
@@ -475,7 +490,10 @@ class AutoSession(Session):
         self.drafter.step_rows += rows
         self.drafter.step_n += 1
         if arm != "ar":
-            self.arms[arm].add(tok, rows, self.steps, STEP_ALPHA if arm in LOOKUP else PROBE_ALPHA)
+            if arm in LOOKUP:
+                self.arms[arm].add(tok, rows, self.steps, STEP_ALPHA, SLOW_ALPHA)
+            else:
+                self.arms[arm].add(tok, rows, self.steps, PROBE_ALPHA)
             self.drafter.add_prior(arm, tok, rows)
             self.subs[arm].observe(verdict)
             self.pending.pop(arm, None)
@@ -503,10 +521,9 @@ class AutoDrafter(Drafter):
         self.ema_v: float | None = None          # verification (+ engine) seconds per step, measured
         self.ema_f: float | None = None          # the model's pass cost of those steps' rows (``pass_cost``)
         self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
-        self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, and its cost
+        self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, its modelled cost
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
-        self._units: dict[tuple[str, int], float] = {}     # draft_units by (arm, group size)
         self.probed: set[str] = set()            # arms probed this step (one request each)
         self.elapsed = 0.0                       # seconds of the steps measured so far
         self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
@@ -592,17 +609,18 @@ class AutoDrafter(Drafter):
 
     def verify_time(self, rows: float, n: int) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n requests: once plain steps are measured,
-        their n rows at the plain steps' scale and the rows past them at the scale measured on drafted steps (the
-        calibration's shape misses what a cached, batched row costs beside a request's first one: on a small model
-        rows past the first cost several times their share); before that, every row at the one measured scale."""
+        ``sp * (full(n) + kw * (full(rows) - full(n)))`` - the plain steps' scale ``sp`` (load moves it, and every
+        plain step refreshes it) and ``kw``, what the rows past the plain ones cost against the calibration's shape,
+        measured on drafted steps (1 until then: the calibration's rows are one sequence's own, a drafted step's
+        extra rows read each request's cached prefix beside the others'); before plain steps, every row at the one
+        measured scale."""
         if self.plain is None:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
         base = self.pass_cost(n)
         extra = max(self.pass_cost(rows) - base, 0.0)
-        sp = self.plain[0] / self.plain[1]
-        sw = sp if self.wide is None else self.wide[0] / self.wide[1]
-        return sp * base + sw * extra
+        kw = 1.0 if self.wide is None else max(self.wide[0] / self.wide[1], 0.0)
+        return self.plain[0] / self.plain[1] * (base + kw * extra)
 
     def others(self, B: int) -> tuple[float, float, float]:
         """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
@@ -624,11 +642,7 @@ class AutoDrafter(Drafter):
         kn = getattr(self.subs.get(arm), "knobs", None)
         if self.sizing is None or kn is None or not hasattr(kn, "w"):
             return 1.0 + m
-        key = (arm, m)
-        if key not in self._units:
-            self._units[key] = sum(self.sizing.round_cost(min(kn.gamma, kn.w_init + j) * m, kn.k)
-                                   for j in range(kn.rounds))
-        return self._units[key]
+        return self.sizing.wave_units(kn.gamma, kn.w_init, kn.k, kn.rounds, m)
 
     def draft_time(self, arm: str, m: int) -> float | None:
         """Expected drafting seconds per request of ``arm`` in a group of m requests (None: never measured)."""
@@ -678,7 +692,7 @@ class AutoDrafter(Drafter):
         if self._t_prev is not None:
             self.elapsed += now - self._t_prev
         if self._t_prev is not None and self.step_rows:
-            self.last = (len(self._ids_prev), self.step_tok, self.step_rows, self._d_prev)
+            self.last = (self.step_n, self.step_tok, self.step_rows, self._d_prev)
             if ids <= self._ids_prev:             # no request joined (its prefill rode in that pass)
                 v = max(now - self._t_prev - self._d_prev, 0.0)
                 rows, n = self.step_rows, self.step_n
@@ -691,10 +705,11 @@ class AutoDrafter(Drafter):
                 if rows <= n:
                     self.plain = _ema2(self.plain, v, f)
                 elif self.plain is not None:
-                    base = self.pass_cost(n)
-                    past = (max(v - self.plain[0] / self.plain[1] * base, 0.0), self.pass_cost(rows) - base)
-                    if past[1] > 0:
-                        self.wide = _ema2(self.wide, *past)
+                    # the step's time past its plain part, against what the calibration says the extra rows cost
+                    # (both in the plain scale's units; signed, so noise averages out rather than ratchets up)
+                    sp, base = self.plain[0] / self.plain[1], self.pass_cost(n)
+                    if f > base:
+                        self.wide = _ema2(self.wide, v - sp * base, sp * (f - base))
         self._t_prev, self._ids_prev = now, ids
         self.step_tok = self.step_rows = self.step_n = 0
 

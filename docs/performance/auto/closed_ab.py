@@ -4,7 +4,9 @@ bundled model on 8 GSM8K questions with generate_batch(max_batch=8, 64 tokens, e
 every round's tokens must be equal; prints each round's tok/s, the drafters chosen (steps per drafter, summed over
 the requests) and the median new/old ratio with its range.
 
-    python docs/performance/auto/closed_ab.py OLD_ROOT NEW_ROOT greedy|sampled ROUNDS [METHOD]
+    python docs/performance/auto/closed_ab.py OLD_ROOT NEW_ROOT greedy|sampled ROUNDS [METHOD [MAX_BATCH]]
+
+(MAX_BATCH 1: the requests one at a time, as at batch 1.)
 """
 import json
 import statistics
@@ -24,7 +26,7 @@ for line in sys.stdin:
     cmd = json.loads(line)
     opts = dict(do_sample=True, temperature=0.7, top_p=0.95) if cmd["sampled"] else {}
     t = time.perf_counter()
-    outs = dasspec.generate_batch(model, prompts, cmd["method"], max_new_tokens=64, max_batch=8,
+    outs = dasspec.generate_batch(model, prompts, cmd["method"], max_new_tokens=64, max_batch=cmd["max_batch"],
                                   seed=list(range(8)), **opts)
     dt = time.perf_counter() - t
     choices = {}
@@ -38,6 +40,7 @@ for line in sys.stdin:
 if __name__ == "__main__":
     old, new, mode, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     method = sys.argv[5] if len(sys.argv) > 5 else "auto"
+    max_batch = int(sys.argv[6]) if len(sys.argv) > 6 else 8
     data = "../shared/data/gsm8k/test.jsonl"
     ws = {k: subprocess.Popen([sys.executable, "-c", WORKER, root, data], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for k, root in (("old", old), ("new", new))}
@@ -49,7 +52,8 @@ if __name__ == "__main__":
     for r in range(rounds):
         res = {}
         for k in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            ws[k].stdin.write(json.dumps({"sampled": mode == "sampled", "method": method}) + "\n")
+            ws[k].stdin.write(json.dumps({"sampled": mode == "sampled", "method": method, "max_batch": max_batch})
+                              + "\n")
             ws[k].stdin.flush()
             res[k] = json.loads(ws[k].stdout.readline())
         assert res["old"]["toks"] == res["new"]["toks"]
