@@ -367,6 +367,28 @@ def test_rows_past_the_plain_ones_are_priced_as_measured() -> None:
         assert all(a == "ar" for step in arms[-20:] for a in step), (closed, arms)
 
 
+def test_the_first_probe_prices_the_rows_past_the_plain_ones() -> None:
+    """With a calibration the first step already probes DAS-Wave (one request's 9 rows beside three plain ones),
+    before any plain step is measured; that step prices the rows past the plain ones once one is, so when the text
+    turns repetitive, prompt lookup - paying by the calibration's shape, not at the measured price (as
+    ``test_rows_past_the_plain_ones_are_priced_as_measured``) - never drafts (fails when drafted steps before the
+    first plain one are dropped: the batch drafts once to learn the price)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.3 * (rows - n)
+    g = torch.Generator().manual_seed(9)
+    for closed in (False, True):
+        d = _auto("das-wave,pld", 0.0, lambda clock: {"das-wave": FakeWave(clock, 0.1),      # no probe but the first
+                                                      "pld": PLDDrafter(PLDKnobs())})
+        d.sizing = Sizing.of(_table(0.01), 4)
+        d.ema_f = d.sizing.full1
+        d.ema_v = 1.0 / d.sizing.full(4) * d.ema_f       # bind's start: the calibrated pass, at this clock's scale
+        texts = [torch.randint(10, 2000, (30,), generator=g).tolist() + list(range(3000 + 10 * i, 3007 + 10 * i)) * 200
+                 for i in range(4)]
+        arms = _simulate_batch(d, 4, 70, 1, texts=texts, budgets=[1000] * 4, closed=closed, verify=verify)
+        assert [step[0] for step in arms].count("das-wave") == 1, arms
+        assert not any(a == "pld" for step in arms for a in step), (closed, arms)
+
+
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     """A closed batch plans for the rest of its budgets, so one lucky step must not commit it: four requests whose
     lookup drafts committed one token for 20 steps and then five once (the step's average jumps to 2.2, a drafted

@@ -13,7 +13,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   rows at the plain steps' scale, the rows past them at that scale times a factor measured on drafted steps
   (``verify_time``) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
   request's cached prefix beside the others', and can cost far more than the calibration's shape says
-  (docs/performance.md, "auto").
+  (docs/performance.md, "auto").  Drafted steps measured before the first plain one (the first probe) count once
+  it is, so the probe also prices the extra rows.
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
   per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
@@ -522,6 +523,7 @@ class AutoDrafter(Drafter):
         self.ema_f: float | None = None          # the model's pass cost of those steps' rows (``pass_cost``)
         self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
         self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, its modelled cost
+        self.early: list[tuple[float, float, int]] = []  # drafted steps before the first plain one: v, f, n
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
         self.probed: set[str] = set()            # arms probed this step (one request each)
@@ -704,14 +706,23 @@ class AutoDrafter(Drafter):
                 self.ema_f = _ema(self.ema_f, f, STEP_ALPHA)
                 if rows <= n:
                     self.plain = _ema2(self.plain, v, f)
+                    for early in self.early:      # drafted steps measured before any plain one (the first probe)
+                        self._add_wide(*early)
+                    self.early = []
                 elif self.plain is not None:
-                    # the step's time past its plain part, against what the calibration says the extra rows cost
-                    # (both in the plain scale's units; signed, so noise averages out rather than ratchets up)
-                    sp, base = self.plain[0] / self.plain[1], self.pass_cost(n)
-                    if f > base:
-                        self.wide = _ema2(self.wide, v - sp * base, sp * (f - base))
+                    self._add_wide(v, f, n)
+                elif len(self.early) < 4:
+                    self.early.append((v, f, n))
         self._t_prev, self._ids_prev = now, ids
         self.step_tok = self.step_rows = self.step_n = 0
+
+    def _add_wide(self, v: float, f: float, n: int) -> None:
+        """Fold a drafted step (``v`` seconds, ``f`` the calibration's cost of its rows, n requests) into ``kw``: its
+        time past the plain part against what the calibration says the extra rows cost (both in the plain scale's
+        units; signed, so noise averages out rather than ratchets up)."""
+        sp, base = self.plain[0] / self.plain[1], self.pass_cost(n)
+        if f > base:
+            self.wide = _ema2(self.wide, v - sp * base, sp * (f - base))
 
     def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
         """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
