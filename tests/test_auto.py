@@ -436,10 +436,15 @@ def test_a_request_with_one_token_to_go_is_left_out_of_a_batch_plan(monkeypatch)
     d.sizing = Sizing.of(_table(0.0248), 4)
     d.ema_v = d.ema_f = 1.0
     d.dcost["pld"] = (1e-9, 1.0)
-    sessions = _lookup_stats(d, [100, 100, 100, 1], 3.0)
-    monkeypatch.setattr(d, "closed_plan", lambda sessions, picks: [("pld", False)] * len(sessions))
-    d.propose_batch(sessions)
-    assert [s.arm for s in sessions] == ["pld", "pld", "pld", "ar"]
+    everyone = lambda sessions, picks: [("pld", False)] * len(sessions)    # noqa: E731
+    monkeypatch.setattr(d, "closed_plan", everyone)
+    monkeypatch.setattr(d, "together", everyone)
+    for closed in (True, False):
+        sessions = _lookup_stats(d, [100, 100, 100, 1], 3.0)
+        for s in sessions:
+            s.ctx.closed = closed
+        d.propose_batch(sessions)
+        assert [s.arm for s in sessions] == ["pld", "pld", "pld", "ar"], closed
 
 
 def test_a_request_with_one_token_to_go_takes_a_plain_step() -> None:

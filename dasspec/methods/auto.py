@@ -326,10 +326,11 @@ class ArmStats:
         self.n = 0
         self.last = 0                      # the step of the last measurement (the session's start: none yet)
 
-    def add(self, tok: float, rows: float, step: int, alpha: float, slow: float | None = None) -> None:
-        """One measurement at moving-average weight ``alpha`` (``slow``: the slower average's, default the same)."""
+    def add(self, tok: float, rows: float, step: int, alpha: float, slow_alpha: float | None = None) -> None:
+        """One measurement at moving-average weight ``alpha`` (``slow_alpha``: the slower average's, default the
+        same)."""
         self.tok = _ema(self.tok, tok, alpha)
-        self.slow = _ema(self.slow, tok, alpha if slow is None else slow)
+        self.slow = _ema(self.slow, tok, alpha if slow_alpha is None else slow_alpha)
         self.rows = _ema(self.rows, rows, alpha)
         self.n += 1
         self.last = step
@@ -519,8 +520,10 @@ class AutoDrafter(Drafter):
         self.width = 1
         self.clock = clock
         self.sizing: Sizing | None = None
-        self.ema_v: float | None = None          # verification (+ engine) seconds per step, measured
-        self.ema_f: float | None = None          # the model's pass cost of those steps' rows (``pass_cost``)
+        # verification (+ engine) seconds per step and the model's pass cost of its rows: ``scale``, which prices
+        # passes until plain steps are measured (then ``plain`` and ``wide``: ``sp`` and ``kw``)
+        self.ema_v: float | None = None
+        self.ema_f: float | None = None
         self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
         self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, its modelled cost
         self.early: list[tuple[float, float, int]] = []  # drafted steps before the first plain one: v, f, n
@@ -609,20 +612,29 @@ class AutoDrafter(Drafter):
         """Measured verification seconds per unit of ``pass_cost`` (engine overhead and load included)."""
         return None if self.ema_v is None else self.ema_v / self.ema_f
 
+    @property
+    def sp(self) -> float:
+        """The plain steps' measured seconds per unit of ``pass_cost`` (needs ``plain``)."""
+        return self.plain[0] / self.plain[1]
+
+    @property
+    def kw(self) -> float:
+        """What the rows past the plain ones cost against the calibration's shape, as measured on drafted steps
+        (1 until then)."""
+        return 1.0 if self.wide is None else max(self.wide[0] / self.wide[1], 0.0)
+
     def verify_time(self, rows: float, n: int) -> float | None:
-        """Expected seconds of a verification pass over ``rows`` rows of n requests: once plain steps are measured,
-        ``sp * (full(n) + kw * (full(rows) - full(n)))`` - the plain steps' scale ``sp`` (load moves it, and every
-        plain step refreshes it) and ``kw``, what the rows past the plain ones cost against the calibration's shape,
-        measured on drafted steps (1 until then: the calibration's rows are one sequence's own, a drafted step's
-        extra rows read each request's cached prefix beside the others'); before plain steps, every row at the one
-        measured scale."""
+        """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
+        measured, ``sp * (full(n) + kw * (full(rows) - full(n)))`` - the calibration's rows are one sequence's own,
+        a drafted step's extra rows read each request's cached prefix beside the others'.  Load moves ``sp`` where
+        plain steps come often; where nearly every step drafts (a model DAS-Wave pays on) ``sp`` is refreshed
+        rarely and load lands in ``kw``.  Before plain steps, every row at the one scale fitted over all steps
+        (``scale``)."""
         if self.plain is None:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
         base = self.pass_cost(n)
-        extra = max(self.pass_cost(rows) - base, 0.0)
-        kw = 1.0 if self.wide is None else max(self.wide[0] / self.wide[1], 0.0)
-        return self.plain[0] / self.plain[1] * (base + kw * extra)
+        return self.sp * (base + self.kw * max(self.pass_cost(rows) - base, 0.0))
 
     def others(self, B: int) -> tuple[float, float, float]:
         """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
@@ -656,8 +668,8 @@ class AutoDrafter(Drafter):
         m = max(m, 1)
         return got[0] / got[1] * self.draft_units(arm, m) / m
 
-    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int = 1,
-                  B: int = 1) -> float | None:
+    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int,
+                  B: int) -> float | None:
         """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
         requests drafting with it) beside ``others`` (B - 1 requests)."""
         if rows is None:
@@ -719,8 +731,11 @@ class AutoDrafter(Drafter):
     def _add_wide(self, v: float, f: float, n: int) -> None:
         """Fold a drafted step (``v`` seconds, ``f`` the calibration's cost of its rows, n requests) into ``kw``: its
         time past the plain part against what the calibration says the extra rows cost (both in the plain scale's
-        units; signed, so noise averages out rather than ratchets up)."""
-        sp, base = self.plain[0] / self.plain[1], self.pass_cost(n)
+        units; signed, so noise averages out rather than ratchets up).  The first is taken whole, so one drafted
+        step prices the rest; where the calibration calls the extra rows nearly free, one step's noise (a pause, a
+        prompt's chunk riding along) can set kw high, and lookup arms, which are never probed, then stay off for
+        the drafter's life (a known limit: see docs/performance.md, "Pricing the rows a draft adds")."""
+        sp, base = self.sp, self.pass_cost(n)
         if f > base:
             self.wide = _ema2(self.wide, v - sp * base, sp * (f - base))
 
@@ -750,7 +765,7 @@ class AutoDrafter(Drafter):
         sooner) when request j stays on ``plan[j]`` = (arm, steps, rows per step): each step costs one pass over the
         rows of the requests still decoding plus each arm's drafting for its group then (None while a cost is
         unmeasured).  ``memo``: drafting times by (arm, group) shared by the plans of one step."""
-        if self.scale is None:
+        if self.verify_time(1, 1) is None:
             return None
         memo = {} if memo is None else memo
         rows = sum(r for _, _, r in plan)
