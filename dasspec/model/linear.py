@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import decode_kernel
+
 WIDE_ROWS = 4                 # activation rows from which the tiled float32 product beats bfloat16 (measured)
 TILE_BYTES = 1 << 21          # float32 bytes of one converted weight tile (about an L2 cache)
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights: the per-tile loop is not worth it
@@ -154,7 +156,6 @@ class _Packs:
     def _add_panels(self, key: int, packed: Tensor, weight: Tensor) -> None:
         """Panels for products of few rows beside oneDNN's copy (``decode_kernel.register_panels``: the same bits),
         where they fit what is left of the budget; an optional copy, so any failure leaves oneDNN's product alone."""
-        from . import decode_kernel
         size = -(-weight.shape[0] // 16) * 16 * weight.shape[1] * 4
         if (self.bytes + size > PACK_BUDGET_BYTES or size > MEMORY_SHARE * _available_bytes()
                 or not decode_kernel.available()):
@@ -169,7 +170,6 @@ class _Packs:
             self.bytes += size
 
     def _drop_panels(self, key: int, packed: Tensor) -> None:
-        from . import decode_kernel
         if decode_kernel.available():
             decode_kernel.unregister_panels(packed)
         self.bytes -= self.panel_bytes.pop(key, 0)
@@ -193,7 +193,6 @@ def packed_float32_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_fe
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     rows = padded_rows(M)
-    from . import decode_kernel
     if decode_kernel.available():       # the same call as the one-call sublayers' (panels for a few rows)
         out = decode_kernel.packed_linear(x2, packed, rows)
     elif rows != M:
