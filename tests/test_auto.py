@@ -389,6 +389,66 @@ def test_the_first_probe_prices_the_rows_past_the_plain_ones() -> None:
         assert not any(a == "pld" for step in arms for a in step), (closed, arms)
 
 
+def test_a_batch_drafts_with_a_lookup_together_where_each_alone_wavers() -> None:
+    """Four requests whose prompt-lookup drafts all match; a row past a request's first costs 0.1 of a plain
+    pass.  All four drafting commit about 44 tokens for 5 plain passes' time (AR: 4 for 1), but each request,
+    weighing its own draft beside the others' drafted rows of the last step, gains less than the margin and
+    steps plain, which makes drafting pay again for the next: weighed as one step the batch drafts throughout
+    (fails when only model drafters are weighed together: it alternates)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.1 * (rows - n)
+    arms = _lookup_batch([True] * 4, [1000] * 4, closed=False, verify=verify)
+    assert all(step.count("pld") == 4 for step in arms[10:]), arms
+
+
+def _repeating_texts(seed: int) -> list[list[int]]:
+    """Four requests' texts: 30 random tokens, then a 7-token period (prompt lookup's drafts match)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 2000, (30,), generator=g).tolist() + list(range(3000 + 10 * i, 3007 + 10 * i)) * 200
+            for i in range(4)]
+
+
+def test_rows_a_draft_adds_are_priced_by_their_count() -> None:
+    """The calibration says rows are free up to 16 and dear past them; here each row past a request's first
+    costs 0.05 of a plain pass, whatever the width.  The first step's DAS-Wave probe (8 extra rows) measures that
+    rate; when the texts turn repetitive, all four requests drafting with prompt lookup (about 40 extra rows, at
+    least 5 x the plain tokens for 3 x the time) pays, and auto drafts (fails when the probe's multiple of the calibration's
+    shape prices the wider step: that multiple is huge where the shape calls the rows free)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.05 * (rows - n)
+    ws = (1, 2, 4, 8, 16, 32)
+    table = {"prelude": {w: 0.0 for w in ws}, "head": {w: 1e-3 for w in ws},
+             "core": {w: 1e-3 * (1.0 if w <= 16 else 4.0) for w in ws}}
+    for closed in (False, True):
+        d = _auto("das-wave,pld", 0.0, lambda clock: {"das-wave": FakeWave(clock, 0.1),      # no probe but the first
+                                                      "pld": PLDDrafter(PLDKnobs())})
+        d.sizing = Sizing.of(table, 4)
+        d.ema_f = d.sizing.full1
+        d.ema_v = 1.0 / d.sizing.full(4) * d.ema_f       # bind's start: the calibrated pass, at this clock's scale
+        arms = _simulate_batch(d, 4, 150, 1, texts=_repeating_texts(9), budgets=[4000] * 4, closed=closed,
+                               verify=verify)
+        assert [step[0] for step in arms].count("das-wave") == 1, arms
+        assert sum(all(a == "pld" for a in step) for step in arms[-20:]) >= 18, (closed, arms)
+
+
+def test_a_lookup_priced_out_by_one_noisy_step_is_tried_again() -> None:
+    """Four requests of a server whose texts turn repetitive; each row past a request's first costs 0.05 of a
+    plain pass, but the batch's first drafted step (all four on prompt lookup) also takes an 8 s pause, which
+    prices the rows out.  A lookup's price is re-measured by budgeted probes (the pause itself earns the first),
+    so the batch drafts again (fails without them: plain to the end)."""
+    calls = []
+
+    def verify(rows: int, n: int) -> float:
+        calls.append(rows > n)
+        return 1.0 + 0.05 * (rows - n) + (8.0 if rows > n and calls.count(True) == 1 else 0.0)
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    arms = _simulate_batch(d, 4, 150, 1, texts=_repeating_texts(10), budgets=[4000] * 4, verify=verify)
+    first = next(i for i, step in enumerate(arms) if "pld" in step)
+    assert arms[first + 1].count("pld") == 1, arms        # priced out: one request's probe, not the batch
+    assert sum(all(a == "pld" for a in step) for step in arms[-20:]) >= 18, arms
+
+
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     """A closed batch plans for the rest of its budgets, so one lucky step must not commit it: four requests whose
     lookup drafts committed one token for 20 steps and then five once (the step's average jumps to 2.2, a drafted

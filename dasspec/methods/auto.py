@@ -10,11 +10,12 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   calibrated model time of a full-depth pass over W rows (below; without a calibration ``DEFAULT_K + W``) and
   ``scale`` is fitted online (a ratio of moving averages: load and the engine's own overhead fold into it).  Once
   plain steps (a row per request) are measured, a pass over n requests' rows is priced in two parts: the n plain
-  rows at the plain steps' scale, the rows past them at that scale times a factor measured on drafted steps
-  (``verify_time``) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
+  rows at the plain steps' scale, the e rows past them at a rate per row measured on drafted steps, by width
+  (powers of two of e; a width not measured takes its measured neighbours', so rows are priced linearly from the
+  nearest) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
   request's cached prefix beside the others', and can cost far more than the calibration's shape says
-  (docs/performance.md, "auto").  Drafted steps measured before the first plain one (the first probe) count once
-  it is, so the probe also prices the extra rows.
+  (docs/performance.md, "Pricing the rows a draft adds").  Drafted steps measured before the first plain one (the
+  first probe) count once it is, so the probe also prices the extra rows.
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
   per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
@@ -24,7 +25,10 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   step they are not used: their draft costs no model pass, and since the committed tokens do not depend on the
   draft, the tokens the chain would have committed (its longest prefix that matches what was committed, plus one)
   are known exactly once the next tokens are.  So a lookup drafter that starts paying (text turning repetitive) is
-  noticed within a few steps without spending a step on it.
+  noticed within a few steps without spending a step on it.  What its rows cost is known only from steps it
+  drafts: one that would win were its rows as cheap as the calibration says is tried now and then (a *price
+  probe*, one request, at most one losing x seconds per x / ``explore`` seconds), so one noisy drafted step does not
+  price it out for good.
 * **the choice**: per request the arm that gives the step the most tokens per second, the other requests taken as
   they were last step (B = 1: the request's own tokens per second; AR: one token per step, no drafting cost, one
   row); a drafter replaces a plain step only when it wins by ``MARGIN`` (AR's value is certain, the others' are
@@ -38,9 +42,11 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   earlier requests: a model-drafting arm that average says wins by ``PRIOR_TRUST`` is used at once, one that wins
   by less is tried as a budgeted probe, so a batch of requests pays one forced probe, not one each.
 * **drafting together** (B > 1): a model-drafting arm's rounds run for all its requests at once, so a request
-  weighing it alone undervalues it; the step with every request on that arm (each at its own, or the drafter's
-  average, tokens and rows; the group's measured drafting cost; one pass over all rows) is valued against the
-  requests' own choices and taken when it wins by ``MARGIN``.
+  weighing it alone undervalues it; and a request weighing its draft beside the others' drafted rows of the last
+  step can find it within the margin, step plain, and so make drafting pay again for the next (the batch
+  alternates).  So the step with every request on one arm (each at its own, or the drafter's average, tokens and
+  rows; the group's measured drafting cost; one pass over all rows) is valued against the requests' own choices
+  and taken when it wins by ``MARGIN``.
 * **a closed batch** (``DraftContext.closed``: generate_batch with more than one request decoding, once none waits
   for a slot or prefills): the caller waits for the last request, so tokens per second of a step is the wrong
   measure - a request whose drafts let it finish early while the others keep the batch going saves only its own
@@ -316,6 +322,15 @@ def _ema2(old: tuple[float, float] | None, v: float, f: float) -> tuple[float, f
     return (v, f) if old is None else (_ema(old[0], v, STEP_ALPHA), _ema(old[1], f, STEP_ALPHA))
 
 
+def _bucket(e: float) -> int:
+    """The width bucket of e rows past the plain ones: 1, 2-3, 4-7, 8-15, ... (powers of two)."""
+    return max(int(e), 1).bit_length() - 1
+
+
+def _rate(got: tuple[float, float]) -> float:
+    return max(got[0] / got[1], 0.0)
+
+
 class ArmStats:
     __slots__ = ("tok", "slow", "rows", "n", "last")   # per request and arm
 
@@ -383,16 +398,18 @@ class AutoSession(Session):
         prior = self.drafter.prior.get(arm)
         return (prior[0], prior[1]) if prior is not None else (None, None)
 
-    def values(self, B: int) -> dict[str, tuple[float, float, float] | None]:
-        """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` and the
-        others as last step, or None while unknown."""
+    def values(self, B: int, arms=None, optimistic: bool = False) -> dict[str, tuple[float, float, float] | None]:
+        """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` (each of
+        ``arms``, default AR and every sub-drafter) and the others as last step, or None while unknown.
+        ``optimistic``: the rows past the plain ones priced at the lower of the measured rate and the
+        calibration's shape (``verify_time``)."""
         d = self.drafter
         others = d.others(B)
         out = {}
-        for arm in ("ar", *d.subs):
+        for arm in (("ar", *d.subs) if arms is None else arms):
             tok, rows = self.tok_rows(arm)
             m = d.groups_last.get(arm, 0) + (self.prev != arm)        # the group it would draft in
-            t = d.step_time(arm, rows, others, m, B) if tok is not None else None
+            t = d.step_time(arm, rows, others, m, B, optimistic) if tok is not None else None
             out[arm] = None if t is None else ((others[0] + tok) / t, t, others[0] + tok)
         return out
 
@@ -424,6 +441,23 @@ class AutoSession(Session):
                     and d.may_probe(max(t_a - (others_tok + 1.0) / j_best, 0.05 * t_best / B)):
                 d.probed.add(arm)          # charged as if it committed one token
                 return arm, True
+        # a lookup arm's acceptance is measured every step, but the price of its rows only when it drafts: one that
+        # would win were its rows as cheap as the calibration says is tried now and then (a noisy drafted step
+        # must not price it out for the drafter's life)
+        t_ar = known["ar"][1]                   # no step with the rows costs less: a bound before pricing them
+        hopes = [a for a in LOOKUP if a in known and a != best and a not in d.probed
+                 and known[a][2] > (1.0 + MARGIN) * j_best * t_ar]
+        if hopes and d.extra:                   # before a drafted step is measured its rows are priced so already
+            opt = self.values(B, hopes, optimistic=True)
+            for arm in hopes:
+                _, t_a, tok_a = known[arm]
+                if opt[arm] is None or opt[arm][0] <= (1.0 + MARGIN) * j_best or t_a <= opt[arm][1]:
+                    continue                    # no hope, or already priced at its best
+                # the price is the drafter's, not the request's: one probe losing x seconds per x / explore seconds
+                loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
+                if d.elapsed - d.drafted.get(arm, 0.0) >= loss / d.knobs.explore and d.may_probe(loss):
+                    d.probed.add(arm)
+                    return arm, True
         look = max([self.tok_rows(a)[0] or 0.0 for a in LOOKUP if a in d.subs] or [0.0])
         for arm in d.subs:
             if arm in LOOKUP or arm == best or arm not in mine or arm in d.probed:    # one probe a step
@@ -521,15 +555,18 @@ class AutoDrafter(Drafter):
         self.clock = clock
         self.sizing: Sizing | None = None
         # verification (+ engine) seconds per step and the model's pass cost of its rows: ``scale``, which prices
-        # passes until plain steps are measured (then ``plain`` and ``wide``: ``sp`` and ``kw``)
+        # passes until plain steps are measured (then ``plain`` and ``extra``: ``sp`` and ``extra_rate``)
         self.ema_v: float | None = None
         self.ema_f: float | None = None
         self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
-        self.wide: tuple[float, float] | None = None    # drafted steps: seconds past the plain part, its modelled cost
-        self.early: list[tuple[float, float, int]] = []  # drafted steps before the first plain one: v, f, n
+        # drafted steps, by ``_bucket`` of their rows past the plain ones: that time in the plain scale's units, and
+        # those rows (moving averages: their ratio is what one such row costs)
+        self.extra: dict[int, tuple[float, float]] = {}
+        self.early: list[tuple[float, int, int]] = []   # drafted steps before the first plain one: v, rows, n
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
         self.probed: set[str] = set()            # arms probed this step (one request each)
+        self.drafted: dict[str, float] = {}      # per arm: ``elapsed`` when a request last drafted with it
         self.elapsed = 0.0                       # seconds of the steps measured so far
         self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
         self.prior: dict[str, tuple[float, float]] = {}
@@ -617,24 +654,43 @@ class AutoDrafter(Drafter):
         """The plain steps' measured seconds per unit of ``pass_cost`` (needs ``plain``)."""
         return self.plain[0] / self.plain[1]
 
-    @property
-    def kw(self) -> float:
-        """What the rows past the plain ones cost against the calibration's shape, as measured on drafted steps
-        (1 until then)."""
-        return 1.0 if self.wide is None else max(self.wide[0] / self.wide[1], 0.0)
+    def extra_rate(self, e: float) -> float | None:
+        """What one of e rows past the plain ones costs, in the plain scale's units, as measured on drafted steps:
+        the rate of e's bucket; between measured buckets interpolated, past them the nearest one's (so the
+        rows are priced linearly from the nearest measured width); None while no drafted step is measured."""
+        if not self.extra:
+            return None
+        b = _bucket(e)
+        if b not in self.extra:
+            lo = max((k for k in self.extra if k < b), default=None)
+            hi = min((k for k in self.extra if k > b), default=None)
+            if lo is None or hi is None:
+                return _rate(self.extra[hi if lo is None else lo])
+            w = (b - lo) / (hi - lo)
+            return (1.0 - w) * _rate(self.extra[lo]) + w * _rate(self.extra[hi])
+        return _rate(self.extra[b])
 
-    def verify_time(self, rows: float, n: int) -> float | None:
+    def verify_time(self, rows: float, n: int, optimistic: bool = False) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
-        measured, ``sp * (full(n) + kw * (full(rows) - full(n)))`` - the calibration's rows are one sequence's own,
-        a drafted step's extra rows read each request's cached prefix beside the others'.  Load moves ``sp`` where
-        plain steps come often; where nearly every step drafts (a model DAS-Wave pays on) ``sp`` is refreshed
-        rarely and load lands in ``kw``.  Before plain steps, every row at the one scale fitted over all steps
-        (``scale``)."""
+        measured, ``sp * (full(n) + e * extra_rate(e))`` for the e = rows - n rows past the plain ones - the
+        calibration's rows are one sequence's own, a drafted step's extra rows each read a request's cached prefix
+        beside the others', and cost about the same each whatever the calibration's shape says (docs/performance.md,
+        "Pricing the rows a draft adds"); until a drafted step is measured, the calibration's shape
+        ``full(rows) - full(n)``.  Load moves ``sp`` where plain steps come often; where nearly every step drafts
+        (a model DAS-Wave pays on) ``sp`` is refreshed rarely and load lands in the rates.  Before plain steps,
+        every row at the one scale fitted over all steps (``scale``).  ``optimistic``: the extra rows at the lower of
+        the measured rate and the calibration's shape (what a lookup's price probe hopes for)."""
         if self.plain is None:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
         base = self.pass_cost(n)
-        return self.sp * (base + self.kw * max(self.pass_cost(rows) - base, 0.0))
+        e = rows - n
+        if e <= 0:
+            return self.sp * base
+        rate = self.extra_rate(e)
+        shape = max(self.pass_cost(rows) - base, 0.0)
+        extra = shape if rate is None else min(e * rate, shape) if optimistic else e * rate
+        return self.sp * (base + extra)
 
     def others(self, B: int) -> tuple[float, float, float]:
         """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
@@ -669,12 +725,12 @@ class AutoDrafter(Drafter):
         return got[0] / got[1] * self.draft_units(arm, m) / m
 
     def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int,
-                  B: int) -> float | None:
+                  B: int, optimistic: bool = False) -> float | None:
         """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
-        requests drafting with it) beside ``others`` (B - 1 requests)."""
+        requests drafting with it) beside ``others`` (B - 1 requests); ``optimistic`` as ``verify_time``'s."""
         if rows is None:
             return None
-        v = self.verify_time(others[1] + rows, B)
+        v = self.verify_time(others[1] + rows, B, optimistic)
         d = self.draft_time(arm, m)
         if v is None or d is None:
             return None
@@ -712,32 +768,33 @@ class AutoDrafter(Drafter):
                 rows, n = self.step_rows, self.step_n
                 f = self.pass_cost(rows)
                 expected = self.verify_time(rows, n)
-                if expected is not None:
-                    v = min(v, 3.0 * expected)    # a step that also prefilled a waiting prompt, or a pause: clipped
+                # a step that also prefilled a waiting prompt, or a pause: clipped - where its price was measured
+                # (a width no drafted step has measured is priced by the calibration's shape, often far too low)
+                if expected is not None and (rows <= n or _bucket(rows - n) in self.extra):
+                    v = min(v, 3.0 * expected)
                 self.ema_v = _ema(self.ema_v, v, STEP_ALPHA)
                 self.ema_f = _ema(self.ema_f, f, STEP_ALPHA)
                 if rows <= n:
                     self.plain = _ema2(self.plain, v, f)
                     for early in self.early:      # drafted steps measured before any plain one (the first probe)
-                        self._add_wide(*early)
+                        self._add_extra(*early)
                     self.early = []
                 elif self.plain is not None:
-                    self._add_wide(v, f, n)
+                    self._add_extra(v, rows, n)
                 elif len(self.early) < 4:
-                    self.early.append((v, f, n))
+                    self.early.append((v, rows, n))
         self._t_prev, self._ids_prev = now, ids
         self.step_tok = self.step_rows = self.step_n = 0
 
-    def _add_wide(self, v: float, f: float, n: int) -> None:
-        """Fold a drafted step (``v`` seconds, ``f`` the calibration's cost of its rows, n requests) into ``kw``: its
-        time past the plain part against what the calibration says the extra rows cost (both in the plain scale's
-        units; signed, so noise averages out rather than ratchets up).  The first is taken whole, so one drafted
-        step prices the rest; where the calibration calls the extra rows nearly free, one step's noise (a pause, a
-        prompt's chunk riding along) can set kw high, and lookup arms, which are never probed, then stay off for
-        the drafter's life (a known limit: see docs/performance.md, "Pricing the rows a draft adds")."""
-        sp, base = self.sp, self.pass_cost(n)
-        if f > base:
-            self.wide = _ema2(self.wide, v - sp * base, sp * (f - base))
+    def _add_extra(self, v: float, rows: int, n: int) -> None:
+        """Fold a drafted step (``v`` seconds, ``rows`` verifier rows of n requests) into the rate of its rows past
+        the plain ones: its time past the plain part in the plain scale's units (signed, so noise averages out
+        rather than ratchets up).  A bucket's first step is taken whole, so one noisy step (a pause, a prompt's
+        chunk riding along) can price its width high until drafted steps there are measured again - for the lookup
+        arms, by the price probes of ``AutoSession.choose``."""
+        if rows > n:
+            b = _bucket(rows - n)
+            self.extra[b] = _ema2(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
 
     def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
         """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
@@ -823,9 +880,10 @@ class AutoDrafter(Drafter):
         return [(a, probe) if probe else (arm, False) for (a, probe), arm in zip(picks, best)]
 
     def together(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
-        """Each request weighs an arm as if it drafted alone, but a model-drafting arm's rounds run for all of
-        its requests at once, so drafting together can pay where drafting alone does not: the step with every
-        request on such an arm is valued against the requests' own choices, and taken when it wins by MARGIN."""
+        """Each request weighs an arm as if it drafted alone beside the others' last step, but a model-drafting
+        arm's rounds run for all of its requests at once, and any arm's drafts can each fall within the margin
+        beside the others' drafted rows while all of them together win: the step with every request on one arm
+        is valued against the requests' own choices, and taken when it wins by MARGIN."""
         if len(sessions) < 2:
             return picks
         own = self.batch_value(sessions, [a for a, _ in picks])
@@ -833,7 +891,7 @@ class AutoDrafter(Drafter):
             return picks
         best, best_value = None, (1.0 + MARGIN) * own
         for arm in self.subs:
-            if arm in LOOKUP or all(a == arm for a, _ in picks):
+            if all(a == arm for a, _ in picks):
                 continue
             v = self.batch_value(sessions, [arm] * len(sessions))
             if v is not None and v > best_value:
@@ -863,6 +921,7 @@ class AutoDrafter(Drafter):
             for i, sub in zip(idx, subs):
                 if sessions[i].prev != arm and hasattr(sub, "copying"):
                     sub.copying = False           # DAS-Wave's copy run follows its own last block only
+            self.drafted[arm] = self.elapsed
             t0 = self.clock()
             got = self.subs[arm].propose_batch(subs)
             if self.cuda:

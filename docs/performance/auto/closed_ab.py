@@ -1,10 +1,10 @@
 """Paired old-vs-new run of a closed batch under method auto (issue 37, 2026-12-04): two worker processes, one
 importing dasspec from OLD_ROOT (e.g. a `git worktree` of the previous commit), one from NEW_ROOT, each decoding the
-bundled model on 8 GSM8K questions with generate_batch(max_batch=8, 64 tokens, eos on), alternated round by round;
+bundled model (or MODEL, a folder) on 8 GSM8K questions with generate_batch(max_batch=8, 64 tokens, eos on), alternated round by round;
 every round's tokens must be equal; prints each round's tok/s, the drafters chosen (steps per drafter, summed over
 the requests) and the median new/old ratio with its range.
 
-    python docs/performance/auto/closed_ab.py OLD_ROOT NEW_ROOT greedy|sampled ROUNDS [METHOD [MAX_BATCH]]
+    python docs/performance/auto/closed_ab.py OLD_ROOT NEW_ROOT greedy|sampled ROUNDS [METHOD [MAX_BATCH [MODEL]]]
 
 (MAX_BATCH 1: the requests one at a time, as at batch 1.)
 """
@@ -18,7 +18,8 @@ import sys, json, time
 sys.path.insert(0, sys.argv[1])
 import torch; torch.set_num_threads(1)
 import dasspec
-model = dasspec.load_model(); tok = dasspec.load_tokenizer()
+src = sys.argv[3] or None
+model = dasspec.load_model(src, dtype=torch.float32); tok = dasspec.load_tokenizer(src)
 qs = [json.loads(l)["question"] for l in open(sys.argv[2])][:8]
 prompts = [tok.encode(f"Question: {q}\nAnswer:") for q in qs]
 print("ready", flush=True)
@@ -41,8 +42,9 @@ if __name__ == "__main__":
     old, new, mode, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     method = sys.argv[5] if len(sys.argv) > 5 else "auto"
     max_batch = int(sys.argv[6]) if len(sys.argv) > 6 else 8
+    model = sys.argv[7] if len(sys.argv) > 7 else ""
     data = "../shared/data/gsm8k/test.jsonl"
-    ws = {k: subprocess.Popen([sys.executable, "-c", WORKER, root, data], stdin=subprocess.PIPE,
+    ws = {k: subprocess.Popen([sys.executable, "-c", WORKER, root, data, model], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for k, root in (("old", old), ("new", new))}
     for w in ws.values():
         while (line := w.stdout.readline()) and line.strip() != "ready":
