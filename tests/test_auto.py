@@ -449,6 +449,39 @@ def test_a_lookup_priced_out_by_one_noisy_step_is_tried_again() -> None:
     assert sum(all(a == "pld" for a in step) for step in arms[-20:]) >= 18, arms
 
 
+def test_price_probes_stop_where_the_price_stands_and_skip_closed_batches() -> None:
+    """Prompt lookup's drafts match, but each row past a request's first costs 0.3 of a plain pass, so drafting
+    loses (it would win at the calibration's nearly-free rows).  A server's drafter re-measures that price by
+    probes until the width they land in is measured ``CONFIRM`` times, then stops (fails when probes go on every
+    loss / explore seconds); a closed batch, whose drafter lives for one call, never price-probes (fails when it
+    does)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.3 * (rows - n)
+    for closed in (False, True):
+        d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+        d.sizing = Sizing.of(_table(0.01), 4)
+        arms = _simulate_batch(d, 4, 400, 1, texts=_repeating_texts(11), budgets=[4000] * 4, closed=closed,
+                               verify=verify)
+        first = next(i for i, step in enumerate(arms) if "pld" in step)
+        assert arms[first].count("pld") == 4, arms       # the first drafted step: priced by the calibration
+        probes = [i for i, step in enumerate(arms) if step.count("pld") == 1]
+        assert all(step.count("pld") in (0, 1) for step in arms[first + 1:]), arms
+        assert len(probes) == (0 if closed else auto_mod.CONFIRM), (closed, probes)
+
+
+def test_a_widths_first_drafted_steps_weigh_evenly() -> None:
+    """A width's first drafted steps are averaged evenly (then at the moving average's weight), so a pause in the
+    first weighs a third after three, and the price probes' ``CONFIRM`` measurements count alike (fails when the
+    first step is taken whole and the next at 0.3: the pause keeps half its weight)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    for v in (1.0 + 10 * 0.1 + 9.0, 1.0 + 10 * 0.1, 1.0 + 10 * 0.1):    # 0.1 s a row past the plain ones; a pause
+        d._add_extra(v, 14, 4)
+    assert d.verify_time(14, 4) == pytest.approx(1.0 + 1.0 + 9.0 / 3)
+    d._add_extra(2.0, 14, 4)
+    assert d.verify_time(14, 4) == pytest.approx(1.0 + 0.7 * 4.0 + 0.3 * 1.0)
+
+
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     """A closed batch plans for the rest of its budgets, so one lucky step must not commit it: four requests whose
     lookup drafts committed one token for 20 steps and then five once (the step's average jumps to 2.2, a drafted

@@ -27,8 +27,9 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   are known exactly once the next tokens are.  So a lookup drafter that starts paying (text turning repetitive) is
   noticed within a few steps without spending a step on it.  What its rows cost is known only from steps it
   drafts: one that would win were its rows as cheap as the calibration says is tried now and then (a *price
-  probe*, one request, at most one losing x seconds per x / ``explore`` seconds), so one noisy drafted step does not
-  price it out for good.
+  probe*, one request, at most one losing x seconds per x / ``explore`` seconds, until that width is measured
+  ``CONFIRM`` times; not in a closed batch, whose drafter lives for one call), so one noisy drafted step does not
+  price it out of a server for good.
 * **the choice**: per request the arm that gives the step the most tokens per second, the other requests taken as
   they were last step (B = 1: the request's own tokens per second; AR: one token per step, no drafting cost, one
   row); a drafter replaces a plain step only when it wins by ``MARGIN`` (AR's value is certain, the others' are
@@ -327,8 +328,17 @@ def _bucket(e: float) -> int:
     return max(int(e), 1).bit_length() - 1
 
 
-def _rate(got: tuple[float, float]) -> float:
+def _rate(got: tuple[float, float, int]) -> float:
     return max(got[0] / got[1], 0.0)
+
+
+def _avg3(old: tuple[float, float, int] | None, y: float, e: float) -> tuple[float, float, int]:
+    """Moving averages of a drafted step's time past the plain part and its extra rows, and the steps so far: the
+    first few averaged evenly (so a noisy first step weighs a third after three), then at ``STEP_ALPHA``."""
+    if old is None:
+        return y, e, 1
+    a = max(STEP_ALPHA, 1.0 / (old[2] + 1))
+    return old[0] + a * (y - old[0]), old[1] + a * (e - old[1]), old[2] + 1
 
 
 class ArmStats:
@@ -366,6 +376,7 @@ MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
 MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
 HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
+CONFIRM = 3               # a lookup's price probes stop at a width once this many drafted steps there were measured
 EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
 
 
@@ -447,12 +458,17 @@ class AutoSession(Session):
         t_ar = known["ar"][1]                   # no step with the rows costs less: a bound before pricing them
         hopes = [a for a in LOOKUP if a in known and a != best and a not in d.probed
                  and known[a][2] > (1.0 + MARGIN) * j_best * t_ar]
-        if hopes and d.extra:                   # before a drafted step is measured its rows are priced so already
+        # a closed batch's drafter lives for one call (too short to repay them); before a drafted step is measured
+        # the rows are priced so already
+        if hopes and d.extra and not self.ctx.closed:
             opt = self.values(B, hopes, optimistic=True)
+            others_rows = d.others(B)[1]
             for arm in hopes:
                 _, t_a, tok_a = known[arm]
                 if opt[arm] is None or opt[arm][0] <= (1.0 + MARGIN) * j_best or t_a <= opt[arm][1]:
                     continue                    # no hope, or already priced at its best
+                if d.confirmed(others_rows + self.tok_rows(arm)[1] - B):
+                    continue                    # that width's price is measured often enough to stand
                 # the price is the drafter's, not the request's: one probe losing x seconds per x / explore seconds
                 loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
                 if d.elapsed - d.drafted.get(arm, 0.0) >= loss / d.knobs.explore and d.may_probe(loss):
@@ -559,9 +575,9 @@ class AutoDrafter(Drafter):
         self.ema_v: float | None = None
         self.ema_f: float | None = None
         self.plain: tuple[float, float] | None = None   # the same over plain steps (a row per request) only
-        # drafted steps, by ``_bucket`` of their rows past the plain ones: that time in the plain scale's units, and
-        # those rows (moving averages: their ratio is what one such row costs)
-        self.extra: dict[int, tuple[float, float]] = {}
+        # drafted steps, by ``_bucket`` of their rows past the plain ones: that time in the plain scale's units, those
+        # rows (moving averages: their ratio is what one such row costs), and how many steps were measured
+        self.extra: dict[int, tuple[float, float, int]] = {}
         self.early: list[tuple[float, int, int]] = []   # drafted steps before the first plain one: v, rows, n
         self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
@@ -669,6 +685,11 @@ class AutoDrafter(Drafter):
             w = (b - lo) / (hi - lo)
             return (1.0 - w) * _rate(self.extra[lo]) + w * _rate(self.extra[hi])
         return _rate(self.extra[b])
+
+    def confirmed(self, e: float) -> bool:
+        """Whether drafted steps with about e rows past the plain ones were measured ``CONFIRM`` times."""
+        got = self.extra.get(_bucket(e))
+        return got is not None and got[2] >= CONFIRM
 
     def verify_time(self, rows: float, n: int, optimistic: bool = False) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
@@ -789,12 +810,12 @@ class AutoDrafter(Drafter):
     def _add_extra(self, v: float, rows: int, n: int) -> None:
         """Fold a drafted step (``v`` seconds, ``rows`` verifier rows of n requests) into the rate of its rows past
         the plain ones: its time past the plain part in the plain scale's units (signed, so noise averages out
-        rather than ratchets up).  A bucket's first step is taken whole, so one noisy step (a pause, a prompt's
-        chunk riding along) can price its width high until drafted steps there are measured again - for the lookup
+        rather than ratchets up).  A width's first steps are averaged evenly, so one noisy step (a pause, a
+        prompt's chunk riding along) prices it high until drafted steps there are measured again - for the lookup
         arms, by the price probes of ``AutoSession.choose``."""
         if rows > n:
             b = _bucket(rows - n)
-            self.extra[b] = _ema2(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
+            self.extra[b] = _avg3(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
 
     def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
         """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
