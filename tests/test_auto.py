@@ -237,12 +237,14 @@ class GroupWave(FakeWave):
 
 
 def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, texts: list | None = None,
-                    budgets: list[int] | None = None, closed: bool = False, verify=None) -> list[list[str]]:
+                    budgets: list[int] | None = None, closed: bool = False, verify=None,
+                    probes: list | None = None) -> list[list[str]]:
     """B requests decoding together on ``texts`` (default random text: the lookups never match): the fake wave's
     drafts commit ``wave_tokens``, a lookup's what matches the text, at most what the budget leaves (a request
     whose budget is spent leaves the batch: "done"); a verification pass costs 100 x the calibrated pass over the
     step's rows (``verify(rows, requests)``: seconds, instead).  ``closed``: a closed batch with nobody waiting
-    (``DraftContext.closed``); budgets default 1000.  Returns the arms per step."""
+    (``DraftContext.closed``); budgets default 1000.  Returns the arms per step (``probes``: (step, arm) of each
+    probe appended)."""
     clock = drafter.clock
     g = torch.Generator().manual_seed(5)
     texts = texts or [torch.randint(10, 5000, (1200,), generator=g).tolist() for _ in range(B)]
@@ -251,11 +253,13 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
         r.closed = closed
     sessions = [drafter.start(r) for r in reqs]
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         live = [i for i, r in enumerate(reqs) if r.budget > 0]
         if not live:
             break
         drafts = drafter.propose_batch([sessions[i] for i in live])
+        if probes is not None:
+            probes.extend((step, sessions[i].arm) for i in live if sessions[i].probe)
         rows_all = 0
         verdicts = []
         for i, d in zip(live, drafts):
@@ -401,6 +405,31 @@ def test_a_batch_drafts_with_a_lookup_together_where_each_alone_wavers() -> None
     assert all(step.count("pld") == 4 for step in arms[10:]), arms
 
 
+def test_a_batch_drafts_with_a_lookup_together_only_where_it_matches() -> None:
+    """Two of four requests' prompt-lookup drafts match, the others' never do; a row past a request's first
+    costs 0.2 of a plain pass.  Drafting together pays for the two, and the others step plain beside them (fails
+    when only every request on the arm is weighed: the two whose drafts never match draft too, for rows)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.2 * (rows - n)
+    arms = _lookup_batch([True, True, False, False], [1000] * 4, closed=False, verify=verify)
+    assert all(step == ["pld", "pld", "ar", "ar"] for step in arms[-20:]), arms
+
+
+def test_a_probe_keeps_its_arm_when_the_batch_drafts_together() -> None:
+    """Four requests whose prompt-lookup drafts pay together; DAS-Wave's probes come every few dozen steps.  The
+    step with the others on prompt lookup keeps the probing request on DAS-Wave (fails when drafting together
+    overrides probes: DAS-Wave is never measured again, and each overridden probe is charged all the same)."""
+    def verify(rows: int, n: int) -> float:
+        return 1.0 + 0.1 * (rows - n)
+    d = _auto("das-wave,pld", 0.05, lambda clock: {"das-wave": FakeWave(clock, 0.1), "pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    probes: list = []
+    arms = _simulate_batch(d, 4, 100, 1, texts=_repeating_texts(9), budgets=[4000] * 4, verify=verify,
+                           probes=probes)
+    late = [i for i, arm in probes if arm == "das-wave" and i > 10]
+    assert late and all(sorted(arms[i]) == ["das-wave", "pld", "pld", "pld"] for i in late), (probes, arms)
+
+
 def _repeating_texts(seed: int) -> list[list[int]]:
     """Four requests' texts: 30 random tokens, then a 7-token period (prompt lookup's drafts match)."""
     g = torch.Generator().manual_seed(seed)
@@ -434,8 +463,9 @@ def test_rows_a_draft_adds_are_priced_by_their_count() -> None:
 def test_a_lookup_priced_out_by_one_noisy_step_is_tried_again() -> None:
     """Four requests of a server whose texts turn repetitive; each row past a request's first costs 0.05 of a
     plain pass, but the batch's first drafted step (all four on prompt lookup) also takes an 8 s pause, which
-    prices the rows out.  A lookup's price is re-measured by budgeted probes (the pause itself earns the first),
-    so the batch drafts again (fails without them: plain to the end)."""
+    prices the rows out.  A lookup's price is re-measured by budgeted probes (the pause itself earns the first):
+    one request's draft, a narrower width, measured at its true price; the requests then draft again and the
+    batch's width is measured anew (fails without the probes: plain to the end)."""
     calls = []
 
     def verify(rows: int, n: int) -> float:
@@ -443,30 +473,32 @@ def test_a_lookup_priced_out_by_one_noisy_step_is_tried_again() -> None:
         return 1.0 + 0.05 * (rows - n) + (8.0 if rows > n and calls.count(True) == 1 else 0.0)
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.01), 4)
-    arms = _simulate_batch(d, 4, 150, 1, texts=_repeating_texts(10), budgets=[4000] * 4, verify=verify)
+    probes: list = []
+    arms = _simulate_batch(d, 4, 150, 1, texts=_repeating_texts(10), budgets=[4000] * 4, verify=verify,
+                           probes=probes)
     first = next(i for i, step in enumerate(arms) if "pld" in step)
-    assert arms[first + 1].count("pld") == 1, arms        # priced out: one request's probe, not the batch
+    assert arms[first + 1].count("pld") == 1 and probes[0] == (first + 1, "pld"), (probes, arms)   # priced out
     assert sum(all(a == "pld" for a in step) for step in arms[-20:]) >= 18, arms
 
 
 def test_price_probes_stop_where_the_price_stands_and_skip_closed_batches() -> None:
     """Prompt lookup's drafts match, but each row past a request's first costs 0.3 of a plain pass, so drafting
     loses (it would win at the calibration's nearly-free rows).  A server's drafter re-measures that price by
-    probes until the width they land in is measured ``CONFIRM`` times, then stops (fails when probes go on every
-    loss / explore seconds); a closed batch, whose drafter lives for one call, never price-probes (fails when it
-    does)."""
+    ``CONFIRM`` probes, then stops (fails when probes go on every loss / explore seconds); a closed batch, whose
+    horizon is its budgets, never price-probes (fails when it does)."""
     def verify(rows: int, n: int) -> float:
         return 1.0 + 0.3 * (rows - n)
     for closed in (False, True):
         d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
         d.sizing = Sizing.of(_table(0.01), 4)
+        probes: list = []
         arms = _simulate_batch(d, 4, 400, 1, texts=_repeating_texts(11), budgets=[4000] * 4, closed=closed,
-                               verify=verify)
+                               verify=verify, probes=probes)
         first = next(i for i, step in enumerate(arms) if "pld" in step)
         assert arms[first].count("pld") == 4, arms       # the first drafted step: priced by the calibration
-        probes = [i for i, step in enumerate(arms) if step.count("pld") == 1]
-        assert all(step.count("pld") in (0, 1) for step in arms[first + 1:]), arms
+        drafted = [i for i, step in enumerate(arms) if i > first and "pld" in step]
         assert len(probes) == (0 if closed else auto_mod.CONFIRM), (closed, probes)
+        assert drafted == [i for i, _ in probes], (drafted, probes)      # only the probes drafted
 
 
 def test_a_widths_first_drafted_steps_weigh_evenly() -> None:
@@ -480,6 +512,22 @@ def test_a_widths_first_drafted_steps_weigh_evenly() -> None:
     assert d.verify_time(14, 4) == pytest.approx(1.0 + 1.0 + 9.0 / 3)
     d._add_extra(2.0, 14, 4)
     assert d.verify_time(14, 4) == pytest.approx(1.0 + 0.7 * 4.0 + 0.3 * 1.0)
+
+
+def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
+    """What a lookup's price probe hopes for: its own draft's rows at what the calibration's shape says they add,
+    the other requests' drafted rows at the measured rate (fails when every extra row is priced by the shape: the
+    others' rows would make a draft that cannot pay look as if it might); rates between measured widths are
+    interpolated."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    d.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    d._add_extra(1.0 + 0.1 * 16, 20, 4)                 # 0.1 s a row past the plain ones, at 16 of them
+    shape = d.sp * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
+    assert d.verify_time(20, 4) == pytest.approx(2.6)
+    assert d.verify_time(20, 4, hoped=5) == pytest.approx(2.6 - 0.5 + shape)
+    d._add_extra(1.0 + 0.3 * 4, 8, 4)                   # 0.3 s a row at 4 of them
+    assert d.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
 
 
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:

@@ -26,10 +26,10 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   draft, the tokens the chain would have committed (its longest prefix that matches what was committed, plus one)
   are known exactly once the next tokens are.  So a lookup drafter that starts paying (text turning repetitive) is
   noticed within a few steps without spending a step on it.  What its rows cost is known only from steps it
-  drafts: one that would win were its rows as cheap as the calibration says is tried now and then (a *price
-  probe*, one request, at most one losing x seconds per x / ``explore`` seconds, until that width is measured
-  ``CONFIRM`` times; not in a closed batch, whose drafter lives for one call), so one noisy drafted step does not
-  price it out of a server for good.
+  drafts: one that would win were its own rows as cheap as the calibration says is tried now and then (a *price
+  probe*: one request; per lookup arm at most one losing x seconds per x / ``explore`` seconds, ``CONFIRM`` in a
+  drafter's life, all probes within the ``explore`` budget; not in a closed batch, whose horizon is its budgets),
+  so one noisy drafted step does not price it out of a server for good.
 * **the choice**: per request the arm that gives the step the most tokens per second, the other requests taken as
   they were last step (B = 1: the request's own tokens per second; AR: one token per step, no drafting cost, one
   row); a drafter replaces a plain step only when it wins by ``MARGIN`` (AR's value is certain, the others' are
@@ -376,7 +376,7 @@ MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
 MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
 HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
-CONFIRM = 3               # a lookup's price probes stop at a width once this many drafted steps there were measured
+CONFIRM = 3               # the most price probes of a lookup arm (that drafted) in a drafter's life
 EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
 
 
@@ -409,18 +409,18 @@ class AutoSession(Session):
         prior = self.drafter.prior.get(arm)
         return (prior[0], prior[1]) if prior is not None else (None, None)
 
-    def values(self, B: int, arms=None, optimistic: bool = False) -> dict[str, tuple[float, float, float] | None]:
+    def values(self, B: int, arms=None, hoped: bool = False) -> dict[str, tuple[float, float, float] | None]:
         """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` (each of
         ``arms``, default AR and every sub-drafter) and the others as last step, or None while unknown.
-        ``optimistic``: the rows past the plain ones priced at the lower of the measured rate and the
-        calibration's shape (``verify_time``)."""
+        ``hoped``: this request's own rows past its first priced at the lower of the measured rate and the
+        calibration's shape (``verify_time``'s ``hoped``)."""
         d = self.drafter
         others = d.others(B)
         out = {}
         for arm in (("ar", *d.subs) if arms is None else arms):
             tok, rows = self.tok_rows(arm)
             m = d.groups_last.get(arm, 0) + (self.prev != arm)        # the group it would draft in
-            t = d.step_time(arm, rows, others, m, B, optimistic) if tok is not None else None
+            t = d.step_time(arm, rows, others, m, B, hoped) if tok is not None else None
             out[arm] = None if t is None else ((others[0] + tok) / t, t, others[0] + tok)
         return out
 
@@ -453,25 +453,26 @@ class AutoSession(Session):
                 d.probed.add(arm)          # charged as if it committed one token
                 return arm, True
         # a lookup arm's acceptance is measured every step, but the price of its rows only when it drafts: one that
-        # would win were its rows as cheap as the calibration says is tried now and then (a noisy drafted step
-        # must not price it out for the drafter's life)
-        t_ar = known["ar"][1]                   # no step with the rows costs less: a bound before pricing them
-        hopes = [a for a in LOOKUP if a in known and a != best and a not in d.probed
-                 and known[a][2] > (1.0 + MARGIN) * j_best * t_ar]
-        # a closed batch's drafter lives for one call (too short to repay them); before a drafted step is measured
-        # the rows are priced so already
-        if hopes and d.extra and not self.ctx.closed:
-            opt = self.values(B, hopes, optimistic=True)
-            others_rows = d.others(B)[1]
-            for arm in hopes:
+        # would win were its own rows as cheap as the calibration says is tried now and then, ``CONFIRM`` times at
+        # most (a noisy drafted step must not price it out of a server for good).  Not in a closed batch: its
+        # horizon is the batch's budgets, too short to repay them; before a drafted step is measured the rows are
+        # priced so already.
+        if d.extra and not (B > 1 and self.ctx.closed):
+            t_ar = known["ar"][1]               # a step with the arm's rows costs about this at least
+            for arm in LOOKUP:
+                if arm not in known or arm == best or arm in d.probed or d.price_probes.get(arm, 0) >= CONFIRM:
+                    continue
                 _, t_a, tok_a = known[arm]
-                if opt[arm] is None or opt[arm][0] <= (1.0 + MARGIN) * j_best or t_a <= opt[arm][1]:
-                    continue                    # no hope, or already priced at its best
-                if d.confirmed(others_rows + self.tok_rows(arm)[1] - B):
-                    continue                    # that width's price is measured often enough to stand
+                if tok_a <= (1.0 + MARGIN) * j_best * t_ar:
+                    continue                    # no hope at any price
                 # the price is the drafter's, not the request's: one probe losing x seconds per x / explore seconds
                 loss = max(t_a - tok_a / j_best, 0.05 * t_best / B)
-                if d.elapsed - d.drafted.get(arm, 0.0) >= loss / d.knobs.explore and d.may_probe(loss):
+                if d.elapsed - d.drafted.get(arm, 0.0) < loss / d.knobs.explore:
+                    continue
+                hope = self.values(B, [arm], hoped=True)[arm]
+                if hope is None or hope[0] <= (1.0 + MARGIN) * j_best or t_a <= hope[1]:
+                    continue                    # no hope, or already priced at its best
+                if d.may_probe(loss):
                     d.probed.add(arm)
                     return arm, True
         look = max([self.tok_rows(a)[0] or 0.0 for a in LOOKUP if a in d.subs] or [0.0])
@@ -544,6 +545,8 @@ class AutoSession(Session):
         if arm != "ar":
             if arm in LOOKUP:
                 self.arms[arm].add(tok, rows, self.steps, STEP_ALPHA, SLOW_ALPHA)
+                if self.probe and rows > 1:     # a price probe that measured rows
+                    self.drafter.price_probes[arm] = self.drafter.price_probes.get(arm, 0) + 1
             else:
                 self.arms[arm].add(tok, rows, self.steps, PROBE_ALPHA)
             self.drafter.add_prior(arm, tok, rows)
@@ -583,6 +586,7 @@ class AutoDrafter(Drafter):
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
         self.probed: set[str] = set()            # arms probed this step (one request each)
         self.drafted: dict[str, float] = {}      # per arm: ``elapsed`` when a request last drafted with it
+        self.price_probes: dict[str, int] = {}   # per lookup arm: its price probes that drafted
         self.elapsed = 0.0                       # seconds of the steps measured so far
         self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
         self.prior: dict[str, tuple[float, float]] = {}
@@ -686,12 +690,7 @@ class AutoDrafter(Drafter):
             return (1.0 - w) * _rate(self.extra[lo]) + w * _rate(self.extra[hi])
         return _rate(self.extra[b])
 
-    def confirmed(self, e: float) -> bool:
-        """Whether drafted steps with about e rows past the plain ones were measured ``CONFIRM`` times."""
-        got = self.extra.get(_bucket(e))
-        return got is not None and got[2] >= CONFIRM
-
-    def verify_time(self, rows: float, n: int, optimistic: bool = False) -> float | None:
+    def verify_time(self, rows: float, n: int, hoped: float = 0.0) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
         measured, ``sp * (full(n) + e * extra_rate(e))`` for the e = rows - n rows past the plain ones - the
         calibration's rows are one sequence's own, a drafted step's extra rows each read a request's cached prefix
@@ -699,8 +698,9 @@ class AutoDrafter(Drafter):
         "Pricing the rows a draft adds"); until a drafted step is measured, the calibration's shape
         ``full(rows) - full(n)``.  Load moves ``sp`` where plain steps come often; where nearly every step drafts
         (a model DAS-Wave pays on) ``sp`` is refreshed rarely and load lands in the rates.  Before plain steps,
-        every row at the one scale fitted over all steps (``scale``).  ``optimistic``: the extra rows at the lower of
-        the measured rate and the calibration's shape (what a lookup's price probe hopes for)."""
+        every row at the one scale fitted over all steps (``scale``).  ``hoped``: that many of the extra rows (one
+        request's draft) at the lower of the measured rate and what the calibration's shape says they add - what a
+        lookup's price probe hopes for."""
         if self.plain is None:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
@@ -709,8 +709,12 @@ class AutoDrafter(Drafter):
         if e <= 0:
             return self.sp * base
         rate = self.extra_rate(e)
-        shape = max(self.pass_cost(rows) - base, 0.0)
-        extra = shape if rate is None else min(e * rate, shape) if optimistic else e * rate
+        if rate is None:
+            return self.sp * (base + max(self.pass_cost(rows) - base, 0.0))
+        extra = e * rate
+        if hoped > 0:
+            h = min(hoped, e)
+            extra -= max(h * rate - max(self.pass_cost(rows) - self.pass_cost(rows - h), 0.0), 0.0)
         return self.sp * (base + extra)
 
     def others(self, B: int) -> tuple[float, float, float]:
@@ -746,12 +750,13 @@ class AutoDrafter(Drafter):
         return got[0] / got[1] * self.draft_units(arm, m) / m
 
     def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int,
-                  B: int, optimistic: bool = False) -> float | None:
+                  B: int, hoped: bool = False) -> float | None:
         """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
-        requests drafting with it) beside ``others`` (B - 1 requests); ``optimistic`` as ``verify_time``'s."""
+        requests drafting with it) beside ``others`` (B - 1 requests); ``hoped``: its own rows past its first
+        priced as ``verify_time``'s ``hoped``."""
         if rows is None:
             return None
-        v = self.verify_time(others[1] + rows, B, optimistic)
+        v = self.verify_time(others[1] + rows, B, rows - 1.0 if hoped else 0.0)
         d = self.draft_time(arm, m)
         if v is None or d is None:
             return None
@@ -789,10 +794,11 @@ class AutoDrafter(Drafter):
                 rows, n = self.step_rows, self.step_n
                 f = self.pass_cost(rows)
                 expected = self.verify_time(rows, n)
-                # a step that also prefilled a waiting prompt, or a pause: clipped - where its price was measured
-                # (a width no drafted step has measured is priced by the calibration's shape, often far too low)
-                if expected is not None and (rows <= n or _bucket(rows - n) in self.extra):
-                    v = min(v, 3.0 * expected)
+                # a step that also prefilled a waiting prompt, or a pause: clipped to 3x its price where that was
+                # measured, 10x where it comes from other widths; not while only the calibration's shape prices the
+                # rows a draft adds (often far too low)
+                if expected is not None and (rows <= n or self.extra):
+                    v = min(v, (3.0 if rows <= n or _bucket(rows - n) in self.extra else 10.0) * expected)
                 self.ema_v = _ema(self.ema_v, v, STEP_ALPHA)
                 self.ema_f = _ema(self.ema_f, f, STEP_ALPHA)
                 if rows <= n:
@@ -813,7 +819,7 @@ class AutoDrafter(Drafter):
         rather than ratchets up).  A width's first steps are averaged evenly, so one noisy step (a pause, a
         prompt's chunk riding along) prices it high until drafted steps there are measured again - for the lookup
         arms, by the price probes of ``AutoSession.choose``."""
-        if rows > n:
+        if rows > n and self.sp > 0:
             b = _bucket(rows - n)
             self.extra[b] = _avg3(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
 
@@ -903,21 +909,29 @@ class AutoDrafter(Drafter):
     def together(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         """Each request weighs an arm as if it drafted alone beside the others' last step, but a model-drafting
         arm's rounds run for all of its requests at once, and any arm's drafts can each fall within the margin
-        beside the others' drafted rows while all of them together win: the step with every request on one arm
-        is valued against the requests' own choices, and taken when it wins by MARGIN."""
+        beside the others' drafted rows while all of them together win: the step with every request on one arm -
+        and, for a lookup arm (whose drafts that never match only add rows), with those of its requests whose
+        drafts commit more than a token on it - is valued against the requests' own choices, and taken when it
+        wins by MARGIN.  Probes keep their arm."""
         if len(sessions) < 2:
             return picks
-        own = self.batch_value(sessions, [a for a, _ in picks])
+        mine = [a for a, _ in picks]
+        own = self.batch_value(sessions, mine)
         if own is None:
             return picks
         best, best_value = None, (1.0 + MARGIN) * own
         for arm in self.subs:
-            if all(a == arm for a, _ in picks):
-                continue
-            v = self.batch_value(sessions, [arm] * len(sessions))
-            if v is not None and v > best_value:
-                best, best_value = arm, v
-        return picks if best is None else [(best, False)] * len(sessions)
+            plans = [[a if probe else arm for a, probe in picks]]
+            if arm in LOOKUP:
+                plans.append([a if probe else arm if (s.tok_rows(arm)[0] or 0.0) > 1.0 else "ar"
+                              for s, (a, probe) in zip(sessions, picks)])
+            for arms in plans:
+                if arms == mine:
+                    continue
+                v = self.batch_value(sessions, arms)
+                if v is not None and v > best_value:
+                    best, best_value = arms, v
+        return picks if best is None else [(a, probe) for a, (_, probe) in zip(best, picks)]
 
     def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
         self._step_time(sessions)

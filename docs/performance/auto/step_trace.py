@@ -1,13 +1,14 @@
-"""One closed batch under auto, step by step (issue 37): 8 GSM8K questions x 32 greedy tokens, generate_batch at
+"""One closed batch under auto, step by step (issue 37): 8 GSM8K questions x 32 (--tokens) greedy tokens, generate_batch at
 max_batch 8, one thread; after an AR run of the same batch, prints each step's time (one propose_batch call to the
 next) and the arms chosen (``*``: a probe).
-    PYTHONPATH=. python docs/performance/auto/step_trace.py [--model DIR] [--rounds N]"""
+    PYTHONPATH=. python docs/performance/auto/step_trace.py [--model DIR] [--rounds N] [--tokens N]"""
 import argparse, sys, time, dasspec
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from batch8 import setup
 from dasspec.methods import auto as A
 p = argparse.ArgumentParser()
 p.add_argument("--rounds", type=int, default=2)
+p.add_argument("--tokens", type=int, default=32, help="new tokens per request")
 a, model, P = setup(p)
 log = []
 propose = A.AutoDrafter.propose_batch
@@ -16,7 +17,7 @@ def timed(self, sessions):
     log.append((t0, time.perf_counter() - t0, [s.arm + ("*" if s.probe else "") for s in sessions]))
     return out
 A.AutoDrafter.propose_batch = timed
-run = lambda m: dasspec.generate_batch(model, P, method=m, max_new_tokens=32, eos=False, max_batch=8)
+run = lambda m: dasspec.generate_batch(model, P, method=m, max_new_tokens=a.tokens, eos=False, max_batch=8)
 run("ar"); run("auto")
 for r in range(a.rounds):
     t = time.perf_counter(); run("ar"); t_ar = time.perf_counter() - t
