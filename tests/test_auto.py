@@ -311,6 +311,28 @@ def test_a_batch_does_not_draft_together_where_that_loses() -> None:
     assert drafting <= 0.1 * 4 * len(late), arms
 
 
+class SteepWave(FakeWave):
+    """A model-drafting arm whose group costs far more than the calibration's shape of m windows says: a call costs
+    ``cost`` x (1 + 4 (m - 1))."""
+
+    def propose_batch(self, sessions):
+        self.clock.t += self.cost * (1 + 4 * (len(sessions) - 1))
+        return [Draft([0] * 8) for _ in sessions]
+
+
+def test_a_group_drafting_cost_is_priced_as_measured_at_its_size() -> None:
+    """Four requests; a model drafter that pays alone by the calibration's shape but costs 13x its one-request
+    cost for the four.  After one step of all four drafting together (priced by the shape), that group's cost
+    is measured at its size and the batch steps plain, probes apart (fails when one scale over every group size
+    prices it - the one-request probes pull the price back down and the batch drafts together again - or when the
+    requests' own choices, each made as if drafting alone, are taken though all of them at once lose)."""
+    d = _auto("das-wave", 0.05, lambda clock: {"das-wave": SteepWave(clock, 0.1)})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    arms = _simulate_batch(d, 4, 120, 3)
+    assert sum(step.count("das-wave") == 4 for step in arms) == 1, arms
+    assert all(step.count("das-wave") <= 1 for step in arms[4:]), arms
+
+
 def _lookup_batch(repeating: list[bool], budgets: list[int], closed: bool, verify=None) -> list[list[str]]:
     """Four requests under auto with prompt lookup only, wide rows nearly free in the calibration (as on the
     bundled model): request i's text repeats a 7-token period when ``repeating[i]`` (its lookup drafts match), else
@@ -406,12 +428,19 @@ def test_a_batch_drafts_with_a_lookup_together_where_each_alone_wavers() -> None
 
 
 def test_a_batch_drafts_with_a_lookup_together_only_where_it_matches() -> None:
-    """Two of four requests' prompt-lookup drafts match, the others' never do; a row past a request's first
-    costs 0.2 of a plain pass.  Drafting together pays for the two, and the others step plain beside them (fails
-    when only every request on the arm is weighed: the two whose drafts never match draft too, for rows)."""
+    """Two of four requests' prompt-lookup drafts match; the others' text, on 20 token ids, gives their drafts
+    matches to start from that do not continue (about 10 rows for little more than a token); a row past a
+    request's first costs 0.2 of a plain pass.  Drafting together pays for the two, and the others step plain
+    beside them (fails when only every request on the arm is weighed, or requests whose drafts commit a little
+    more than a token are taken along: the batch alternates between drafting and not)."""
     def verify(rows: int, n: int) -> float:
         return 1.0 + 0.2 * (rows - n)
-    arms = _lookup_batch([True, True, False, False], [1000] * 4, closed=False, verify=verify)
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    g = torch.Generator().manual_seed(8)
+    texts = [list(range(3000 + 10 * i, 3007 + 10 * i)) * 200 for i in range(2)] + \
+        [torch.randint(10, 30, (1400,), generator=g).tolist() for _ in range(2)]
+    arms = _simulate_batch(d, 4, 40, 1, texts=texts, budgets=[1000] * 4, verify=verify)
     assert all(step == ["pld", "pld", "ar", "ar"] for step in arms[-20:]), arms
 
 
@@ -464,8 +493,9 @@ def test_a_lookup_priced_out_by_one_noisy_step_is_tried_again() -> None:
     """Four requests of a server whose texts turn repetitive; each row past a request's first costs 0.05 of a
     plain pass, but the batch's first drafted step (all four on prompt lookup) also takes an 8 s pause, which
     prices the rows out.  A lookup's price is re-measured by budgeted probes (the pause itself earns the first):
-    one request's draft, a narrower width, measured at its true price; the requests then draft again and the
-    batch's width is measured anew (fails without the probes: plain to the end)."""
+    one request's draft, a narrower width, measured at its true price; the paused width, measured once, then
+    weighs at most ``OUTLIER`` x that rate, the requests draft again and it is measured anew (fails without the
+    probes, or without that cap: plain to the end)."""
     calls = []
 
     def verify(rows: int, n: int) -> float:
@@ -538,7 +568,7 @@ def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
     d.ema_v = d.ema_f = 1.0
-    d.dcost["pld"] = (1e-9, 1.0)
+    d.dcost["pld"] = {0: (1e-9, 1.0)}
     text = list(range(100, 400))
     reqs = [_fake_req(text, 5, 100) for _ in range(4)]
     for r in reqs:
@@ -576,7 +606,7 @@ def test_a_request_with_one_token_to_go_is_left_out_of_a_batch_plan(monkeypatch)
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)
     d.ema_v = d.ema_f = 1.0
-    d.dcost["pld"] = (1e-9, 1.0)
+    d.dcost["pld"] = {0: (1e-9, 1.0)}
     everyone = lambda sessions, picks: [("pld", False)] * len(sessions)    # noqa: E731
     monkeypatch.setattr(d, "closed_plan", everyone)
     monkeypatch.setattr(d, "together", everyone)

@@ -328,8 +328,27 @@ def _bucket(e: float) -> int:
     return max(int(e), 1).bit_length() - 1
 
 
-def _rate(got: tuple[float, float, int]) -> float:
+def _rate(got: tuple) -> float:
     return max(got[0] / got[1], 0.0)
+
+
+def _by_width(table: dict[int, tuple], b: int) -> float:
+    """A table by width bucket of (a time, what it is per[, steps]) at bucket b: b's own ratio, between measured
+    buckets interpolated, outside them the nearest one's.  A width measured on one step only is taken at most
+    ``OUTLIER`` x the nearest other width's ratio (a pause in that step must not price it out: drafting there again
+    measures it)."""
+    if b in table:
+        got = _rate(table[b])
+        if len(table[b]) > 2 and table[b][2] < 2 and len(table) > 1:
+            near = min((k for k in table if k != b), key=lambda k: (abs(k - b), k))
+            got = min(got, OUTLIER * _rate(table[near]))
+        return got
+    lo = max((k for k in table if k < b), default=None)
+    hi = min((k for k in table if k > b), default=None)
+    if lo is None or hi is None:
+        return _rate(table[hi if lo is None else lo])
+    w = (b - lo) / (hi - lo)
+    return (1.0 - w) * _rate(table[lo]) + w * _rate(table[hi])
 
 
 def _avg3(old: tuple[float, float, int] | None, y: float, e: float) -> tuple[float, float, int]:
@@ -376,6 +395,7 @@ MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
 MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
 HINT_EVERY = 4             # re-probe DAS-Wave at most this often when a lookup arm overtakes it
+OUTLIER = 3.0             # a width's rate from one drafted step, at most this x its nearest measured neighbour's
 CONFIRM = 3               # the most price probes of a lookup arm (that drafted) in a drafter's life
 EARLY_RESOLVE = 4          # an off-policy lookup draft whose first 4 tokens matched counts as 5 tokens at once
 
@@ -582,7 +602,8 @@ class AutoDrafter(Drafter):
         # rows (moving averages: their ratio is what one such row costs), and how many steps were measured
         self.extra: dict[int, tuple[float, float, int]] = {}
         self.early: list[tuple[float, int, int]] = []   # drafted steps before the first plain one: v, rows, n
-        self.dcost: dict[str, tuple[float, float]] = {}   # per arm: drafting seconds and ``draft_units``
+        # per arm and ``_bucket`` of the group drafting together: drafting seconds and ``draft_units`` (moving averages)
+        self.dcost: dict[str, dict[int, tuple[float, float]]] = {}
         self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
         self.probed: set[str] = set()            # arms probed this step (one request each)
         self.drafted: dict[str, float] = {}      # per arm: ``elapsed`` when a request last drafted with it
@@ -675,20 +696,10 @@ class AutoDrafter(Drafter):
         return self.plain[0] / self.plain[1]
 
     def extra_rate(self, e: float) -> float | None:
-        """What one of e rows past the plain ones costs, in the plain scale's units, as measured on drafted steps:
-        the rate of e's bucket; between measured buckets interpolated, past them the nearest one's (so the
-        rows are priced linearly from the nearest measured width); None while no drafted step is measured."""
-        if not self.extra:
-            return None
-        b = _bucket(e)
-        if b not in self.extra:
-            lo = max((k for k in self.extra if k < b), default=None)
-            hi = min((k for k in self.extra if k > b), default=None)
-            if lo is None or hi is None:
-                return _rate(self.extra[hi if lo is None else lo])
-            w = (b - lo) / (hi - lo)
-            return (1.0 - w) * _rate(self.extra[lo]) + w * _rate(self.extra[hi])
-        return _rate(self.extra[b])
+        """What one of e rows past the plain ones costs, in the plain scale's units, as measured on drafted steps
+        (``_by_width``: so the rows are priced linearly from the nearest measured width); None while no drafted
+        step is measured."""
+        return _by_width(self.extra, _bucket(e)) if self.extra else None
 
     def verify_time(self, rows: float, n: int, hoped: float = 0.0) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
@@ -743,11 +754,11 @@ class AutoDrafter(Drafter):
         """Expected drafting seconds per request of ``arm`` in a group of m requests (None: never measured)."""
         if arm == "ar":
             return 0.0
-        got = self.dcost.get(arm)
-        if got is None:
+        table = self.dcost.get(arm)
+        if not table:
             return None
         m = max(m, 1)
-        return got[0] / got[1] * self.draft_units(arm, m) / m
+        return _by_width(table, _bucket(m)) * self.draft_units(arm, m) / m
 
     def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int,
                   B: int, hoped: bool = False) -> float | None:
@@ -771,10 +782,11 @@ class AutoDrafter(Drafter):
         return True
 
     def add_draft_cost(self, arm: str, seconds: float, m: int = 1) -> None:
-        old = self.dcost.get(arm)
-        u = self.draft_units(arm, m)
-        self.dcost[arm] = (seconds, u) if old is None else (_ema(old[0], seconds, STEP_ALPHA),
-                                                            _ema(old[1], u, STEP_ALPHA))
+        """Fold ``arm``'s drafting for a group of m requests into its measured cost at that group size: the
+        calibration's shape of m windows (``draft_units``) can be far off, as that of the rows a draft adds."""
+        table = self.dcost.setdefault(arm, {})
+        b = _bucket(m)
+        table[b] = _ema2(table.get(b), seconds, self.draft_units(arm, m))
 
     def add_prior(self, arm: str, tok: float, rows: float) -> None:
         old = self.prior.get(arm)
@@ -919,14 +931,29 @@ class AutoDrafter(Drafter):
         own = self.batch_value(sessions, mine)
         if own is None:
             return picks
+        B = len(sessions)
+        plain = self.batch_value(sessions, ["ar"] * B)
+        if plain is not None and plain > (1.0 + MARGIN) * own and any(a != "ar" for a, p in picks if not p):
+            # each request chose as if the others stepped as last step; all of them drafting at once loses
+            picks = [(a, True) if p else ("ar", False) for a, p in picks]
+            mine = [a for a, _ in picks]
+            own = self.batch_value(sessions, mine)
+            if own is None:
+                return picks
         best, best_value = None, (1.0 + MARGIN) * own
         for arm in self.subs:
             plans = [[a if probe else arm for a, probe in picks]]
-            if arm in LOOKUP:
-                plans.append([a if probe else arm if (s.tok_rows(arm)[0] or 0.0) > 1.0 else "ar"
-                              for s, (a, probe) in zip(sessions, picks)])
+            if arm in LOOKUP and plain:
+                # only the requests whose drafts add tokens faster than a plain step does: their extra tokens
+                # against their extra rows at what the candidates' rows together cost a row
+                stats = [s.tok_rows(arm) for s in sessions]
+                e = sum(r - 1.0 for t, r in stats if t is not None and t > 1.0 and r > 1.0)
+                if e > 0:
+                    row = (self.verify_time(B + e, B) - self.verify_time(B, B)) / e
+                    plans.append([a if probe else arm if t is not None and t - 1.0 > plain * row * (r - 1.0)
+                                  else "ar" for (t, r), (a, probe) in zip(stats, picks)])
             for arms in plans:
-                if arms == mine:
+                if arms == mine or arm not in arms:     # the requests' own choices, or nobody drafting
                     continue
                 v = self.batch_value(sessions, arms)
                 if v is not None and v > best_value:
