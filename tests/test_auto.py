@@ -562,21 +562,6 @@ def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
     assert d.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
 
 
-def test_one_lucky_probe_is_weighed_as_one_measurement() -> None:
-    """A request that has not measured an arm takes the drafter's average over its requests, averaged evenly over
-    its first measurements and drawn towards a plain step's one token by ``PRIOR_PSEUDO`` steps' worth: one probe
-    that committed 16 tokens reads as 8.5 for the others (fails when it is taken whole: a batch of eight went on
-    drafting together on one lucky probe), many as nearly their average."""
-    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
-    s = d.start(_fake_req(list(range(100, 200)), 5, 50))
-    d.add_prior("pld", 16.0, 16.0)
-    assert s.tok_rows("pld") == pytest.approx((8.5, 16.0))
-    for tok in (2.0,) + (16.0,) * 9:                  # even to ten measurements (9.0, 11.33, ..., 14.60), then 0.1
-        d.add_prior("pld", tok, 16.0)
-    mean = 14.6 + 0.1 * (16.0 - 14.6)
-    assert s.tok_rows("pld")[0] == pytest.approx((10 * mean + 1) / 11, rel=1e-3)
-
-
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     """A closed batch plans for the rest of its budgets, so one lucky step must not commit it: four requests whose
     lookup drafts committed one token for 20 steps and then five once (the step's average jumps to 2.2, a drafted
