@@ -12,15 +12,14 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   plain steps (a row per request) are measured, a pass over n requests' rows is priced in two parts: the n plain
   rows at the plain steps' scale, the e rows past them at a rate per row measured on drafted steps, by width
   (powers of two of e; a width not measured takes its measured neighbours', so rows are priced linearly from the
-  nearest; a width measured on one step only at most ``OUTLIER`` x its nearest neighbour's) - the calibration's rows
-  are one sequence's own, while a drafted step's extra rows each read a request's cached prefix beside the
-  others', and can cost far more than the calibration's shape says (docs/performance.md, "Pricing the rows a draft
-  adds" and "Per-width rates and price probes").  Drafted steps measured before the first plain one (the
+  nearest) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
+  request's cached prefix beside the others', and can cost far more than the calibration's shape says
+  (docs/performance.md, "Pricing the rows a draft adds").  Drafted steps measured before the first plain one (the
   first probe) count once it is, so the probe also prices the extra rows.
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
-  per request), with a fitted scale per drafter and size of group (powers of two of m: the calibration's shape of
-  m windows can be far off; its cost is a property of the model and the machine, shared by its requests).
+  per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
+  its requests).
 * **what drafts earn**: each request keeps a moving average of tokens committed per step and of verifier rows per
   arm, from its verdicts (``len(verdict.tokens)``).  The lookup arms (SAM, PLD) are also scored *off-policy* every
   step they are not used: their draft costs no model pass, and since the committed tokens do not depend on the
@@ -47,10 +46,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   weighing it alone undervalues it; and a request weighing its draft beside the others' drafted rows of the last
   step can find it within the margin, step plain, and so make drafting pay again for the next (the batch
   alternates).  So the step with every request on one arm (each at its own, or the drafter's average, tokens and
-  rows; the group's measured drafting cost; one pass over all rows) - and for a lookup arm, the step with only the
-  requests whose drafts add tokens faster than a plain step - is valued against the requests' own choices and
-  taken when it wins by ``MARGIN``; and where the requests' own choices, each made as if drafting alone, lose to
-  plain steps all at once, the batch steps plain (probes apart).
+  rows; the group's measured drafting cost; one pass over all rows) is valued against the requests' own choices
+  and taken when it wins by ``MARGIN``.
 * **a closed batch** (``DraftContext.closed``: generate_batch with more than one request decoding, once none waits
   for a slot or prefills): the caller waits for the last request, so tokens per second of a step is the wrong
   measure - a request whose drafts let it finish early while the others keep the batch going saves only its own
@@ -394,7 +391,6 @@ PROBE_ALPHA = 0.5          # a probe is rare: weigh it heavily
 STEP_ALPHA = 0.3           # per-step measurements (the chosen arm, off-policy lookups)
 SLOW_ALPHA = 0.1           # the slower average of a lookup's tokens per step, for plans over the rest of a budget
 PRIOR_ALPHA = 0.1          # the drafter's running average over its requests
-PRIOR_PSEUDO = 1.0        # plain steps' worth (one token each) drawn into that average where a request uses it
 MIN_INTERVAL, MAX_INTERVAL = 2, 256
 PRIOR_TRUST = 1.5         # an arm this request has not measured is used outright when the average says it wins by 1.5x
 MARGIN = 0.05             # a drafter replaces plain steps only when its estimated value is this much higher
@@ -423,19 +419,15 @@ class AutoSession(Session):
     # -- estimates --
     def tok_rows(self, arm: str, sustained: bool = False) -> tuple[float | None, float | None]:
         """Tokens and verifier rows per step of ``arm`` for this request (the drafter's average over its requests
-        while this one has not measured it, its tokens drawn towards one by ``PRIOR_PSEUDO`` plain steps' worth, so
-        one lucky probe does not put every request on the arm; None when nobody has).  ``sustained``: the tokens to
-        expect over the rest of the budget (``ArmStats.sustained``) rather than next step."""
+        while this one has not measured it; None when nobody has).  ``sustained``: the tokens to expect over the
+        rest of the budget (``ArmStats.sustained``) rather than next step."""
         if arm == "ar":
             return 1.0, 1.0
         st = self.arms[arm]
         if st.n:
             return (st.sustained if sustained else st.tok), st.rows
         prior = self.drafter.prior.get(arm)
-        if prior is None:
-            return None, None
-        n = prior[2]
-        return (n * prior[0] + PRIOR_PSEUDO) / (n + PRIOR_PSEUDO), prior[1]
+        return (prior[0], prior[1]) if prior is not None else (None, None)
 
     def values(self, B: int, arms=None, hoped: bool = False) -> dict[str, tuple[float, float, float] | None]:
         """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` (each of
@@ -618,7 +610,7 @@ class AutoDrafter(Drafter):
         self.price_probes: dict[str, int] = {}   # per lookup arm: its price probes that drafted
         self.elapsed = 0.0                       # seconds of the steps measured so far
         self.explored = 0.0                      # what the probes so far were estimated to cost over the best arm
-        self.prior: dict[str, tuple[float, float, float]] = {}   # per arm: tokens, rows per step, and their weight
+        self.prior: dict[str, tuple[float, float]] = {}
         self.step_tok = self.step_rows = 0       # the step being verified: tokens, rows (from the verdicts)
         self.step_n = 0                          # and its verified requests
         self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
@@ -797,14 +789,9 @@ class AutoDrafter(Drafter):
         table[b] = _ema2(table.get(b), seconds, self.draft_units(arm, m))
 
     def add_prior(self, arm: str, tok: float, rows: float) -> None:
-        """Fold one measurement into the drafter's average: evenly while it has few, then at ``PRIOR_ALPHA``; the
-        third entry is how many it weighs (at most 1 / PRIOR_ALPHA)."""
         old = self.prior.get(arm)
-        if old is None:
-            self.prior[arm] = (tok, rows, 1.0)
-            return
-        n = min(old[2] + 1.0, 1.0 / PRIOR_ALPHA)
-        self.prior[arm] = (old[0] + (tok - old[0]) / n, old[1] + (rows - old[1]) / n, n)
+        self.prior[arm] = (tok, rows) if old is None else (_ema(old[0], tok, PRIOR_ALPHA),
+                                                           _ema(old[1], rows, PRIOR_ALPHA))
 
     def _step_time(self, sessions: list[AutoSession]) -> None:
         """Fold the last step (its interval minus its drafting = verification and engine time) into ``scale``."""
