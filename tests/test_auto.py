@@ -470,8 +470,8 @@ def test_rows_a_draft_adds_are_priced_by_their_count() -> None:
     """The calibration says rows are free up to 16 and dear past them; here each row past a request's first
     costs 0.05 of a plain pass, whatever the width.  The first step's DAS-Wave probe (8 extra rows) measures that
     rate; when the texts turn repetitive, all four requests drafting with prompt lookup (about 40 extra rows, at
-    least 5 x the plain tokens for 3 x the time) pays, and auto drafts (fails when the probe's multiple of the calibration's
-    shape prices the wider step: that multiple is huge where the shape calls the rows free)."""
+    least 5 x the plain tokens for 3 x the time) pays, and auto drafts (fails when the probe's multiple of the
+    calibration's shape prices the wider step: that multiple is huge where the shape calls the rows free)."""
     def verify(rows: int, n: int) -> float:
         return 1.0 + 0.05 * (rows - n)
     ws = (1, 2, 4, 8, 16, 32)

@@ -12,14 +12,15 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   plain steps (a row per request) are measured, a pass over n requests' rows is priced in two parts: the n plain
   rows at the plain steps' scale, the e rows past them at a rate per row measured on drafted steps, by width
   (powers of two of e; a width not measured takes its measured neighbours', so rows are priced linearly from the
-  nearest) - the calibration's rows are one sequence's own, while a drafted step's extra rows each read a
-  request's cached prefix beside the others', and can cost far more than the calibration's shape says
-  (docs/performance.md, "Pricing the rows a draft adds").  Drafted steps measured before the first plain one (the
+  nearest; a width measured on one step only at most ``OUTLIER`` x its nearest neighbour's) - the calibration's
+  rows are one sequence's own, while a drafted step's extra rows each read a request's cached prefix beside the
+  others', and can cost far more than the calibration's shape says (docs/performance.md, "Pricing the rows a
+  draft adds" and "Per-width rates and price probes").  Drafted steps measured before the first plain one (the
   first probe) count once it is, so the probe also prices the extra rows.
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
   per group of m requests drafting together (``draft_units``: DAS-Wave's rounds over m windows, a lookup's host work
-  per request), with a fitted scale per drafter (its cost is a property of the model and the machine, shared by
-  its requests).
+  per request), with a fitted scale per drafter and size of group (powers of two of m: the calibration's shape of
+  m windows can be far off; its cost is a property of the model and the machine, shared by its requests).
 * **what drafts earn**: each request keeps a moving average of tokens committed per step and of verifier rows per
   arm, from its verdicts (``len(verdict.tokens)``).  The lookup arms (SAM, PLD) are also scored *off-policy* every
   step they are not used: their draft costs no model pass, and since the committed tokens do not depend on the
@@ -46,8 +47,10 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   weighing it alone undervalues it; and a request weighing its draft beside the others' drafted rows of the last
   step can find it within the margin, step plain, and so make drafting pay again for the next (the batch
   alternates).  So the step with every request on one arm (each at its own, or the drafter's average, tokens and
-  rows; the group's measured drafting cost; one pass over all rows) is valued against the requests' own choices
-  and taken when it wins by ``MARGIN``.
+  rows; the group's measured drafting cost; one pass over all rows) - and for a lookup arm, the step with only the
+  requests whose drafts add tokens faster than a plain step - is valued against the requests' own choices and
+  taken when it wins by ``MARGIN``; and where the requests' own choices, each made as if drafting alone, lose to
+  plain steps all at once, the batch steps plain (probes apart).
 * **a closed batch** (``DraftContext.closed``: generate_batch with more than one request decoding, once none waits
   for a slot or prefills): the caller waits for the last request, so tokens per second of a step is the wrong
   measure - a request whose drafts let it finish early while the others keep the batch going saves only its own
