@@ -555,7 +555,7 @@ def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
     d._add_extra(1.0 + 0.1 * 16, 20, 4)                 # 0.1 s a row past the plain ones, at 16 of them
     shape = d.sp * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
     assert d.verify_time(20, 4) == pytest.approx(2.6)
-    assert d.verify_time(20, 4, hoped=5) == pytest.approx(2.6 - 0.5 + shape)
+    assert d.verify_time(20, 4, hoped_rows=5) == pytest.approx(2.6 - 0.5 + shape)
     d._add_extra(1.0 + 0.3 * 4, 8, 4)                   # 0.3 s a row at 4 of them
     assert d.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
 

@@ -335,16 +335,16 @@ def _rate(got: tuple) -> float:
     return max(got[0] / got[1], 0.0)
 
 
-def _by_width(table: dict[int, tuple], b: int) -> float:
-    """A table by width bucket of (a time, what it is per[, steps]) at bucket b: b's own ratio, between measured
-    buckets interpolated, outside them the nearest one's.  A width measured on one step only is taken at most
-    ``OUTLIER`` x the nearest other width's ratio (a pause in that step must not price it out: drafting there again
-    measures it)."""
+def _by_width(table: dict[int, tuple], b: int, outlier: float | None = None) -> float:
+    """A table by width bucket of (a time, what it is per, ...) at bucket b: b's own ratio, between measured
+    buckets interpolated, outside them the nearest one's.  ``outlier``: entries carry their steps third, and a width
+    measured on one step only is taken at most ``outlier`` x the nearest other width's ratio (a pause in that step
+    must not price it out: drafting there again measures it)."""
     if b in table:
         got = _rate(table[b])
-        if len(table[b]) > 2 and table[b][2] < 2 and len(table) > 1:
+        if outlier is not None and table[b][2] < 2 and len(table) > 1:
             near = min((k for k in table if k != b), key=lambda k: (abs(k - b), k))
-            got = min(got, OUTLIER * _rate(table[near]))
+            got = min(got, outlier * _rate(table[near]))
         return got
     lo = max((k for k in table if k < b), default=None)
     hi = min((k for k in table if k > b), default=None)
@@ -354,7 +354,7 @@ def _by_width(table: dict[int, tuple], b: int) -> float:
     return (1.0 - w) * _rate(table[lo]) + w * _rate(table[hi])
 
 
-def _avg3(old: tuple[float, float, int] | None, y: float, e: float) -> tuple[float, float, int]:
+def _even_then_ema(old: tuple[float, float, int] | None, y: float, e: float) -> tuple[float, float, int]:
     """Moving averages of a drafted step's time past the plain part and its extra rows, and the steps so far: the
     first few averaged evenly (so a noisy first step weighs a third after three), then at ``STEP_ALPHA``."""
     if old is None:
@@ -436,7 +436,7 @@ class AutoSession(Session):
         """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` (each of
         ``arms``, default AR and every sub-drafter) and the others as last step, or None while unknown.
         ``hoped``: this request's own rows past its first priced at the lower of the measured rate and the
-        calibration's shape (``verify_time``'s ``hoped``)."""
+        calibration's shape (``verify_time``'s ``hoped_rows``)."""
         d = self.drafter
         others = d.others(B)
         out = {}
@@ -702,9 +702,9 @@ class AutoDrafter(Drafter):
         """What one of e rows past the plain ones costs, in the plain scale's units, as measured on drafted steps
         (``_by_width``: so the rows are priced linearly from the nearest measured width); None while no drafted
         step is measured."""
-        return _by_width(self.extra, _bucket(e)) if self.extra else None
+        return _by_width(self.extra, _bucket(e), OUTLIER) if self.extra else None
 
-    def verify_time(self, rows: float, n: int, hoped: float = 0.0) -> float | None:
+    def verify_time(self, rows: float, n: int, hoped_rows: float = 0.0) -> float | None:
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
         measured, ``sp * (full(n) + e * extra_rate(e))`` for the e = rows - n rows past the plain ones - the
         calibration's rows are one sequence's own, a drafted step's extra rows each read a request's cached prefix
@@ -712,7 +712,7 @@ class AutoDrafter(Drafter):
         "Pricing the rows a draft adds"); until a drafted step is measured, the calibration's shape
         ``full(rows) - full(n)``.  Load moves ``sp`` where plain steps come often; where nearly every step drafts
         (a model DAS-Wave pays on) ``sp`` is refreshed rarely and load lands in the rates.  Before plain steps,
-        every row at the one scale fitted over all steps (``scale``).  ``hoped``: that many of the extra rows (one
+        every row at the one scale fitted over all steps (``scale``).  ``hoped_rows``: that many of the extra rows (one
         request's draft) at the lower of the measured rate and what the calibration's shape says they add - what a
         lookup's price probe hopes for."""
         if self.plain is None:
@@ -726,8 +726,8 @@ class AutoDrafter(Drafter):
         if rate is None:
             return self.sp * (base + max(self.pass_cost(rows) - base, 0.0))
         extra = e * rate
-        if hoped > 0:
-            h = min(hoped, e)
+        if hoped_rows > 0:
+            h = min(hoped_rows, e)
             extra -= max(h * rate - max(self.pass_cost(rows) - self.pass_cost(rows - h), 0.0), 0.0)
         return self.sp * (base + extra)
 
@@ -767,7 +767,7 @@ class AutoDrafter(Drafter):
                   B: int, hoped: bool = False) -> float | None:
         """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m
         requests drafting with it) beside ``others`` (B - 1 requests); ``hoped``: its own rows past its first
-        priced as ``verify_time``'s ``hoped``."""
+        priced as ``verify_time``'s ``hoped_rows``."""
         if rows is None:
             return None
         v = self.verify_time(others[1] + rows, B, rows - 1.0 if hoped else 0.0)
@@ -836,7 +836,7 @@ class AutoDrafter(Drafter):
         arms, by the price probes of ``AutoSession.choose``."""
         if rows > n and self.sp > 0:
             b = _bucket(rows - n)
-            self.extra[b] = _avg3(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
+            self.extra[b] = _even_then_ema(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
 
     def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
         """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
