@@ -17,25 +17,27 @@ propose, observe = A.AutoDrafter.propose_batch, A.AutoSession.observe
 
 
 def predicted(d, sessions, arms):
+    """(tokens, verification s, drafting s, rows) the cost model expects of the step, None while a part is unmeasured."""
     tok = rows = 0.0
     groups = {}
     for s, a in zip(sessions, arms):
         t, r = s.tok_rows(a)
+        if t is None:
+            return None
         tok, rows = tok + t, rows + r
         groups[a] = groups.get(a, 0) + 1
-    return tok, d.verify_time(rows, len(sessions)), sum(d.draft_time(a, m) * m for a, m in groups.items()), rows
+    v, dr = d.verify_time(rows, len(sessions)), [d.draft_time(a, m) for a, m in groups.items()]
+    if v is None or None in dr:
+        return None
+    return tok, v, sum(x * groups[a] for x, a in zip(dr, groups)), rows
 
 
 def traced(self, sessions):
     t0 = time.perf_counter()
     out = propose(self, sessions)
-    try:
-        pred = predicted(self, sessions, [s.arm for s in sessions])
-    except TypeError:                       # a part not yet measured
-        pred = None
     log.append(dict(t0=t0, ids={id(s) for s in sessions}, arms=[s.arm + ("*" if s.probe else "") for s in sessions],
                     own=[(round(s.arms["das-wave"].tok or 0, 1), s.arms["das-wave"].n) for s in sessions],
-                    pred=pred, draft=self._d_prev, tok=0, rows=0))
+                    pred=predicted(self, sessions, [s.arm for s in sessions]), draft=self._d_prev, tok=0, rows=0))
     return out
 
 
