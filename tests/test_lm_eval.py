@@ -4,8 +4,9 @@ tasks shipped in ``dasspec/eval/lm_eval_tasks``, ``dasspec eval``, and ``local-c
 
 * log-likelihoods (and rolling ones) equal a plain full-depth forward ``model(ids)`` to float32 precision, and
   ``is_greedy`` is the target's argmax;
-* a generate_until task gives the same per-sample outputs and scores with method ``ar`` and ``das-wave``, each
-  output the text of ``dasspec.generate(method="ar")`` with the task's stop string and cap;
+* a generate_until task gives the same per-sample outputs and scores with method ``ar``, ``das-wave`` and the
+  default (``auto``), each output the text of ``dasspec.generate(method="ar")`` with the task's stop string and
+  cap;
 * the in-process model (ar, das-wave) and ``local-completions`` against the server give the same samples and
   scores on a generate_until task and a log-likelihood (multiple-choice) task.
 
@@ -87,19 +88,22 @@ def samples(result, task):
     return [(s["doc_id"], s["arguments"], s["resps"], s["filtered_resps"]) for s in result["samples"][task]]
 
 
-def test_generate_until_same_outputs_for_ar_and_das_wave(model, eval_data):
+def test_generate_until_same_outputs_for_ar_das_wave_and_the_default(model, eval_data):
     eval_data("gsm8k/test.jsonl")
     tm = task_manager()
     # the bundled model ends its answers with EOS before the task's "Question:"; a stop at the end of the first
     # line (lm-eval's gen_kwargs override the task's) exercises the stop strings, and one at "$" only some answers
     cap, until = 40, ["\n", "$"]
     runs = {}
-    for method in ("ar", "das-wave"):
-        lm = DasspecLM(model=model, method=method, batch_size=2)
-        runs[method] = lm_eval.simple_evaluate(model=lm, tasks=[GSM8K], task_manager=tm, limit=2, num_fewshot=2,
-                                               gen_kwargs={"max_gen_toks": cap, "until": until}, bootstrap_iters=0)
-    a, b = samples(runs["ar"], GSM8K), samples(runs["das-wave"], GSM8K)
-    assert a == b and runs["ar"]["results"] == runs["das-wave"]["results"]
+    for method in ("ar", "das-wave", None):               # None: the backend's default method (auto)
+        lm = DasspecLM(model=model, batch_size=2, **({} if method is None else {"method": method}))
+        runs[method or lm.method] = lm_eval.simple_evaluate(
+            model=lm, tasks=[GSM8K], task_manager=tm, limit=2, num_fewshot=2,
+            gen_kwargs={"max_gen_toks": cap, "until": until}, bootstrap_iters=0)
+    assert set(runs) == {"ar", "das-wave", "auto"}
+    a = samples(runs["ar"], GSM8K)
+    for method in ("das-wave", "auto"):
+        assert samples(runs[method], GSM8K) == a and runs[method]["results"] == runs["ar"]["results"], method
     # each output is AR's decode of the prompt (no BOS, as lm-eval's models) cut at the task's stop string
     stopped = 0
     for _doc, args, resps, _f in a:

@@ -196,6 +196,14 @@ def test_models_health_and_completion(server, client, model):
     assert client.completions.create(model="tiny", prompt=ids).choices[0].text == ar(model, ids, 16).text
 
 
+def test_the_default_method_is_auto():
+    # a request that names no method decodes with auto, so a checkpoint nobody tuned DAS-Wave for is not served
+    # slower than AR (issue 37); the Ray Serve tests serve with this default and compare its answers with AR's
+    from dasspec.cli import build_parser
+    from dasspec.serve.service import ServeOptions
+    assert build_parser().parse_args(["serve"]).method == "auto" and ServeOptions().method == "auto"
+
+
 def test_chat_uses_the_checkpoint_template(client, model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two"}]
     ids = chat_ids(model, messages)

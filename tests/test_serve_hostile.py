@@ -52,7 +52,7 @@ def server(request, checkpoint, tmp_path_factory):
     """The single server, and the same flags as a Ray Serve application (``--ray``: a local Ray instance on
     127.0.0.1 in the server's process, one replica behind the ingress): the cluster path has the same limits,
     timeouts and hostile-input behaviour (issue 36)."""
-    flags = ["--set", "gamma=6", "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
+    flags = ["--method", "das-wave", "--set", "gamma=6", "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
              "--served-model-name", "tiny", "--no-warmup"]
     if request.param == "ray":
         pytest.importorskip("ray.serve")
@@ -172,9 +172,11 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
     ]
     for knobs in ({"rounds": 10**6}, {"gamma": 10**30}, {"rounds": 2**70}, {"policy": 5}, {"policy": {}},
                   {"tree": {"a": 1}}, {"tree": [[0] * 5000]}, {"tree": [[-1]]}, {"guesses": []}, {"alpha": "nan"},
-                  {"topk": 10**9}, {"static_corpus": "/etc/passwd"}, {"window": 10**9, "ngram": 10**9}):
+                  {"topk": 10**9}, {"static_corpus": "/etc/passwd"}, {"window": 10**9, "ngram": 10**9},
+                  {"arms": "das-wave," * 10**4}, {"arms": ["sam", {}]}, {"explore": 1e400}, {"calibrate": "yes"}):
         method = "token-recycling" if "tree" in knobs or "topk" in knobs else "lookahead" if "window" in knobs \
-            else "sam" if "alpha" in knobs or "static_corpus" in knobs else "das-wave"
+            else "sam" if "alpha" in knobs or "static_corpus" in knobs \
+            else "auto" if {"arms", "explore", "calibrate"} & set(knobs) else "das-wave"
         out.append((C, json.dumps({**GOOD[C], "dasspec": {"method": method, "knobs": knobs}}).encode()))
     for path, good in GOOD.items():             # a wrong value in every field, one at a time
         fields = ["model", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p", "seed", "user",

@@ -243,16 +243,19 @@ def test_load_spreads_over_both_replicas_and_prefixes_stay_together(cluster, cli
     assert cluster.metric("dasspec_route_prefix_local_total") - local0 == 5
 
 
-def test_health_and_metrics_add_up_the_replicas(cluster, client):
+def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     h = cluster.health()
-    assert h["status"] == "ok" and len(h["replicas"]) == 2
+    assert h["status"] == "ok" and len(h["replicas"]) == 2 and h["method"] == "auto"
     ok0 = cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}')
-    tokens0 = cluster.metric('dasspec_generated_tokens_total{method="das-wave"}')
+    tokens0 = cluster.metric('dasspec_generated_tokens_total{method="auto"}')        # the default method
     outs = [client.completions.create(model="dasspec-tiny", prompt=p, max_tokens=6) for p in PROMPTS[:4]]
     assert cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}') - ok0 == 4
-    assert cluster.metric('dasspec_generated_tokens_total{method="das-wave"}') - tokens0 == \
+    assert cluster.metric('dasspec_generated_tokens_total{method="auto"}') - tokens0 == \
         sum(o.usage.completion_tokens for o in outs)
     assert cluster.metric("dasspec_replicas") == 2
+    # requests that name no method decode with the default, auto, and still answer AR's text
+    assert [o.dasspec["method"] for o in outs] == ["auto"] * 4
+    assert [o.choices[0].text for o in outs] == [ar(model, model.tokenizer.encode(p), 6) for p in PROMPTS[:4]]
 
 
 def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):

@@ -2,7 +2,7 @@
 
     import lm_eval
     from dasspec.eval.lm_eval_model import DasspecLM, task_manager
-    lm = DasspecLM(pretrained=None, method="das-wave")          # None: the bundled model
+    lm = DasspecLM(pretrained=None)                             # None: the bundled model; method "auto"
     lm_eval.simple_evaluate(model=lm, tasks=["dasspec_gsm8k_cot"], task_manager=task_manager(), limit=20)
 
 or ``dasspec eval --model dasspec --model_args pretrained=PATH,method=das-wave --tasks ...`` (lm-eval's own run
@@ -19,7 +19,8 @@ arguments; ``dasspec/eval/lm_eval_cli.py``).  ``register()`` puts the class in l
   target's argmax.
 
 Model arguments (``--model_args`` / keyword arguments): ``pretrained`` (a folder, an HF-cache repo id, or none:
-the bundled model), ``method`` (default ``das-wave``), ``num_steps`` (the recurrence depth R; default the model's),
+the bundled model), ``method`` (default ``auto``: DAS-Wave, SAM, PLD or plain steps per request and step, as the
+server's default), ``num_steps`` (the recurrence depth R; default the model's),
 ``init_scale``, ``seed`` (initial states and sampling noise; default 0, as ``dasspec.generate``),
 ``exit_threshold`` / ``exit_at_step`` (Ouro's early-exit targets), ``device``, ``dtype``, ``batch_size`` (requests
 decoded together, and sequences per scoring forward; default 8), ``max_length`` (default the model's context),
@@ -71,7 +72,7 @@ def _none(value):
 class DasspecLM(TemplateLM):
     """lm-eval's ``LM`` over a dasspec looped model (see the module docstring)."""
 
-    def __init__(self, pretrained: str | None = None, method: str = "das-wave", num_steps: int | None = None,
+    def __init__(self, pretrained: str | None = None, method: str = "auto", num_steps: int | None = None,
                  init_scale: float = 1.0, seed: int = 0, exit_threshold: float | None = None,
                  exit_at_step: int | None = None, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str = 8, max_batch_size: int | None = None, max_length: int | None = None,

@@ -60,7 +60,7 @@ _BODY_SLACK = 64 << 10
 @dataclass
 class ServeOptions:
     model_name: str = "dasspec-tiny"
-    method: str = "das-wave"
+    method: str = "auto"                                     # requests that name no method
     knobs: dict[str, Any] = field(default_factory=dict)     # the default method's knobs (--set)
     max_queue: int = 64
     max_tokens_cap: int | None = None                        # None: the model's context
