@@ -248,6 +248,9 @@ def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     assert h["status"] == "ok" and len(h["replicas"]) == 2 and h["method"] == "auto"
     ok0 = cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}')
     tokens0 = cluster.metric('dasspec_generated_tokens_total{method="auto"}')        # the default method
+    arms = ("das-wave", "sam", "pld", "ar")
+    chose = lambda: [cluster.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]  # noqa: E731
+    chose0 = chose()
     outs = [client.completions.create(model="dasspec-tiny", prompt=p, max_tokens=6) for p in PROMPTS[:4]]
     assert cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}') - ok0 == 4
     assert cluster.metric('dasspec_generated_tokens_total{method="auto"}') - tokens0 == \
@@ -255,6 +258,10 @@ def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     assert cluster.metric("dasspec_replicas") == 2
     # requests that name no method decode with the default, auto, and still answer AR's text
     assert [o.dasspec["method"] for o in outs] == ["auto"] * 4
+    # what auto chose, per response and in the replicas' summed metrics
+    choices = [o.dasspec["choices"] for o in outs]
+    assert all(c and set(c) <= set(arms) for c in choices), choices
+    assert [b - a for a, b in zip(chose0, chose())] == [sum(c.get(a, 0) for c in choices) for a in arms]
     assert [o.choices[0].text for o in outs] == [ar(model, model.tokenizer.encode(p), 6) for p in PROMPTS[:4]]
 
 

@@ -22,7 +22,8 @@ def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue
     """What the method did: A and G (the paper's eq. 9 and 10), the sequential core passes it spent and those
     full-depth AR spends on the same tokens (prefill + R per token after the first), their ratio, and times; the
     prompt rows taken from shared blocks (``cached_tokens``); and the ``seed`` it decoded with (drawn by the server
-    when a sampled request gave none: send it back to get the same answer)."""
+    when a sampled request gave none: send it back to get the same answer); for method auto, the steps it drafted
+    with each drafter (``choices``; empty for the other methods)."""
     s = result.stats
     knobs = getattr(drafter, "knobs", None)
     ar_passes = s.prefill_passes + depth * max(s.new_tokens - 1, 0)
@@ -36,6 +37,7 @@ def decoding_stats(result: GenerationResult, drafter: Drafter, depth: int, queue
         "pass_speedup": ar_passes / s.sequential_passes if s.sequential_passes else 0.0,
         "stop_reason": s.stop_reason, "queue_time": queue_time, "decode_time": s.wall_time,
         "tokens_per_second": s.tokens_per_second, "cached_tokens": s.cached_tokens, "seed": seed,
+        "choices": dict(s.choices),             # method auto: decode steps per drafter it chose ("ar": plain)
     }
 
 
