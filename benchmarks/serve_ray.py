@@ -61,8 +61,9 @@ def metric(url: str, series: str) -> float:
 def deploy(serve, port: int, **args) -> str:
     from dasspec.serve.ray_app import build_app
 
-    serve.run(build_app({"num_cpus": 1, "threads": 1, "max_batch": 8, "max_queue": 32, **args}), name="dasspec",
-              route_prefix="/")
+    # DAS-Wave by name: the server's default became auto, and the recorded figures are DAS-Wave's
+    serve.run(build_app({"num_cpus": 1, "threads": 1, "max_batch": 8, "max_queue": 32, "method": "das-wave", **args}),
+              name="dasspec", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

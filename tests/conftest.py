@@ -4,10 +4,16 @@
   synchronisation overhead, and on a shared 2-core machine two threads per process contend badly
   (docs/performance.md).
 * ``eval_data``: the evaluation data folder (``$DASSPEC_DATA``), or a skip that says why there is none.
+* Method auto's calibration cache (``$DASSPEC_CACHE``) in a folder of the session's own, never the user's home: the
+  servers the tests start (method auto by default) inherit it.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +21,8 @@ import pytest
 import torch
 
 torch.set_num_threads(1)            # at import, so module-level model building is single-threaded too
+os.environ["DASSPEC_CACHE"] = tempfile.mkdtemp(prefix="dasspec-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DASSPEC_CACHE"], True)
 
 
 @pytest.fixture(autouse=True)

@@ -196,6 +196,21 @@ def _auto(arms: str, explore: float, subs: dict) -> AutoDrafter:
     return d
 
 
+def test_an_idle_server_is_not_decoding_time() -> None:
+    # the explore budget is a share of the time decoded: a server idle between requests (or since its warm-up) must
+    # not bank it, or the probes after a pause could cost any share of the next requests' time
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    a, b = object(), object()
+    for _ in range(3):
+        d._step_time([a])
+        d.clock.t += 0.01
+    d.clock.t += 1000.0                               # idle, then b arrives
+    d._step_time([b])
+    d.clock.t += 0.01
+    d._step_time([b])
+    assert 0.03 <= d.elapsed <= 0.03 + 0.03 + 1e-9, d.elapsed
+
+
 def test_switches_back_to_a_model_drafter_that_starts_paying() -> None:
     """A drafter whose drafts cost 1 s and commit 1 token per step for 120 steps (AR: 1 token for 0.5 s, the
     drafter's steps 2.3 s) is switched off; from step 120 its drafts commit 9 tokens, and auto is back on it within
@@ -646,11 +661,25 @@ def test_calibration_is_cached_and_optional(monkeypatch) -> None:
     def refuse(*a, **k):
         raise AssertionError("measured again")
     monkeypatch.setattr(auto_mod, "measure_costs", refuse)
-    assert auto_mod.calibration(model) == costs                      # from the cache
+    assert auto_mod.calibration(model) == costs                      # from the model's copy
+    del model._auto_calibrations
+    assert auto_mod.calibration(model) == costs                      # from the file
     d = build_drafter(model, "auto", {"calibrate": False})           # skipped: nothing measured
     assert d.sizing is None
     d = build_drafter(model, "auto")
     assert d.sizing is not None and d.width >= max(s.width for s in d.subs.values())
+
+
+def test_calibration_is_measured_once_per_model_where_the_cache_cannot_be_written(monkeypatch, tmp_path) -> None:
+    # a server builds an auto drafter per set of request knobs; a read-only home (a container, a Ray worker) must not
+    # cost a measurement each
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DASSPEC_CACHE", str(tmp_path / "file" / "cache"))     # below a file: mkdir fails
+    model = random_model("ouro", seed=3)
+    build_drafter(model, "auto")
+    monkeypatch.setattr(auto_mod, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    d = build_drafter(model, "auto", {"explore": 0.1})
+    assert d.sizing is not None and not (tmp_path / "file" / "cache").exists()
 
 
 class _BurstModel:
@@ -740,3 +769,14 @@ def test_a_sub_drafters_longer_chains_are_backed_under_auto() -> None:
     prompt = dasspec.load_tokenizer().encode("a b c d a b c d a b c d a b c d a b c d a b c d")
     out = dasspec.generate(bundled, prompt, drafter=auto, max_new_tokens=120, eos=False, trace=True)
     assert out.tokens == dasspec.generate(bundled, prompt, "ar", max_new_tokens=120, eos=False).tokens
+
+
+def test_a_knob_of_another_method_names_that_method() -> None:
+    # auto is the server's and lm-eval's default: DAS-Wave's knobs sent to it (a config, a request, DasspecLM's
+    # keywords) say where they belong
+    model = random_model("ouro", seed=4)
+    with pytest.raises(ValueError, match=r"does not take gamma; its knobs: arms, explore, calibrate; gamma is a knob "
+                                         r"of das-wave \(name that method\)"):
+        build_drafter(model, "auto", {"gamma": 4})
+    with pytest.raises(ValueError, match=r"does not take nope; its knobs: [a-z, _]+$"):
+        build_drafter(model, "auto", {"nope": 4})

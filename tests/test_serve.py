@@ -196,12 +196,37 @@ def test_models_health_and_completion(server, client, model):
     assert client.completions.create(model="tiny", prompt=ids).choices[0].text == ar(model, ids, 16).text
 
 
-def test_the_default_method_is_auto():
-    # a request that names no method decodes with auto, so a checkpoint nobody tuned DAS-Wave for is not served
-    # slower than AR (issue 37); the Ray Serve tests serve with this default and compare its answers with AR's
-    from dasspec.cli import build_parser
-    from dasspec.serve.service import ServeOptions
-    assert build_parser().parse_args(["serve"]).method == "auto" and ServeOptions().method == "auto"
+def test_a_server_that_names_no_method_decodes_with_auto(checkpoint, model, tmp_path):
+    # the default (issue 37): a checkpoint nobody tuned DAS-Wave for is not served at a fraction of AR's speed;
+    # every answer is still AR's, and what auto chose is in each response and in /metrics
+    srv = start_server(checkpoint, tmp_path / "server.log", "--served-model-name", "tiny")
+    try:
+        assert srv.health()["method"] == "auto"
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ids = model.tokenizer.encode(PROMPT)
+        outs = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12)]
+        assert outs[0].choices[0].text == ar(model, ids, 12).text
+        sampled = dict(temperature=0.8, top_p=0.9, seed=5)
+        outs.append(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **sampled))
+        assert outs[1].choices[0].text == ar(model, ids, 12, do_sample=True, **sampled).text
+        messages = [{"role": "user", "content": "Two plus two"}]
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, stream=True))
+        assert stream_text(chunks, chat=True) == ar(model, chat_ids(model, messages), 10).text
+        arms = ("das-wave", "sam", "pld", "ar")
+        choices = [o.dasspec["choices"] for o in outs]
+        assert all(o.dasspec["method"] == "auto" for o in outs) and all(c and set(c) <= set(arms) for c in choices)
+        counted = [srv.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]
+        assert sum(counted) >= sum(sum(c.values()) for c in choices) + 1        # the chat's steps too
+    finally:
+        srv.stop()
+
+
+def test_the_warm_up_leaves_the_servers_auto_drafter_unmeasured(model):
+    from dasspec.serve.service import ServeOptions, Service
+    service = Service(model, ServeOptions(model_name="tiny"))
+    service.warmup()
+    d = service.drafter("auto", {})
+    assert d.elapsed == 0.0 and d.last is None and not d.prior
 
 
 def test_chat_uses_the_checkpoint_template(client, model):

@@ -29,7 +29,8 @@ prompts with the tokenizer's BOS; default false, as lm-eval's HF and API models)
 shared token prefix of a task's prompts - its few-shot exemplars - once for all of them with
 ``dasspec.PrefixCache``; every method's tokens still equal AR's under it, but against a run without it they may
 differ where float rounding flips a near-tie, so it is off by default); any other ``name=value`` is a knob of the
-method (``gamma=32,rounds=24``).
+method (``method=das-wave,gamma=32,rounds=24``: DAS-Wave's knobs need its name, the default auto takes ``arms``,
+``explore`` and ``calibrate``).
 """
 
 from __future__ import annotations

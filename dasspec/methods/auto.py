@@ -63,8 +63,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   misses does not put the batch on a drafter.
 * a request with one token to go takes a plain step: a draft cannot commit more, a probe would measure nothing.
 
-Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``,
-bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32 (the
+Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``
+(``$DASSPEC_CACHE``) and on the model object for the process, bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32 (the
 minimum of repetitions taken round the widths, so a burst of load cannot make one width look dear; a width measured
 dearer than a wider one takes the wider one's time), from
 which (a) ``full(W)`` above, and (b) DAS-Wave's window for this model: gamma = W_init = the
@@ -207,9 +207,14 @@ def measure_costs(model, budget_s: float = CALIBRATION_BUDGET_S, widths=CAL_WIDT
 
 
 def calibration(model, use_cache: bool = True) -> dict[str, dict[int, float]]:
-    """``measure_costs`` for this model on this machine, from the JSON cache when it has them."""
+    """``measure_costs`` for this model on this machine, from the model's own copy or the JSON cache when they
+    have them (the copy kept on the model: a server builds an auto drafter per set of request knobs, and a
+    read-only home must not cost a measurement each)."""
     mkey, machine = _keys(model)
     key = f"v{CAL_VERSION}:{mkey}:{machine}"
+    kept: dict[str, dict] = model.__dict__.setdefault("_auto_calibrations", {})
+    if use_cache and key in kept:
+        return {name: dict(part) for name, part in kept[key].items()}
     path = _cache_file()
     table: dict[str, Any] = {}
     if use_cache:
@@ -217,10 +222,13 @@ def calibration(model, use_cache: bool = True) -> dict[str, dict[int, float]]:
             table = json.loads(path.read_text())
             hit = table.get(key)
             if hit:
-                return {name: {int(w): float(t) for w, t in part.items()} for name, part in hit.items()}
+                kept[key] = {name: {int(w): float(t) for w, t in part.items()} for name, part in hit.items()}
+                return {name: dict(part) for name, part in kept[key].items()}
         except (OSError, ValueError, AttributeError):
             table = {}
     costs = measure_costs(model)
+    if costs["core"]:
+        kept[key] = {name: dict(part) for name, part in costs.items()}
     if use_cache and costs["core"]:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +238,7 @@ def calibration(model, use_cache: bool = True) -> dict[str, dict[int, float]]:
             tmp.write_text(json.dumps(table, indent=1))
             os.replace(tmp, path)
         except OSError:
-            pass                                        # a read-only home: measured again next time
+            pass                                        # a read-only home: measured again by the next process
     return costs
 
 
@@ -618,6 +626,7 @@ class AutoDrafter(Drafter):
         self.step_n = 0                          # and its verified requests
         self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
         self._t_prev: float | None = None
+        self._gap = 0.0                          # the last interval between steps no request joined
         self._d_prev = 0.0
         self._ids_prev: set[int] = set()
         self.bound = False
@@ -801,7 +810,12 @@ class AutoDrafter(Drafter):
         now = self.clock()
         ids = {id(s) for s in sessions}
         if self._t_prev is not None:
-            self.elapsed += now - self._t_prev
+            gap = now - self._t_prev
+            if ids <= self._ids_prev:
+                self._gap = gap
+            else:       # a request joined: the interval may hold an idle server's wait, which is not decoding time
+                gap = min(gap, 3.0 * self._gap)         # (nor an explore budget: probes are paid in decoding time)
+            self.elapsed += gap
         if self._t_prev is not None and self.step_rows:
             self.last = (self.step_n, self.step_tok, self.step_rows, self._d_prev)
             if ids <= self._ids_prev:             # no request joined (its prefill rode in that pass)

@@ -165,7 +165,7 @@ class Knobs:
         unknown = sorted(set(user) - set(cls.names()))
         if unknown:
             raise ValueError(f"method {cls.method!r} does not take {', '.join(unknown)}; its knobs: "
-                             f"{', '.join(cls.names()) or 'none'}")
+                             f"{', '.join(cls.names()) or 'none'}{elsewhere(unknown, cls.method)}")
         try:
             return cls._build(family, per_method, user, R, scope)
         except ValueError as err:
@@ -452,9 +452,23 @@ def knobs_from_args(args, classes: list[type[Knobs]], extra: list[str] = (), gri
     return out
 
 
-def parse_set_items(items: list[str], takers: dict[str, type[Knobs]], lacking: str) -> dict[str, Any]:
+def elsewhere(names: list[str], method: str) -> str:
+    """The other methods that take each of ``names`` (knobs ``method`` lacks), for an error's end: the server's and
+    lm-eval's default method, auto, takes few knobs, so DAS-Wave's sent to it must point there ("" if none)."""
+    from . import get_method, method_names
+    said = []
+    for name in names:
+        owners = [m for m in method_names() if m != method and name in get_method(m).knobs.names()]
+        if owners:
+            said.append(f"{name} is a knob of {', '.join(owners)}")
+    return f"; {'; '.join(said)} (name that method)" if said else ""
+
+
+def parse_set_items(items: list[str], takers: dict[str, type[Knobs]], lacking: str,
+                    method: str | None = None) -> dict[str, Any]:
     """``--set NAME=VALUE`` items, each parsed by its knob's declared type; ``takers``: knob name -> the class
-    that declares it; ``lacking``: who has no such knob, for the message ("no method has a", "method 'x' has no")."""
+    that declares it; ``lacking``: who has no such knob, for the message ("no method has a", "method 'x' has no");
+    ``method``: the one method they are for (the message then names the methods that have such a knob)."""
     out: dict[str, Any] = {}
     for item in items:
         name, eq, text = item.partition("=")
@@ -462,7 +476,8 @@ def parse_set_items(items: list[str], takers: dict[str, type[Knobs]], lacking: s
         if not eq or not name:
             raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
         if name not in takers:
-            raise ValueError(f"--set {name}: {lacking} knob {name!r}; knobs: {', '.join(sorted(takers)) or 'none'}")
+            raise ValueError(f"--set {name}: {lacking} knob {name!r}; knobs: {', '.join(sorted(takers)) or 'none'}"
+                             + (elsewhere([name], method) if method else ""))
         out[name] = takers[name].parse(name, text.strip())
     return out
 

@@ -242,10 +242,13 @@ class Service(Frontend):
 
     def warmup(self) -> None:
         """A short generation before the first client (allocator, kernels), on an engine of its own (the worker's
-        is idle: nothing is listening yet)."""
+        is idle: nothing is listening yet); a stateful method's on a drafter of its own, so that the server's (auto's
+        cost model, Token Recycling's table) does not start from a cold process's times and a greeting's tokens."""
         from ..engine.generate import generate
-        generate(self.model, self.tok.encode("Hello"), drafter=self.drafter(self.method, {}), max_new_tokens=4,
-                 runtime=self.options.runtime)
+        from ..methods import build_drafter, get_method
+        drafter = build_drafter(self.model, self.method, dict(self.options.knobs), self.depth) \
+            if get_method(self.method).stateful else self.drafter(self.method, {})
+        generate(self.model, self.tok.encode("Hello"), drafter=drafter, max_new_tokens=4, runtime=self.options.runtime)
 
     # --- the job --------------------------------------------------------------------------------------------
     def job(self, req: CompletionRequest | ChatRequest, prompt: list[int], endpoint: str,
