@@ -602,6 +602,34 @@ def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     assert d.closed_plan(sessions, plain) == [("pld", False)] * 4
 
 
+def test_a_closed_batch_on_a_drafter_measured_once_leaves_it_only_when_plain_steps_win_by_the_margin() -> None:
+    """Four requests whose drafts commit 1.7 tokens a step, a drafted step costing 1.75 plain ones: drafting is
+    2.9% slower than plain steps.  A batch that stepped plain stays plain (a drafter must win by the margin); one
+    whose every request drafted last step, each after one measurement, drafts once more (the bundled model's
+    closed batches went plain on DAS-Wave's first blocks, before its copy runs, in about one batch of 12 and ran
+    0.75x; fails without the rule); after two measurements, or at 1.6 tokens (9.4% slower), it steps plain."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
+    d.ema_v = d.ema_f = 1.0
+    d.dcost["pld"] = {0: (1e-9, 1.0)}
+    reqs = [_fake_req(list(range(100, 400)), 5, 100) for _ in range(4)]
+    for r in reqs:
+        r.closed = True
+    sessions = [d.start(r) for r in reqs]
+
+    def plan(tok: float, prev: str, n: int = 1) -> list:
+        for s in sessions:
+            s.arms["pld"] = auto_mod.ArmStats()
+            for step in range(n):
+                s.arms["pld"].add(tok, 11, step, 1.0)
+            s.prev = prev
+        return d.closed_plan(sessions, [("ar", False)] * 4)
+    assert plan(1.7, "ar") == [("ar", False)] * 4
+    assert plan(1.7, "pld") == [("pld", False)] * 4
+    assert plan(1.7, "pld", n=2) == [("ar", False)] * 4
+    assert plan(1.6, "pld") == [("ar", False)] * 4
+
+
 def _lookup_stats(d: AutoDrafter, budgets: list[int], tok: float) -> list:
     """Closed-batch sessions of ``d`` whose prompt lookup has committed ``tok`` tokens of 11 rows every step."""
     reqs = [_fake_req(list(range(100, 400)), 5, b) for b in budgets]

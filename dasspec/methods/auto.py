@@ -58,7 +58,8 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   j on an arm for the rest of its budget takes budget / tokens steps; each step costs one pass over the rows of the
   requests still decoding plus the drafting of each arm's group), weighed for every request plain, every request
   on one drafter, and each request's own choice; the quickest is taken if it beats plain steps by ``MARGIN``
-  (probes keep their arm).  Such a plan holds for the rest of the budgets, so it takes each request's *sustained*
+  (probes keep their arm), and a batch all on one drafter that a request has measured once only stays on it
+  unless plain steps beat it by ``MARGIN``.  Such a plan holds for the rest of the budgets, so it takes each request's *sustained*
   tokens per step of a lookup arm (the lower of its moving average and a slower one): a single long match among
   misses does not put the batch on a drafter.
 * a request with one token to go takes a plain step: a draft cannot commit more, a probe would measure nothing.
@@ -910,11 +911,15 @@ class AutoDrafter(Drafter):
         what counts is the time until then (``batch_time``, bounded by the budgets), not this step's tokens per
         second - drafts that let one request finish early while the others keep the batch going save nothing.  The
         plans weighed: every request plain, every request on one drafter, and each request's own choice; the
-        quickest is taken if it beats plain steps by ``MARGIN``.  Probes keep their arm."""
+        quickest is taken if it beats plain steps by ``MARGIN``, and a batch whose every request drafted with one
+        arm last step, some after one measurement of it, keeps it unless plain steps beat it by ``MARGIN``.  Probes
+        keep their arm."""
         B = len(sessions)
         budgets = [max(s.ctx.budget, 1) for s in sessions]
         plans = [["ar"] * B] + [[arm] * B for arm in self.subs] + [[a for a, _ in picks]]
         best, best_time, plain = None, None, None
+        held = sessions[0].prev if all(s.prev == sessions[0].prev for s in sessions) else "ar"
+        held_time = None
         memo: dict = {}
         for arms in plans:
             plan = []
@@ -929,10 +934,17 @@ class AutoDrafter(Drafter):
                     continue
                 if plain is None:
                     plain = t
+                if held != "ar" and arms == [held] * B:
+                    held_time = t
                 if best_time is None or t < best_time:
                     best, best_time = arms, t
         if best is None or plain is None or best_time >= (1.0 - MARGIN) * plain:
-            best = ["ar"] * B
+            # plain steps - unless the whole batch is on a drafter that some request has measured once only and that
+            # plain steps do not beat by the margin: one block per request is a small sample to leave it on (a first
+            # DAS-Wave block, before any copy run, sells it short), so it drafts once more first
+            keep = held_time is not None and plain is not None and held_time < (1.0 + MARGIN) * plain \
+                and min(s.arms[held].n for s in sessions) < 2
+            best = [held] * B if keep else ["ar"] * B
         return [(a, probe) if probe else (arm, False) for (a, probe), arm in zip(picks, best)]
 
     def together(self, sessions: list[AutoSession], picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
