@@ -52,8 +52,8 @@ def server(request, checkpoint, tmp_path_factory):
     """The single server, and the same flags as a Ray Serve application (``--ray``: a local Ray instance on
     127.0.0.1 in the server's process, one replica behind the ingress): the cluster path has the same limits,
     timeouts and hostile-input behaviour (issue 36)."""
-    flags = ["--method", "das-wave", "--set", "gamma=6", "--set", "rounds=3", "--max-queue", "16", "--template-timeout", str(TIMEOUT),
-             "--served-model-name", "tiny", "--no-warmup"]
+    flags = ["--method", "das-wave", "--set", "gamma=6", "--set", "rounds=3", "--max-queue", "16",
+             "--template-timeout", str(TIMEOUT), "--served-model-name", "tiny", "--no-warmup"]
     if request.param == "ray":
         pytest.importorskip("ray.serve")
         flags += ["--ray", "--replicas", "1"]

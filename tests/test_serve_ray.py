@@ -249,7 +249,9 @@ def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     ok0 = cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}')
     tokens0 = cluster.metric('dasspec_generated_tokens_total{method="auto"}')        # the default method
     arms = ("das-wave", "sam", "pld", "ar")
-    chose = lambda: [cluster.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]  # noqa: E731
+
+    def chose() -> list[float]:
+        return [cluster.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]
     chose0 = chose()
     outs = [client.completions.create(model="dasspec-tiny", prompt=p, max_tokens=6) for p in PROMPTS[:4]]
     assert cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}') - ok0 == 4

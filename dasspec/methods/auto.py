@@ -59,15 +59,16 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   requests still decoding plus the drafting of each arm's group), weighed for every request plain, every request
   on one drafter, and each request's own choice; the quickest is taken if it beats plain steps by ``MARGIN``
   (probes keep their arm), and a batch all on one drafter that a request has measured once only stays on it
-  unless plain steps beat it by ``MARGIN``.  Such a plan holds for the rest of the budgets, so it takes each request's *sustained*
-  tokens per step of a lookup arm (the lower of its moving average and a slower one): a single long match among
-  misses does not put the batch on a drafter.
+  unless plain steps beat it by ``MARGIN``.  Such a plan holds for the rest of the budgets, so it takes each
+  request's *sustained* tokens per step of a lookup arm (the lower of its moving average and a slower one): a single
+  long match among misses does not put the batch on a drafter.
 * a request with one token to go takes a plain step: a draft cannot commit more, a probe would measure nothing.
 
 Calibration (``calibrate``, on by default; cached per model and machine in ``~/.cache/dasspec/calibration.json``
-(``$DASSPEC_CACHE``) and on the model object for the process, bounded to about ``CALIBRATION_BUDGET_S`` seconds): the prelude, one core step and the readout at widths 1..32 (the
-minimum of repetitions taken round the widths, so a burst of load cannot make one width look dear; a width measured
-dearer than a wider one takes the wider one's time), from
+(``$DASSPEC_CACHE``) and on the model object for the process, bounded to about ``CALIBRATION_BUDGET_S`` seconds):
+the prelude, one core step and the readout at widths 1..32 (the minimum of repetitions taken round the widths, so a
+burst of load cannot make one width look dear; a width measured dearer than a wider one takes the wider one's
+time), from
 which (a) ``full(W)`` above, and (b) DAS-Wave's window for this model: gamma = W_init = the
 widest window whose round costs at most ``WIDE_ROUND`` times a one-row round (wider rows stop being nearly free), and
 the rounds J cut so a block's rounds cost at most one full-depth one-row pass (an AR step), so a block that gains a

@@ -51,10 +51,13 @@ for r in range(rounds):
     # auto step time by whether any request drafted
     plain = [s for (s, _), (_, _, k) in zip(steps["auto"], log) if all(a == "ar" for a in k)]
     drafted = [s for (s, _), (_, _, k) in zip(steps["auto"], log) if not all(a == "ar" for a in k)]
-    print(f"round {r}: ar {got['ar'][0]:.1f} auto {got['auto'][0]:.1f} tok/s ratio {got['auto'][0]/got['ar'][0]:.3f}; "
-          f"steps ar {len(steps['ar'])} ({sum(s for s,_ in steps['ar']):.2f}s, median {statistics.median(s for s,_ in steps['ar'])*1e3:.1f}ms) "
-          f"auto {len(steps['auto'])} ({sum(s for s,_ in steps['auto']):.2f}s) plain {len(plain)} ({sum(plain):.2f}s, median {statistics.median(plain)*1e3 if plain else 0:.1f}ms) "
-          f"drafted {len(drafted)} ({sum(drafted):.2f}s); auto's propose {sum(x for _, x, _ in log)*1e3:.0f}ms", flush=True)
+    ar_s, au_s = [x for x, _ in steps["ar"]], [x for x, _ in steps["auto"]]
+    print(f"round {r}: ar {got['ar'][0]:.1f} auto {got['auto'][0]:.1f} tok/s "
+          f"ratio {got['auto'][0] / got['ar'][0]:.3f}; "
+          f"steps ar {len(ar_s)} ({sum(ar_s):.2f}s, median {statistics.median(ar_s) * 1e3:.1f}ms) "
+          f"auto {len(au_s)} ({sum(au_s):.2f}s) plain {len(plain)} ({sum(plain):.2f}s, median "
+          f"{statistics.median(plain) * 1e3 if plain else 0:.1f}ms) drafted {len(drafted)} ({sum(drafted):.2f}s); "
+          f"auto's propose {sum(x for _, x, _ in log) * 1e3:.0f}ms", flush=True)
     for k, n in kinds.most_common():
         if not all(a == "ar" for a in k):
             print("   ", n, k)
