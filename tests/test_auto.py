@@ -209,6 +209,13 @@ def test_an_idle_server_is_not_decoding_time() -> None:
     d.clock.t += 0.01
     d._step_time([b])
     assert 0.03 <= d.elapsed <= 0.03 + 0.03 + 1e-9, d.elapsed
+    # under load a request joins at every step: those intervals are decoding time (fails if joins are all capped)
+    live = [b]
+    for _ in range(5):
+        live = live[-1:] + [object()]
+        d.clock.t += 0.5                             # a joining prompt's prefill rides along
+        d._step_time(live)
+    assert d.elapsed >= 0.06 + 2.5 - 1e-9, d.elapsed
 
 
 def test_switches_back_to_a_model_drafter_that_starts_paying() -> None:

@@ -628,7 +628,7 @@ class AutoDrafter(Drafter):
         self.step_n = 0                          # and its verified requests
         self.last: tuple[int, int, int, float] | None = None    # the last step: sessions, tokens, rows, drafting s
         self._t_prev: float | None = None
-        self._gap = 0.0                          # the last interval between steps no request joined
+        self._gap = 0.0                          # the last interval between steps a request decoded through
         self._d_prev = 0.0
         self._ids_prev: set[int] = set()
         self.bound = False
@@ -813,9 +813,9 @@ class AutoDrafter(Drafter):
         ids = {id(s) for s in sessions}
         if self._t_prev is not None:
             gap = now - self._t_prev
-            if ids <= self._ids_prev:
-                self._gap = gap
-            else:       # a request joined: the interval may hold an idle server's wait, which is not decoding time
+            if ids & self._ids_prev:                     # a request decoded on: the interval was decoding (a
+                self._gap = gap                          # joining prompt's prefill included)
+            else:       # every request is new: the interval may hold an idle server's wait, which is not decoding time
                 gap = min(gap, 3.0 * self._gap)         # (nor an explore budget: probes are paid in decoding time)
             self.elapsed += gap
         if self._t_prev is not None and self.step_rows:
