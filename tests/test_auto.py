@@ -200,7 +200,7 @@ def test_an_idle_server_is_not_decoding_time() -> None:
     # the explore budget is a share of the time decoded: a server idle between requests (or since its warm-up) must
     # not bank it, or the probes after a pause could cost any share of the next requests' time
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
-    a, b = object(), object()
+    a, b = (SimpleNamespace(serial=next(d.serials)) for _ in range(2))     # as AutoSession numbers its requests
     for _ in range(3):
         d._step_time([a])
         d.clock.t += 0.01
@@ -212,7 +212,7 @@ def test_an_idle_server_is_not_decoding_time() -> None:
     # under load a request joins at every step: those intervals are decoding time (fails if joins are all capped)
     live = [b]
     for _ in range(5):
-        live = live[-1:] + [object()]
+        live = live[-1:] + [SimpleNamespace(serial=next(d.serials))]
         d.clock.t += 0.5                             # a joining prompt's prefill rides along
         d._step_time(live)
     assert d.elapsed >= 0.06 + 2.5 - 1e-9, d.elapsed

@@ -224,9 +224,12 @@ def test_a_server_that_names_no_method_decodes_with_auto(checkpoint, model, tmp_
 def test_the_warm_up_leaves_the_servers_auto_drafter_unmeasured(model):
     from dasspec.serve.service import ServeOptions, Service
     service = Service(model, ServeOptions(model_name="tiny"))
-    service.warmup()
-    d = service.drafter("auto", {})
-    assert d.elapsed == 0.0 and d.last is None and not d.prior
+    try:
+        service.warmup()
+        d = service.drafter("auto", {})
+        assert d.elapsed == 0.0 and d.last is None and not d.prior
+    finally:
+        service.close()
 
 
 def test_chat_uses_the_checkpoint_template(client, model):

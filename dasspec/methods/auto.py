@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -419,6 +420,7 @@ class AutoSession(Session):
 
     def __init__(self, drafter: "AutoDrafter", req):
         super().__init__(drafter, req)
+        self.serial = next(drafter.serials)          # which requests a step shares with the last (not id(): reused)
         self.subs: dict[str, Session] = {arm: sub.start(req) for arm, sub in drafter.subs.items()}
         self.arms = {arm: ArmStats() for arm in drafter.subs}
         self.steps = 0
@@ -631,6 +633,7 @@ class AutoDrafter(Drafter):
         self._gap = 0.0                          # the last interval between steps a request decoded through
         self._d_prev = 0.0
         self._ids_prev: set[int] = set()
+        self.serials = itertools.count()
         self.bound = False
         self.cuda = False
 
@@ -810,7 +813,7 @@ class AutoDrafter(Drafter):
     def _step_time(self, sessions: list[AutoSession]) -> None:
         """Fold the last step (its interval minus its drafting = verification and engine time) into ``scale``."""
         now = self.clock()
-        ids = {id(s) for s in sessions}
+        ids = {s.serial for s in sessions}
         if self._t_prev is not None:
             gap = now - self._t_prev
             if ids & self._ids_prev:                     # a request decoded on: the interval was decoding (a
