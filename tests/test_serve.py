@@ -28,6 +28,7 @@ import openai
 import pytest
 
 import dasspec
+from dasspec.methods.auto import ARMS
 from dasspec.serve.textstream import IncrementalText
 from reference_impl import write_checkpoint, write_tokenizer
 
@@ -212,7 +213,7 @@ def test_a_server_that_names_no_method_decodes_with_auto(checkpoint, model, tmp_
         messages = [{"role": "user", "content": "Two plus two"}]
         chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, stream=True))
         assert stream_text(chunks, chat=True) == ar(model, chat_ids(model, messages), 10).text
-        arms = ("das-wave", "sam", "pld", "ar")
+        arms = (*ARMS, "ar")                             # auto's drafters, and plain steps
         choices = [o.dasspec["choices"] for o in outs]
         assert all(o.dasspec["method"] == "auto" for o in outs) and all(c and set(c) <= set(arms) for c in choices)
         counted = [srv.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]

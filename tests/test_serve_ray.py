@@ -28,6 +28,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 import dasspec  # noqa: E402
+from dasspec.methods.auto import ARMS  # noqa: E402
 from dasspec.serve.ray_app import build_app, local_ray_env, merge_metrics  # noqa: E402
 from dasspec.serve.routing import HashRing, prefix_key  # noqa: E402
 
@@ -248,7 +249,7 @@ def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     assert h["status"] == "ok" and len(h["replicas"]) == 2 and h["method"] == "auto"
     ok0 = cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}')
     tokens0 = cluster.metric('dasspec_generated_tokens_total{method="auto"}')        # the default method
-    arms = ("das-wave", "sam", "pld", "ar")
+    arms = (*ARMS, "ar")                             # auto's drafters, and plain steps
 
     def chose() -> list[float]:
         return [cluster.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]

@@ -857,9 +857,9 @@ class AutoDrafter(Drafter):
             b = _bucket(rows - n)
             self.extra[b] = _even_then_ema(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n))
 
-    def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
-        """Expected tokens per second of a step with session i on ``arms[i]``: every session's tokens over the
-        groups' drafting and one pass over every session's rows (None while any part is unmeasured)."""
+    def batch_step(self, sessions: list[AutoSession], arms: list[str]) -> tuple[float, float, float, float] | None:
+        """What the cost model expects of a step with session i on ``arms[i]``: (tokens, verifier rows, seconds of
+        the one pass over them, seconds of the groups' drafting); None while any part is unmeasured."""
         tok = rows = 0.0
         groups: dict[str, int] = {}
         for s, arm in zip(sessions, arms):
@@ -868,15 +868,25 @@ class AutoDrafter(Drafter):
                 return None
             tok, rows = tok + t, rows + r
             groups[arm] = groups.get(arm, 0) + 1
-        seconds = self.verify_time(rows, len(sessions))
-        if seconds is None:
+        verify = self.verify_time(rows, len(sessions))
+        if verify is None:
             return None
+        drafting = 0.0
         for arm, m in groups.items():
             d = self.draft_time(arm, m)
             if d is None:
                 return None
-            seconds += d * m
-        return tok / seconds if seconds > 0 else None
+            drafting += d * m
+        return tok, rows, verify, drafting
+
+    def batch_value(self, sessions: list[AutoSession], arms: list[str]) -> float | None:
+        """Expected tokens per second of a step with session i on ``arms[i]`` (``batch_step``: every session's
+        tokens over the groups' drafting and one pass over every session's rows; None while any part is unmeasured)."""
+        step = self.batch_step(sessions, arms)
+        if step is None:
+            return None
+        tok, _, verify, drafting = step
+        return tok / (verify + drafting) if verify + drafting > 0 else None
 
     def batch_time(self, plan: list[tuple[str, float, float]], memo: dict | None = None) -> float | None:
         """Seconds until the last request has used its budget (``max_new_tokens``: an end of sequence may come

@@ -18,18 +18,8 @@ propose, observe = A.AutoDrafter.propose_batch, A.AutoSession.observe
 
 def predicted(d, sessions, arms):
     """(tokens, verification s, drafting s, rows) the cost model expects of the step, None while a part is unmeasured."""
-    tok = rows = 0.0
-    groups = {}
-    for s, a in zip(sessions, arms):
-        t, r = s.tok_rows(a)
-        if t is None:
-            return None
-        tok, rows = tok + t, rows + r
-        groups[a] = groups.get(a, 0) + 1
-    v, dr = d.verify_time(rows, len(sessions)), [d.draft_time(a, m) for a, m in groups.items()]
-    if v is None or None in dr:
-        return None
-    return tok, v, sum(x * groups[a] for x, a in zip(dr, groups)), rows
+    step = d.batch_step(sessions, arms)
+    return None if step is None else (step[0], step[2], step[3], step[1])
 
 
 def traced(self, sessions):
