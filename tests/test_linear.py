@@ -83,138 +83,59 @@ def test_a_bfloat16_model_decodes_through_the_tiled_products(monkeypatch, tmp_pa
     assert [o.tokens[0] for o in outs] == [a[0] for a in alone]
 
 
-def test_packed_float32_rows_do_not_depend_on_the_row_count(monkeypatch):
-    """The float32 CPU path (oneDNN, packed weight; two rows or more): each row has the same bits at any row count,
-    and agrees with F.linear to float32 rounding; a written weight is repacked."""
-    if not lin.onednn_packing():
-        pytest.skip("no oneDNN linear in this torch build")
-    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    g = torch.Generator().manual_seed(0)
-    for N, K in ((96, 64), (64, 176), (300, 64)):
-        w = torch.randn(N, K, generator=g) * 0.05
-        x = torch.randn(1, 37, K, generator=g)
-        with torch.inference_mode():
-            alone = lin.linear(x, w)
-            for M in (2, 3, 4, 5, 8, 9, 16, 33):
-                assert torch.equal(lin.linear(x[:, :M], w), alone[:, :M]), (N, K, M)
-                assert torch.equal(lin.linear(x[:, 37 - M:], w), alone[:, 37 - M:]), (N, K, M)
-            torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-5)
-            w.mul_(2)
-            torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
-def _avx512() -> bool:
-    try:
-        return " avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-@pytest.mark.parametrize("N,K", [(96, 64), (300, 176), (64, 1408), (40, 2100)])
-def test_a_few_rows_read_panels_with_onednns_bits(N, K):
-    """Products of 1-16 rows read the weight's 16-column panels (``decode_kernel.register_panels``: oneDNN's
-    arithmetic, k in oneDNN's blocks) and give every row the bits oneDNN's packed product gives it among 37 rows -
-    a single row too.  Fails when the panels are refused (their test product disagreed with oneDNN's: a wrong
-    k-block or summation order) or when a registered product's bits differ.  (The k-blocks asserted found are those
-    of the pinned torch's oneDNN on an AVX-512 host.)"""
+def _kernels():
     from dasspec.model import decode_kernel
-    if not lin.onednn_packing() or not decode_kernel.available():
-        pytest.skip("no oneDNN linear or no CPU kernels here")
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(N, K, generator=g) * 0.05
-    x = torch.randn(37, K, generator=g)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-    among = torch.ops.mkldnn._linear_pointwise(torch.cat((x, x.new_zeros(3, K))), packed, None, "none", [], "")[:37]
-    kb = decode_kernel.register_panels(packed, w)
+    if not decode_kernel.available():
+        pytest.skip("no kernels: tests/test_kernel_build.py fails where a compiler exists")
+    return decode_kernel
+
+
+# Shapes on every branch of the product: register blocks of 1-4 rows and their remainders, outputs past a chunk,
+# widths below, at and past the 16 lanes with a tail, more than 16 rows (the blocked path), a weight over 2^18.
+SHAPES = [(1, 17, 5), (3, 100, 37), (7, 49, 200), (16, 33, 16), (17, 576, 192), (70, 129, 300), (5, 1024, 300)]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_a_products_row_has_the_same_bits_alone_in_any_batch_at_any_thread_count_on_every_isa(M, N, K):
+    """One arithmetic (dasspec/csrc/isa_body.h): a row's output is a function of that row alone - the same bits at
+    every row count and position, at 1, 2 and 3 threads, on every instruction-set path of this CPU (AVX-512, AVX2,
+    portable) - and within float32 rounding of the float64 product."""
+    dk = _kernels()
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    threads, isa = torch.get_num_threads(), dk.isa()
     try:
-        if not _avx512():
-            assert kb == 0                          # no panels: oneDNN's product serves every call
-            return
-        assert kb > 0
-        for M in range(1, 17):
-            assert torch.equal(decode_kernel.packed_linear(x[:M], packed, lin.padded_rows(M)), among[:M]), M
-            assert torch.equal(decode_kernel.packed_linear(x[37 - M:], packed, lin.padded_rows(M)), among[37 - M:]), M
+        ref = dk.linear(x, w, b)
+        for path in dk.isas_here():
+            dk.set_isa(path)
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                assert torch.equal(dk.linear(x, w, b), ref), (path, t)
+                for i in {0, M // 2, M - 1}:
+                    assert torch.equal(dk.linear(x[i: i + 1], w, b), ref[i: i + 1]), (path, t, i)
+                assert torch.equal(dk.linear(x[1:], w, b), ref[1:]), (path, t)
     finally:
-        decode_kernel.unregister_panels(packed)
+        dk.set_isa(isa)
+        torch.set_num_threads(threads)
+    want = x.double() @ w.double().T + b.double()
+    assert (ref.double() - want).abs().max() <= 1e-6 * K ** 0.5 * (1 + want.abs().max())
+    assert torch.equal(lin.linear(x, w, b), ref)      # every float32 CPU product takes it, at any size
 
 
-def test_panels_serve_only_the_thread_count_they_were_checked_at(monkeypatch):
-    """oneDNN splits k over threads for a narrow weight with a long k, so its arithmetic follows the thread count:
-    panels registered at one thread must not serve a call at two (fails when the thread count is not compared)."""
-    from dasspec.model import decode_kernel
-    if not lin.onednn_packing() or not decode_kernel.available():
-        pytest.skip("no oneDNN linear or no CPU kernels here")
-    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
+def test_strided_inputs_and_weights_get_the_same_bits():
+    dk = _kernels()
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(32, 32768, generator=g) * 0.05, torch.randn(40, 32768, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            torch.set_num_threads(1)
-            lin.linear(x[:2], w)                        # packed (and its panels checked) at one thread
-            for t in (2, 1):
-                torch.set_num_threads(t)
-                assert torch.equal(lin.linear(x[:8], w), lin.linear(x, w)[:8]), t
-    finally:
-        torch.set_num_threads(threads)
+    x, w = torch.randn(9, 40, generator=g), torch.randn(30, 40, generator=g)
+    ref = dk.linear(x, w)
+    assert torch.equal(lin.linear(x.t().contiguous().t(), w), ref)           # a column-major activation
+    assert torch.equal(lin.linear(x, w.t().contiguous().t()), ref)           # an in-major weight
+    big = torch.randn(9, 60, 40, generator=g)
+    big[:, 7] = x
+    assert torch.equal(lin.linear(big[:, 7], w), ref)                        # rows with a stride
 
 
-def test_a_single_row_takes_the_packed_product_only_with_more_than_one_thread(monkeypatch):
-    """One row (a batch-1 decode step): oneDNN's product at two threads or more, MKL's at one; both compute the
-    product; wide calls of every rounding step keep their rows' bits."""
-    if not lin.onednn_packing():
-        pytest.skip("no oneDNN linear in this torch build")
-    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    calls = []
-    real = lin.packed_float32_linear
-    monkeypatch.setattr(lin, "packed_float32_linear", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
-    g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(96, 64, generator=g) * 0.05, torch.randn(1, 465, 64, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            for t, packed in ((1, False), (2, True)):
-                torch.set_num_threads(t)
-                calls.clear()
-                torch.testing.assert_close(lin.linear(x[:, :1], w), F.linear(x[:, :1], w), rtol=1e-5, atol=1e-5)
-                assert bool(calls) == packed, t
-            alone = lin.linear(x, w)
-            for M in (65, 100, 300, 465):
-                assert torch.equal(lin.linear(x[:, :M], w), alone[:, :M]), M
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_packed_path_leaves_autograd_and_a_full_budget_to_f_linear(monkeypatch):
-    calls = []
-    real = lin.packed_float32_linear
-    monkeypatch.setattr(lin, "packed_float32_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_autograd_keeps_f_linear():
+    """Training: torch's product, which keeps the graph; the kernels keep none."""
     w = torch.randn(64, 32).requires_grad_()
-    lin.linear(torch.randn(3, 32), w).sum().backward()      # training: autograd's F.linear
-    assert not calls and w.grad is not None
-    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
-    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 64 * 32 * 4)             # one copy (its panels do not fit)
-    a, b = torch.randn(64, 32), torch.randn(64, 32)
-    with torch.no_grad():
-        lin.linear(torch.randn(3, 32), a)                   # fits the budget: packed
-        lin.linear(torch.randn(3, 32), b)                   # past it: F.linear, for good
-        lin.linear(torch.randn(3, 32), b)
-    assert len(calls) == (1 if lin.onednn_packing() else 0)
-
-
-def test_the_budget_counts_panels_only_where_they_are_made(monkeypatch):
-    """Weights whose panels are not made (refused, no AVX-512, no kernels) cost the budget their oneDNN copy only:
-    three of them fit a budget of three copies (fails when the panels are charged before they exist)."""
-    from dasspec.model import decode_kernel
-    if not lin.onednn_packing():
-        pytest.skip("no oneDNN linear in this torch build")
-    monkeypatch.setattr(lin, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(lin, "_PACKS", lin._Packs())
-    monkeypatch.setattr(lin, "PACK_BUDGET_BYTES", 3 * 64 * 32 * 4)
-    monkeypatch.setattr(decode_kernel, "register_panels", lambda packed, w: 0)
-    weights = [torch.randn(64, 32) for _ in range(3)]
-    with torch.no_grad():
-        packed = [lin.packed_weight(torch.randn(3, 32), w) is not None for w in weights]
-    assert packed == [True, True, True] and lin._PACKS.bytes == 3 * 64 * 32 * 4
+    lin.linear(torch.randn(3, 32), w).sum().backward()
+    assert w.grad is not None

@@ -124,11 +124,9 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
     """Eq. (2)-(3) for queries q [1, H, W, hd] over the verified prefix and the call's own rows -> [1, H, W, hd]."""
     if isinstance(span, RaggedSpan):
         return ragged_attention(q, kv, span)
-    scale = 1.0 / math.sqrt(q.shape[-1])
     if kernel_rows(q, kv, span):
-        rows, starts, lengths = row_lists([kv], [span], span._rows_cache)
-        return decode_kernel.rows_attention(q[0].transpose(0, 1), kv.k_own, kv.v_own, rows, starts, lengths,
-                                            scale).transpose(0, 1)[None]
+        return kernel_attention(q, [kv], [span], span._rows_cache)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     if kv.one_source:
         k, v = kv.own(0, None if span.rows is not None else span.end)
         return dense_attention(q, k, v, span, scale)
@@ -138,6 +136,41 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
     else:
         (kc, vc), (ku, vu) = kv.prefix(0, span.n), kv.own(span.n, span.end)
     return two_source_attention(q, kc, vc, mc, ku, vu, mu, scale)
+
+
+def kernel_attention(q: Tensor, kvs: list["LayerKV"], parts: list[Span], cache: dict) -> Tensor:
+    """Every query row of q [1, H, T, hd] (the segments' rows end to end) over its own row list
+    (``row_lists``), in one ``rows_attention`` call: ``kvs`` share their tensors (``kernel_group``)."""
+    kv = kvs[0]
+    rows, starts, lengths, prefix = row_lists(kvs, parts, cache)
+    q3 = q[0].transpose(0, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if prefix is None:
+        out = decode_kernel.rows_attention(q3, kv.k_own, kv.v_own, rows, starts, lengths, scale)
+    else:
+        out = decode_kernel.rows_attention(q3, kv.k_own, kv.v_own, rows, starts, lengths, scale, kv.k_prefix,
+                                           kv.v_prefix, prefix)
+    return out.transpose(0, 1)[None]
+
+
+def causal_self_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """A forward without cache (``model(ids)``, training): each of q [B, H, T, hd]'s rows over the call's own keys
+    k, v [B, H_kv, T, hd] up to its own row - on CPU in float32 the row kernel (the bits a cached decode of the same
+    row gets), elsewhere SDPA."""
+    B, H, T, hd = q.shape
+    hkv = k.shape[1]
+    if not (q.device.type == "cpu" and q.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and decode_kernel.available()):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=hkv != H)
+    k2 = k.transpose(0, 1).reshape(hkv, B * T, hd)
+    v2 = v.transpose(0, 1).reshape(hkv, B * T, hd)
+    j = torch.arange(T)
+    starts = (torch.arange(B)[:, None] * T).expand(B, T).reshape(-1)
+    lengths = (j + 1).repeat(B)
+    out = decode_kernel.rows_attention(q.transpose(1, 2).reshape(B * T, H, hd), k2, v2, torch.arange(B * T), starts,
+                                       lengths, 1.0 / math.sqrt(hd))
+    return out.view(B, T, H, hd).transpose(1, 2)
 
 
 def two_source_attention(q: Tensor, kc: Tensor, vc: Tensor, mc: Tensor | None, ku: Tensor, vu: Tensor,
@@ -288,87 +321,101 @@ def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) 
 
 
 def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> tuple | None:
-    """For a batched call (a decode step, a prefill) whose every segment suits the row kernel and lies in one pool,
-    read at the depth it stores at: (K pool, V pool, each query row's pool row, and ``row_lists``' rows, starts,
-    lengths), all built once per call; None otherwise.  x: the call's queries or its input (dtype and device)."""
+    """For a batched call (a decode step, a prefill, a verification) whose every segment suits the row kernel and
+    lies in one pool, read at the depth it stores at: (K pool, V pool, each query row's pool row, and ``row_lists``'
+    rows, starts, lengths), all built once per call; None otherwise.  x: the call's queries or its input (dtype and
+    device)."""
     if not isinstance(span, RaggedSpan) or not span.no_static_rows or not span.kernel_segments(x):
         return None
     kvs = kv.parts
     if not (span.one_pool(kvs) and all([p.one_source for p in kvs])):
         return None
-    return (kvs[0].k_own, kvs[0].v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)
+    return (kvs[0].k_own, kvs[0].v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)[:3]
 
 
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
-    share a pool and suit the row kernel (``kernel_rows``) in one kernel call."""
+    share their tensors and suit the row kernel (``kernel_rows``) in one kernel call per group."""
     plan = row_plan(q, kv, span)
     if plan is not None:             # every segment in one call, without the per-segment loop
         k, v, _, rows, starts, lengths = plan
         return decode_kernel.rows_attention(q[0].transpose(0, 1), k, v, rows, starts, lengths,
                                             1.0 / math.sqrt(q.shape[-1])).transpose(0, 1)[None]
     out: list[Tensor | None] = [None] * len(span.parts)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, a, b, part in span.segments():
         if kernel_rows(q, kv.parts[i], part):
-            groups.setdefault(id(kv.parts[i].k_own), []).append(i)
+            groups.setdefault(kernel_group(kv.parts[i]), []).append(i)
         else:
             out[i] = attend(q[:, :, a:b], kv.parts[i], part)
-    scale = 1.0 / math.sqrt(q.shape[-1])
     o = span.offsets
     for idx in groups.values():
-        kvs, parts = [kv.parts[i] for i in idx], [span.parts[i] for i in idx]
-        rows, starts, lengths = row_lists(kvs, parts, span._rows_cache)
-        qi = q[0, :, [r for i in idx for r in range(o[i], o[i + 1])]].transpose(0, 1)
-        res = decode_kernel.rows_attention(qi, kvs[0].k_own, kvs[0].v_own, rows, starts, lengths, scale)
+        qi = q[:, :, [r for i in idx for r in range(o[i], o[i + 1])]]
+        res = kernel_attention(qi, [kv.parts[i] for i in idx], [span.parts[i] for i in idx], span._rows_cache)
         at = 0
         for i in idx:
             w = o[i + 1] - o[i]
-            out[i] = res[at: at + w].transpose(0, 1)[None]
+            out[i] = res[:, :, at: at + w]
             at += w
     return torch.cat(out, dim=2)
 
 
-# Query rows that see every earlier row at their own depth (AR and decode rows, prompt blocks, verification chains)
-# run on CPU in float32 through one kernel call for all such rows of a call that lie in one pool
-# (``decode_kernel``), each (row, head) computed alone in an order fixed by its own position - so a sequence alone
-# or batched gets the same bits.  Multi-row segments take it only while their rows are few (``KERNEL_MAX_KEYS``):
-# the kernel streams a row's keys once per query, where SDPA shares them between a block's queries.  For a prompt
-# block that is a property of the block alone; a verification chain's width may follow the batch (the speculation
-# cap), so a chain crossing the limit can take either path - as its products could already.  bfloat16 keeps SDPA,
-# whose bf16 rounding the wider passes (windows) share: a float32 one-row kernel beside them made bf16 AR part from a
-# bf16 batch more often (tests/test_bfloat16.py).
-KERNEL_MAX_KEYS = 128
-
+# On CPU in float32 every query row takes the row kernel (``decode_kernel.rows_attention``): a decode row, a prompt
+# block, a verification chain, a tree, a draft window, a prefix read at another depth - each query over its own list
+# of visible rows in position order, so a row's bits follow from its rows alone, whatever the call's shape, the
+# block layout or the batch.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes (windows) share: a float32
+# one-row kernel beside them made bf16 AR part from a bf16 batch more often (tests/test_bfloat16.py).
 
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
-    return kv.one_source and span_suits_kernel(q, span)
+    return span_suits_kernel(q, span) and (kv.one_source or (
+        kv.k_prefix.stride(1) == kv.k_own.stride(1) and kv.v_prefix.stride(1) == kv.v_own.stride(1)
+        and kv.k_prefix.shape == kv.k_own.shape and kv.v_prefix.shape == kv.v_own.shape))
+
+
+def kernel_group(kv: LayerKV) -> tuple:
+    """Segments whose ``LayerKV`` read the same tensors share one kernel call."""
+    return (id(kv.k_own), id(kv.v_own), id(kv.k_prefix), id(kv.v_prefix))
 
 
 def span_suits_kernel(q: Tensor, span: Span) -> bool:
     """``kernel_rows``' tests of the span and the queries (the same for every layer and depth of a call)."""
-    return (span.causal_rows and (span.W == 1 or span.end <= KERNEL_MAX_KEYS) and span.rows is None
-            and q.device.type == "cpu" and q.dtype == torch.float32
+    return (span.rows is None and q.device.type == "cpu" and q.dtype == torch.float32
             and not q.requires_grad and not torch.compiler.is_compiling() and decode_kernel.available())
 
 
-def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor, Tensor]:
-    """Each segment's rows [0, end) as rows of its tensors, end to end, and for each query row where its list
-    starts and how many rows it sees (query j of a segment: rows [0, start + j]); built once per call and
-    caches, shared by every layer and depth."""
-    key = ("read",) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end)
-                             for kv, p in zip(kvs, parts)])
+def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Each query row's visible rows as rows of its tensors, segment after segment: (rows, where each query's list
+    starts, how many rows it sees, and how many of them are verified-prefix rows read from the prefix tensors -
+    None when every segment reads one source).  Query j of a segment sees rows [0, start + j] (``causal_rows``),
+    else the rows its mask shows, in position order.  Built once per call and caches, shared by every layer and
+    depth."""
+    two = not all([kv.one_source for kv in kvs])
+    key = ("read", two) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end, id(p.mask),
+                                  p.n if two else None) for kv, p in zip(kvs, parts)])
     got = cache.get(key)
     if got is None:
-        dev = kvs[0].k_own.device
-        rows, starts, lengths, at = [], [], [], 0
+        rows, starts, lengths, prefix, at = [], [], [], [], 0
         for kv, p in zip(kvs, parts):
-            rows.append(kv.table.rows[: p.end] if isinstance(kv, PagedKV) else torch.arange(p.end, device=dev))
-            starts += [at] * p.W
-            lengths += range(p.start + 1, p.end + 1)
-            at += p.end
+            pool = kv.table.rows[: p.end] if isinstance(kv, PagedKV) else None
+            if p.causal_rows:
+                rows.append(pool if pool is not None else torch.arange(p.end))
+                starts += [at] * p.W
+                lengths += range(p.start + 1, p.end + 1)
+                prefix += [min(p.n, r) for r in range(p.start + 1, p.end + 1)]
+                at += p.end
+            else:
+                mask = p.mask[:, : p.end]
+                logical = mask.nonzero()[:, 1]
+                counts = mask.sum(1).tolist()
+                rows.append(pool[logical] if pool is not None else logical)
+                for c in counts:
+                    starts.append(at)
+                    at += c
+                lengths += counts
+                prefix += mask[:, : p.n].sum(1).tolist()
         got = cache[key] = (rows[0] if len(rows) == 1 else torch.cat(rows), torch.tensor(starts, dtype=torch.long),
-                            torch.tensor(lengths, dtype=torch.long))
+                            torch.tensor(lengths, dtype=torch.long),
+                            torch.tensor(prefix, dtype=torch.long) if two else None)
     return got
 
 

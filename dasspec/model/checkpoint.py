@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ConfigError, LoopedConfig, json_type
-from .looped import LoopedLM, in_major_pays
+from .looped import LoopedLM
 from .safetensors_io import (FLOAT_CODES, CheckpointError, TensorEntry, checkpoint_root, confine, open_regular,
                              read_header, read_into, read_rows)
 
@@ -232,14 +232,11 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     _check_memory(weight_bytes + _rope_bytes(cfg), device,
                   f"the weights in {str(dtype).removeprefix('torch.')} and the RoPE table")
 
-    # Each tensor goes straight from its file into its final dtype and layout (a part of a fused weight into its
-    # rows), so no second copy of the model exists at any point (the transient memory is one read chunk).
-    in_major = set(model.linear_weight_names()) if in_major_pays(device, dtype) else set()
+    # Each tensor goes straight from its file into its final dtype (a part of a fused weight into its rows), so no
+    # second copy of the model exists at any point (the transient memory is one read chunk).
     state: dict[str, torch.Tensor] = {}
     for param in dict.fromkeys(slot.param for slot in slots.values()):
-        shape = params[param]
-        state[param] = (torch.empty(shape[::-1], device=device, dtype=dtype).t() if param in in_major
-                        else torch.empty(shape, device=device, dtype=dtype))
+        state[param] = torch.empty(params[param], device=device, dtype=dtype)
     for name in sorted(slots, key=lambda k: (str(located[k][0]), located[k][1].begin)):
         path, entry = located[name]
         read_into(path, entry, slots[name].view(state[slots[name].param]))
@@ -252,7 +249,6 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     cos, sin = rope_tables(cfg, cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
-    model.cpu_weight_layout()           # a no-op: the weights were read in this layout; kept as the one rule
     model.source = str(folder)
     model.generation_defaults = generation_defaults
     model.tokenizer = tokenizer

@@ -16,9 +16,9 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import decode_kernel
-from .attention import LayerKV, Span, attend, row_plan
+from .attention import LayerKV, Span, attend, causal_self_attention, row_plan
 from .config import LoopedConfig
-from .linear import Linear, packed_weight, padded_rows, refused
+from .linear import Linear, kernel_takes
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +139,7 @@ class Attention(nn.Module):
                 return out
         q, k, v = self.qkv(x, span)
         if kv is None:      # a forward without cache (training, model(ids)): the call's own keys, causally
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=W > 1, enable_gqa=self.n_kv != self.n_heads)
+            y = causal_self_attention(q, k, v)
         else:
             kv.store(span, k[0], v[0])
             y = attend(q, kv, span)
@@ -148,8 +148,8 @@ class Attention(nn.Module):
     def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
         """This forward as one kernel call (``decode_kernel.attention_rows``, which mirrors ``qkv`` and ``forward``:
         the same ops on the same views, so the same bits, without a Python call per op) for a batched call's rows
-        that the row kernel takes in one pool (``attention.row_plan``) and whose products are packed; None where that
-        does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
+        that the row kernel takes in one pool (``attention.row_plan``) and whose products are the kernel's; None where
+        that does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
         args = self.row_args(x, span, kv)
         if args is None:
             return None
@@ -164,17 +164,13 @@ class Attention(nn.Module):
         plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
         if plan is None:
             return None
-        packs = packed_pair(self, x, self.Wqkv, self.proj)
-        if packs is None:
+        weights = kernel_pair(x, self.Wqkv, self.proj)
+        if weights is None:
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
             return None
-        B, W, _ = x.shape
         cos, sin = span.rot
-        return (*packs, padded_rows(B * W), self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim),
-                self.n_heads, self.n_kv)
-
-    never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
+        return (*weights, self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
 
 
 def bare(linear: nn.Module) -> bool:
@@ -184,19 +180,13 @@ def bare(linear: nn.Module) -> bool:
             and not (_global_forward_hooks or _global_forward_pre_hooks))
 
 
-def packed_pair(owner: nn.Module, x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
-    """The packed weights of ``owner``'s two products that a one-call path multiplies x by (both ``bare``, both
-    packed), or None: the modules' own path.  Once either weight is refused a packed copy for good,
-    ``owner.never_packed`` stops the asking (a small model's sublayers pay one attribute test a call)."""
-    if owner.never_packed or not (bare(first) and bare(second)):
+def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
+    """The weights of two ``bare`` Linear layers that a one-call path multiplies x by with the kernel's product
+    (rows contiguous), or None: the modules' own path."""
+    if not (bare(first) and bare(second) and kernel_takes(x, first.weight) and kernel_takes(x, second.weight)
+            and first.weight.stride(-1) == 1 and second.weight.stride(-1) == 1):
         return None
-    a = packed_weight(x, first.weight)
-    b = packed_weight(x, second.weight) if a is not None else None
-    if b is None:
-        if refused(first.weight) or refused(second.weight):
-            owner.never_packed = True
-        return None
-    return a, b
+    return first.weight, second.weight
 
 
 class GatedMLP(nn.Module):
@@ -207,23 +197,18 @@ class GatedMLP(nn.Module):
         self.fc = Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
-    never_packed = False       # set by ``packed_pair``: a product's weight was refused a packed copy for good
-
     def forward(self, x: Tensor) -> Tensor:
         args = self.row_args(x)
         if args is not None:
-            # both products packed (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows, which
-            # mirrors the two lines below)
+            # both products the kernel's (CPU float32 inference): the same ops in one call (decode_kernel.mlp_rows,
+            # which mirrors the two lines below)
             return decode_kernel.mlp_rows(x.reshape(-1, x.shape[-1]), *args).view(*x.shape[:-1], -1)
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 
     def row_args(self, x: Tensor) -> tuple | None:
         """``mlp_rows``' arguments after x, or None: the modules' path."""
-        packs = packed_pair(self, x, self.fc, self.proj)
-        if packs is None or not decode_kernel.available():     # (asked last: a GPU model never builds it)
-            return None
-        return (*packs, padded_rows(x.numel() // x.shape[-1]))
+        return kernel_pair(x, self.fc, self.proj)
 
 
 class NormedBlock(nn.Module):

@@ -32,14 +32,6 @@ from .linear import Linear
 from .noise import position_noise
 
 
-def in_major_pays(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether Linear weights on ``device`` in ``dtype`` are stored in-major (strides (1, out)) rather than
-    contiguous.  On CPU in float32 the GEMM then multiplies a few-row activation without repacking the weight; in
-    bfloat16 / float16 the same strides send ``F.linear`` to a path many times slower than the contiguous weight
-    (benchmarks/cpu_layout.py; docs/performance.md has the figures).  Elsewhere contiguous is the native layout."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32
-
-
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
     whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``), and the model's two
@@ -277,18 +269,11 @@ class LoopedLM(Recurrence, nn.Module):
         return [n for n, p in self.named_parameters() if id(p) in linear]
 
     def cpu_weight_layout(self) -> "LoopedLM":
-        """Store each Linear weight [out, in] in the layout ``in_major_pays`` picks for its device and dtype: in-major
-        strides (its transpose contiguous) or contiguous.  Values and shapes are unchanged; ``load_model`` reads the
-        weights straight into this layout, and a model moved with ``.to(dtype)`` after loading gets it back here."""
+        """Store each Linear weight [out, in] contiguous (rows of ``in`` values), the layout every product reads
+        (``linear``); a model whose weights were transposed or strided gets them back here.  Values are unchanged."""
         for m in self.modules():
-            if not isinstance(m, nn.Linear):
-                continue
-            w = m.weight.data
-            if in_major_pays(w.device, w.dtype):
-                if w.is_contiguous():                          # a tied head is transposed once
-                    m.weight.data = w.t().contiguous().t()
-            elif not w.is_contiguous():
-                m.weight.data = w.contiguous()
+            if isinstance(m, nn.Linear) and not m.weight.data.is_contiguous():
+                m.weight.data = m.weight.data.contiguous()
         return self
 
     def num_parameters(self) -> int:

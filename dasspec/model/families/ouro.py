@@ -98,7 +98,7 @@ class Ouro(Family):
     def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call (``decode_kernel.peri_recur_rows``: each
         step's layers, then ln_f - ``core_step``'s calls, so the same bits), where every layer application would take
-        ``PeriNormBlock.rows`` (a batched call in one paged pool, packed products, no gradient) and nothing whose call
+        ``PeriNormBlock.rows`` (a batched call in one paged pool, the kernel's products, no gradient) and nothing whose call
         it skips is replaced or hooked: the blocks are ``PeriNormBlock`` and ln_f ``RMSNorm``, with this module's
         methods, without hooks or an instance's own forward; None otherwise.  Saves the Python around each of the
         R x N layer calls."""
@@ -118,8 +118,8 @@ class Ouro(Family):
             layers.append(args)
         if not decode_kernel.layers_agree(layers):
             return None
-        shared = layers[0][2][8:12]         # the call's store rows, read rows, starts and lengths
-        pools = [a[6:8] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
+        shared = layers[0][2][7:11]         # the call's store rows, read rows, starts and lengths
+        pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
         for r in steps[1:]:
             for i in range(len(blocks)):
                 plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)

@@ -1,0 +1,470 @@
+// dasspec's CPU kernels (cpu_kernels.h): the arithmetic of isa_body.h compiled for AVX-512, AVX2 and a portable
+// path, one chosen at run time, and the tensor-level functions around it.  Built with -ffp-contract=off.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DASSPEC_X86 1
+#endif
+
+namespace dasspec {
+
+// What a range of (query, head) items of one rows_attention call needs.
+template <typename T>
+struct HeadArgs {
+  const T *q, *kc, *vc, *ku, *vu;
+  T* out;
+  const int64_t *rows, *starts, *lengths, *prefix;   // prefix: rows of each query's list read from (kc, vc), or null
+  int64_t H, D, g, kc0, kc1, vc0, vc1, ku0, ku1, vu0, vu1, L_max;
+  float scale;
+};
+
+struct GemmArgs {
+  const float *x, *w, *bias;
+  float* out;
+  int64_t ldx, ldw, ldo, K;
+};
+
+}  // namespace dasspec
+
+// One body per ISA; each defines the same three entry points.
+#define DASSPEC_ENTRY_POINTS                                                                                      \
+  void gemm(const dasspec::GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {                        \
+    gemm_block(a.x, a.ldx, m0, m1, a.w, a.ldw, n0, n1, a.K, a.out, a.ldo, a.bias);                              \
+  }                                                                                                               \
+  template <typename T>                                                                                           \
+  void heads(const dasspec::HeadArgs<T>& a, int64_t i0, int64_t i1) {                                            \
+    std::vector<float> sc(a.L_max), buf(3 * a.D);                                                                 \
+    for (int64_t i = i0; i < i1; ++i) {                                                                           \
+      const int64_t s = i / a.H, kvh = (i % a.H) / a.g, L = a.lengths[s];                                        \
+      const int64_t Lc = a.prefix ? a.prefix[s] : L;                                                              \
+      one_head<T>(a.q + i * a.D, a.kc + kvh * a.kc0, a.vc + kvh * a.vc0, a.ku + kvh * a.ku0, a.vu + kvh * a.vu0, \
+                  a.rows + a.starts[s], L, Lc, a.D, a.kc1, a.vc1, a.scale, sc.data(), buf.data(), a.out + i * a.D); \
+    }                                                                                                             \
+  }                                                                                                               \
+  void heads_f32(const dasspec::HeadArgs<float>& a, int64_t i0, int64_t i1) { heads<float>(a, i0, i1); }         \
+  void heads_bf16(const dasspec::HeadArgs<c10::BFloat16>& a, int64_t i0, int64_t i1) {                           \
+    heads<c10::BFloat16>(a, i0, i1);                                                                              \
+  }                                                                                                               \
+  void heads_f16(const dasspec::HeadArgs<c10::Half>& a, int64_t i0, int64_t i1) { heads<c10::Half>(a, i0, i1); } \
+  void rms(const float* x, const float* w, int64_t D, float eps, float* o, int64_t r0, int64_t r1) {             \
+    for (int64_t r = r0; r < r1; ++r) rms_row(x + r * D, w, D, eps, o + r * D);                                  \
+  }
+
+namespace dasspec_portable {
+#include "isa_body.h"
+DASSPEC_ENTRY_POINTS
+}  // namespace dasspec_portable
+
+#if DASSPEC_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace dasspec_avx2 {
+#define DASSPEC_ISA_AVX2
+#include "isa_body.h"
+#undef DASSPEC_ISA_AVX2
+DASSPEC_ENTRY_POINTS
+}  // namespace dasspec_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+#endif
+namespace dasspec_avx512 {
+#define DASSPEC_ISA_AVX512
+#include "isa_body.h"
+#undef DASSPEC_ISA_AVX512
+DASSPEC_ENTRY_POINTS
+}  // namespace dasspec_avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+namespace dasspec {
+namespace {
+
+struct Ops {
+  const char* name;
+  void (*gemm)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t);
+  void (*heads_f32)(const HeadArgs<float>&, int64_t, int64_t);
+  void (*heads_bf16)(const HeadArgs<c10::BFloat16>&, int64_t, int64_t);
+  void (*heads_f16)(const HeadArgs<c10::Half>&, int64_t, int64_t);
+  void (*rms)(const float*, const float*, int64_t, float, float*, int64_t, int64_t);
+};
+
+#define DASSPEC_OPS(ns, label) \
+  Ops { label, &ns::gemm, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms }
+
+const Ops PORTABLE = DASSPEC_OPS(dasspec_portable, "portable");
+#if DASSPEC_X86
+const Ops AVX2 = DASSPEC_OPS(dasspec_avx2, "avx2");
+const Ops AVX512 = DASSPEC_OPS(dasspec_avx512, "avx512");
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+}
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+const Ops* by_name(const std::string& name) {
+  if (name == "portable") return &PORTABLE;
+#if DASSPEC_X86
+  if (name == "avx2" && has_avx2()) return &AVX2;
+  if (name == "avx512" && has_avx512()) return &AVX512;
+#endif
+  return nullptr;
+}
+
+const Ops* best() {
+  const char* env = std::getenv("DASSPEC_CPU_ISA");
+  if (env && *env) {
+    const Ops* o = by_name(env);
+    TORCH_CHECK(o, "DASSPEC_CPU_ISA=", env, ": not one of this CPU's kernel paths (avx512, avx2, portable)");
+    return o;
+  }
+#if DASSPEC_X86
+  if (has_avx512()) return &AVX512;
+  if (has_avx2()) return &AVX2;
+#endif
+  return &PORTABLE;
+}
+
+std::atomic<const Ops*> current{nullptr};
+
+const Ops& ops() {
+  const Ops* o = current.load(std::memory_order_acquire);
+  if (!o) {
+    const Ops* chosen = best();
+    current.compare_exchange_strong(o, chosen);
+    o = current.load(std::memory_order_acquire);
+  }
+  return *o;
+}
+
+void check_cpu(const at::Tensor& t, const char* what) { TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor"); }
+
+}  // namespace
+
+std::string isa() { return ops().name; }
+
+void set_isa(const std::string& name) {
+  const Ops* o = by_name(name);
+  TORCH_CHECK(o, "no kernel path '", name, "' on this CPU");
+  current.store(o, std::memory_order_release);
+}
+
+std::vector<std::string> isas_here() {
+  std::vector<std::string> out;
+#if DASSPEC_X86
+  if (has_avx512()) out.push_back("avx512");
+  if (has_avx2()) out.push_back("avx2");
+#endif
+  out.push_back("portable");
+  return out;
+}
+
+// ---- the product ------------------------------------------------------------------------------------------------
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "linear: x [M, K] and w [N, K], float32");
+  check_cpu(x_in, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(x_in.size(1) == w.size(1), "linear: x has ", x_in.size(1), " columns, w ", w.size(1));
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, "linear: w's rows must be contiguous");
+  const auto x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "linear: bias [N], float32");
+  }
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return bias.defined() ? out.copy_(bias.expand({M, N})) : out.zero_();
+  const GemmArgs a{x.data_ptr<float>(), w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                   out.data_ptr<float>(), std::max<int64_t>(x.stride(0), 1), std::max<int64_t>(w.stride(0), 1), N, K};
+  const auto gemm = ops().gemm;
+  constexpr int64_t MB = 64, NB = 64;
+  if (M <= 16) {            // every row at once: the weight is read once
+    const int64_t grain = std::max<int64_t>(16, ((1 << 15) / std::max<int64_t>(K * M, 1) + 15) / 16 * 16);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm(a, 0, M, n0, n1); });
+    return out;
+  }
+  const int64_t mb = (M + MB - 1) / MB, nb = (N + NB - 1) / NB;
+  at::parallel_for(0, mb * nb, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t % mb, j = t / mb;      // consecutive tasks share a block of weight rows
+      gemm(a, i * MB, std::min(M, (i + 1) * MB), j * NB, std::min(N, (j + 1) * NB));
+    }
+  });
+  return out;
+}
+
+// ---- attention ----------------------------------------------------------------------------------------------
+at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows_in,
+                          const at::Tensor& starts_in, const at::Tensor& lengths_in, double scale,
+                          const std::optional<at::Tensor>& k_prefix, const std::optional<at::Tensor>& v_prefix,
+                          const std::optional<at::Tensor>& prefix_lengths) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [S, H, hd], k / v [H_kv, rows, hd]");
+  for (const auto* t : {&q_in, &k, &v, &rows_in, &starts_in, &lengths_in}) check_cpu(*t, "rows_attention");
+  TORCH_CHECK(k.size(0) > 0, "no key heads");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v: contiguous rows");
+  TORCH_CHECK(q_in.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
+  TORCH_CHECK(rows_in.scalar_type() == at::kLong && starts_in.scalar_type() == at::kLong &&
+              lengths_in.scalar_type() == at::kLong, "int64 rows, starts and lengths");
+  TORCH_CHECK(k_prefix.has_value() == v_prefix.has_value() && k_prefix.has_value() == prefix_lengths.has_value(),
+              "k_prefix, v_prefix and prefix_lengths together");
+  const auto q = q_in.contiguous();
+  const auto rows = rows_in.contiguous(), starts = starts_in.contiguous(), lengths = lengths_in.contiguous();
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), N = rows.numel();
+  TORCH_CHECK(H % Hkv == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && starts.numel() == S &&
+              lengths.numel() == S, "shapes do not match");
+  const at::Tensor& kc = k_prefix.has_value() ? *k_prefix : k;
+  const at::Tensor& vc = v_prefix.has_value() ? *v_prefix : v;
+  at::Tensor pl;
+  if (prefix_lengths.has_value()) {
+    pl = prefix_lengths->contiguous();
+    check_cpu(kc, "k_prefix");
+    check_cpu(vc, "v_prefix");
+    check_cpu(pl, "prefix_lengths");
+    TORCH_CHECK(pl.scalar_type() == at::kLong && pl.numel() == S, "int64 prefix_lengths [S]");
+    TORCH_CHECK(kc.dim() == 3 && vc.dim() == 3 && kc.sizes() == vc.sizes() && kc.size(0) == Hkv &&
+                kc.size(2) == D && kc.stride(2) == 1 && vc.stride(2) == 1 && kc.scalar_type() == k.scalar_type() &&
+                vc.scalar_type() == k.scalar_type() && kc.stride(1) == k.stride(1) && vc.stride(1) == v.stride(1),
+                "k_prefix / v_prefix like k / v");
+  }
+  auto out = at::empty_like(q);
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ln = lengths.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* pp = pl.defined() ? pl.data_ptr<int64_t>() : nullptr;
+  int64_t L_max = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ln[s] > 0, "query ", s, " needs a row");
+    TORCH_CHECK(st[s] >= 0 && st[s] + ln[s] <= N, "query ", s, ": rows outside the row list");
+    TORCH_CHECK(!pp || (pp[s] >= 0 && pp[s] <= ln[s]), "query ", s, ": prefix length outside its rows");
+    L_max = std::max(L_max, ln[s]);
+  }
+  const int64_t P = std::min({k.size(1), v.size(1), kc.size(1), vc.size(1)});
+  for (int64_t j = 0; j < N; ++j) TORCH_CHECK(rw[j] >= 0 && rw[j] < P, "row ", rw[j], " outside the cache");
+  const float sc = static_cast<float>(scale);
+  const auto& o = ops();
+  auto run = [&](auto* tag, auto fn) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const HeadArgs<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                        out.data_ptr<T>(), rw, st, ln, pp, H, D, H / Hkv, kc.stride(0), kc.stride(1), vc.stride(0),
+                        vc.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), L_max, sc};
+    at::parallel_for(0, S * H, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
+  };
+  // one_head reads both sources with the first's row strides (checked equal above)
+  switch (q.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr), o.heads_f32); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), o.heads_bf16); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr), o.heads_f16); break;
+    default: TORCH_CHECK(false, "rows_attention: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// dst[h, rows[i], :] = src[h, i, :]: a plain copy per (head, row), the source's bits.
+void store_rows(const at::Tensor& k_dst, const at::Tensor& v_dst, const at::Tensor& rows_in, const at::Tensor& k,
+                const at::Tensor& v) {
+  TORCH_CHECK(k_dst.dim() == 3 && v_dst.dim() == 3 && k.dim() == 3 && v.dim() == 3, "[H_kv, rows, hd] tensors");
+  TORCH_CHECK(k_dst.stride(2) == 1 && v_dst.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "contiguous rows");
+  TORCH_CHECK(k_dst.scalar_type() == k.scalar_type() && v_dst.scalar_type() == v.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "one dtype");
+  TORCH_CHECK(rows_in.scalar_type() == at::kLong, "int64 rows");
+  for (const auto* t : {&k_dst, &v_dst, &k, &v, &rows_in}) check_cpu(*t, "store_rows");
+  const auto rows = rows_in.contiguous();
+  const int64_t H = k.size(0), N = k.size(1), D = k.size(2);
+  TORCH_CHECK(rows.numel() == N && v.size(0) == H && v.size(1) == N && v.size(2) == D && k_dst.size(0) == H &&
+              v_dst.size(0) == H && k_dst.size(2) == D && v_dst.size(2) == D, "shapes do not match");
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t P = std::min(k_dst.size(1), v_dst.size(1));
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(rw[i] >= 0 && rw[i] < P, "row ", rw[i], " outside the cache");
+  const int64_t e = k.element_size(), bytes = D * e;
+  char* kd = static_cast<char*>(k_dst.data_ptr());
+  char* vd = static_cast<char*>(v_dst.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t kd0 = k_dst.stride(0) * e, kd1 = k_dst.stride(1) * e, vd0 = v_dst.stride(0) * e,
+                vd1 = v_dst.stride(1) * e, ks0 = k.stride(0) * e, ks1 = k.stride(1) * e, vs0 = v.stride(0) * e,
+                vs1 = v.stride(1) * e;
+  at::parallel_for(0, H * N, 256, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t h = i / N, j = i % N;
+      std::memcpy(kd + h * kd0 + rw[j] * kd1, ks + h * ks0 + j * ks1, bytes);
+      std::memcpy(vd + h * vd0 + rw[j] * vd1, vs + h * vs0 + j * vs1, bytes);
+    }
+  });
+}
+
+// RoPE, halves form (HF rotate_half): out = x * cos + cat(-x2, x1) * sin over x [B, W, n, hd] (float32; cos / sin
+// [W, hd]), the same three roundings as torch's ops in the same order (so the same bits), in one pass.
+at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos_in.scalar_type() == at::kFloat &&
+              sin_in.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
+  for (const auto* t : {&x, &cos_in, &sin_in}) check_cpu(*t, "rope_half");
+  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
+  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * D && sin.numel() == W * D, "cos / sin [W, hd]");
+  auto out = at::empty({B, W, n, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  at::parallel_for(0, B * W * n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t hd_i = i % n, w = (i / n) % W, bb = i / (n * W);
+      const float* xr = xp + bb * s0 + w * s1 + hd_i * s2;
+      const float* c = cp + w * D;
+      const float* s = sp + w * D;
+      float* o = op + i * D;
+      for (int64_t d = 0; d < h; ++d) o[d] = xr[d] * c[d] + (-xr[d + h]) * s[d];
+      for (int64_t d = h; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - h] * s[d];
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "float32");
+  check_cpu(x_in, "x");
+  check_cpu(w_in, "w");
+  const auto x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(D > 0 && w.numel() == D, "weight size");
+  const int64_t M = x.numel() / D;
+  auto out = at::empty_like(x);
+  const auto rms = ops().rms;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) { rms(xp, wp, D, static_cast<float>(eps), op, a, b); });
+  return out;
+}
+
+// ---- one-call sublayers (the modules' ops on the same views in the same order: their bits) -------------------------
+// layers.py's Attention.forward on rows the row kernel takes (halves-form RoPE, no q/k norm).  x [M, d] -> [M, d].
+at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
+                          const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
+                          const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
+                          int64_t H, int64_t Hkv) {
+  // every check before the first write into the pool
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
+  const int64_t M = x.size(0);
+  auto qkv = dasspec::linear(x, wqkv, std::nullopt);
+  TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
+  const int64_t hd = qkv.size(1) / (H + 2 * Hkv);
+  TORCH_CHECK(!qk_bias.has_value() || (Hkv == H && qk_bias->numel() == 2 * H * hd), "q/k bias [2, H, hd]");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3 && k_pool.size(0) == Hkv && k_pool.size(2) == hd &&
+              v_pool.size(0) == Hkv && v_pool.size(2) == hd && store_at.numel() == M && starts.numel() == M &&
+              lengths.numel() == M, "pools [H_kv, rows, hd], one store row, start and length per row");
+  auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
+  auto qk = heads.narrow(2, 0, H + Hkv);
+  if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
+  qk = rope_half(qk, cos, sin);
+  store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
+             heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
+  auto y = rows_attention(qk[0].narrow(1, 0, H), k_pool, v_pool, rows, starts, lengths, scale, std::nullopt,
+                          std::nullopt, std::nullopt);
+  return dasspec::linear(y.view({M, H * hd}), wproj, std::nullopt);
+}
+
+// layers.py's GatedMLP.forward: fc, silu(gate) * up, proj.
+at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wproj) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  auto gate_up = dasspec::linear(x, wfc, std::nullopt).chunk(2, -1);
+  return dasspec::linear(at::silu(gate_up[0]) * gate_up[1], wproj, std::nullopt);
+}
+
+// Ouro's layer (families/ouro.py PeriNormBlock: x + n2(attn(n1 x)), then that + n4(mlp(n3 of it))).
+at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+                           const at::Tensor& wqkv, const at::Tensor& wproj, const std::optional<at::Tensor>& qk_bias,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                           const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
+                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                           const at::Tensor& wfc, const at::Tensor& wdown) {
+  TORCH_CHECK(norms.size() == 4, "four norm weights");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  for (const auto& w : norms) TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "norm weight size");
+  auto a = attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows,
+                          starts, lengths, scale, H, Hkv);
+  auto h = x + rms_norm(a, norms[1], eps);
+  return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
+}
+
+// Core steps of Ouro layers over a call's rows (each step's layers, then ln_f); layer i of step s stores into and
+// reads k_pools / v_pools[s * L + i].
+at::Tensor peri_recur_rows(at::Tensor x, int64_t steps, const std::vector<at::Tensor>& norms,
+                           const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                           const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
+                           const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                           const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
+                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                           const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                           const at::Tensor& ln_w, double ln_eps) {
+  const int64_t L = static_cast<int64_t>(wqkv.size());
+  TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(eps.size()) == L &&
+              static_cast<int64_t>(wproj.size()) == L && static_cast<int64_t>(qk_bias.size()) == L &&
+              static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
+              static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
+              "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
+  TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
+  TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_w.device().is_cpu(), "ln_f weight: float32, CPU");
+  // every layer and step as the first, checked before the first layer writes into a pool
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
+                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes(), "layers of one shape");
+  for (int64_t p = 0; p < steps * L; ++p)
+    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
+                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
+                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
+                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = 0; i < L; ++i) {
+      x = peri_layer_rows(x, {norms[4 * i], norms[4 * i + 1], norms[4 * i + 2], norms[4 * i + 3]}, eps[i], wqkv[i],
+                          wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i], store_at, rows,
+                          starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
+    }
+    x = rms_norm(x, ln_w, ln_eps);
+  }
+  return x;
+}
+
+}  // namespace dasspec

@@ -1,0 +1,283 @@
+// The arithmetic of every CPU kernel, written once in GCC / Clang vector extensions and compiled once per
+// instruction set (cpu_kernels.cpp includes this file inside a namespace per ISA, under that ISA's target).
+//
+// Every value is a function of its own row alone, in an order fixed by that row's length:
+//  * a product's output (m, n) is sum_k x[m, k] w[n, k] as 16 lanes (lane l: an FMA chain over k = l, l + 16, ...
+//    from zero, the tail lanes fed zeros), then the lanes added in a fixed tree (l + l + 8, + 4, + 2, + 1);
+//  * attention's scores, softmax and weighted sums run over a query's own key list in order;
+//  * a norm's sum of squares is a 16-lane dot product in the same tree.
+// The lanes are 16 whatever the registers are (one AVX-512 register, two AVX2 ones, scalars on the portable
+// path), the build has -ffp-contract=off (no FMA the source does not write) and an FMA is one rounding on every
+// path, so the three paths give the same bits.  Work is split over threads by rows and outputs, never along a sum.
+// Needs: <cstdint>, <cstring>, <algorithm>, <cmath>, <limits>, <immintrin.h> (x86) before the include, and
+// DASSPEC_ISA_AVX512 / DASSPEC_ISA_AVX2 / neither defined.
+
+typedef float f16v __attribute__((vector_size(16 * sizeof(float))));
+typedef float f8v __attribute__((vector_size(8 * sizeof(float))));
+typedef float f4v __attribute__((vector_size(4 * sizeof(float))));
+typedef float f2v __attribute__((vector_size(2 * sizeof(float))));
+typedef int32_t i16v __attribute__((vector_size(16 * sizeof(int32_t))));
+constexpr int LANES = 16;
+
+#define DASSPEC_INLINE inline __attribute__((always_inline))
+
+DASSPEC_INLINE f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+DASSPEC_INLINE f16v load_tail(const float* p, int64_t n) {      // n < 16 values, zeros after
+  f16v v = {};
+  std::memcpy(&v, p, n * sizeof(float));
+  return v;
+}
+
+// The fixed tree: lanes l and l + n/2 added, level by level.
+DASSPEC_INLINE float tree_sum(f16v x) {
+  const f8v a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f2v c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+  return c[0] + c[1];
+}
+
+// r[j] = tree_sum(a[j]) for 16 vectors at once: the same additions (each level adds lane l and l + n/2 of one
+// vector), with the vectors interleaved so that every addition is a full-width one.
+DASSPEC_INLINE f16v tree_sum16(const f16v* a) {
+  f16v b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int j = 0; j < 4; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+  for (int j = 0; j < 2; ++j)
+    d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                   31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// ---- the product --------------------------------------------------------------------------------------------
+// A 16-lane accumulator in this ISA's registers: acc + a * b with one rounding per lane.
+#if defined(DASSPEC_ISA_AVX512)
+typedef __m512 Acc;
+DASSPEC_INLINE Acc acc_zero() { return _mm512_setzero_ps(); }
+DASSPEC_INLINE Acc acc_load(const float* p) { return _mm512_loadu_ps(p); }
+DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); }
+DASSPEC_INLINE f16v acc_lanes(Acc a) { return (f16v)a; }
+constexpr int MG = 4;                                // rows of x per register block
+constexpr int NR_OF[5] = {0, 16, 8, 4, 4};           // rows of w per block, by rows of x
+#elif defined(DASSPEC_ISA_AVX2)
+struct Acc { __m256 lo, hi; };
+DASSPEC_INLINE Acc acc_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+DASSPEC_INLINE Acc acc_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {
+  float t[16] = {};
+  std::memcpy(t, p, n * sizeof(float));
+  return acc_load(t);
+}
+DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+DASSPEC_INLINE f16v acc_lanes(Acc a) {
+  f16v v;
+  std::memcpy(&v, &a.lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &a.hi, 32);
+  return v;
+}
+constexpr int MG = 2;
+constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
+#else
+typedef f16v Acc;
+DASSPEC_INLINE Acc acc_zero() { return f16v{}; }
+DASSPEC_INLINE Acc acc_load(const float* p) { return load16(p); }
+DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) { return load_tail(p, n); }
+DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) {
+  f16v r;
+  for (int l = 0; l < LANES; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+}
+DASSPEC_INLINE f16v acc_lanes(Acc a) { return a; }
+constexpr int MG = 4;
+constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
+#endif
+
+// out[m, n] (m < mr, n < nr) of x rows [mr, K] (stride ldx) and w rows [nr, K] (stride ldw): an MR x NR block of
+// accumulators; rows past mr / nr repeat the last one (computed, not stored).
+template <int MR, int NR>
+DASSPEC_INLINE void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
+                              int64_t ldo, int mr, int nr, const float* bias) {
+  const float* xr[MR];
+  const float* wr[NR];
+  for (int m = 0; m < MR; ++m) xr[m] = x + std::min(m, mr - 1) * ldx;
+  for (int n = 0; n < NR; ++n) wr[n] = w + std::min(n, nr - 1) * ldw;
+  Acc acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = acc_zero();
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    Acc xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
+    for (int n = 0; n < NR; ++n) {
+      const Acc wv = acc_load(wr[n] + k);
+      for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
+    }
+  }
+  if (k < K) {
+    Acc xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = acc_load_tail(xr[m] + k, K - k);
+    for (int n = 0; n < NR; ++n) {
+      const Acc wv = acc_load_tail(wr[n] + k, K - k);
+      for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
+    }
+  }
+  if constexpr (MR * NR == 16) {
+    f16v lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = acc_lanes(acc[i]);
+    const f16v r = tree_sum16(lanes);
+    for (int m = 0; m < mr; ++m)
+      for (int n = 0; n < nr; ++n) out[m * ldo + n] = bias ? r[m * NR + n] + bias[n] : r[m * NR + n];
+  } else {
+    for (int m = 0; m < mr; ++m)
+      for (int n = 0; n < nr; ++n) {
+        const float s = tree_sum(acc_lanes(acc[m * NR + n]));
+        out[m * ldo + n] = bias ? s + bias[n] : s;
+      }
+  }
+}
+
+template <int MR>
+inline void gemm_rows(const float* x, int64_t ldx, int mr, const float* w, int64_t ldw, int64_t n0, int64_t n1,
+                      int64_t K, float* out, int64_t ldo, const float* bias) {
+  constexpr int NR = NR_OF[MR];
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+    gemm_tile<MR, NR>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr);
+  }
+}
+
+// Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
+// against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
+// than MG (a decode step) stream the weight in chunks of 16 rows.
+inline void gemm_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* w, int64_t ldw, int64_t n0,
+                       int64_t n1, int64_t K, float* out, int64_t ldo, const float* bias) {
+  const int64_t NC = m1 - m0 < MG ? 16 : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
+  for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+    const int64_t c1 = std::min(n1, c0 + NC);
+    int64_t m = m0;
+    for (; m + MG <= m1; m += MG) gemm_rows<MG>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias);
+    switch (m1 - m) {
+      case 3: gemm_rows<3>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      case 2: gemm_rows<2>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      case 1: gemm_rows<1>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      default: break;
+    }
+  }
+}
+
+// ---- dot products, exp, attention -----------------------------------------------------------------------------
+// sum_d q[d] k[d]: 16 lanes (no FMA: a product, then a sum, as before), the fixed tree.
+DASSPEC_INLINE float dot(const float* q, const float* k, int64_t D) {
+  f16v part = {};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) part += load16(q + d) * load16(k + d);
+  if (d < D) part += load_tail(q + d, D - d) * load_tail(k + d, D - d);
+  return tree_sum(part);
+}
+
+// exp(x) for x <= 0 of 16 values at once (Cephes' single-precision polynomial, about 2 ulp), in plain vector
+// arithmetic, the same operations lane by lane; underflows to 0 below -87.  floor as truncation corrected by one
+// below zero (exact here: |y| < 2^23).
+DASSPEC_INLINE f16v exp_nonpositive16(f16v x) {
+  const i16v tiny = x < -87.0f;
+  x = tiny ? f16v{} - 87.0f : x;
+  const f16v y = x * 1.44269504088896341f + 0.5f;
+  const i16v yi = __builtin_convertvector(y, i16v);
+  f16v n = __builtin_convertvector(yi, f16v);
+  n = n > y ? n - 1.0f : n;
+  f16v r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f16v p = f16v{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return tiny ? f16v{} : p * scale;
+}
+
+inline float to_float(float v) { return v; }
+template <typename T> inline float to_float(T v) { return static_cast<float>(v); }
+
+// One (query, head): softmax(q K^T * scale) V over the key rows rows[0, L), the first Lc of them from (kc, vc) and
+// the rest from (ku, vu) - the verified prefix at its read depths, then the call's own rows (one source: the same
+// tensors).  Scores, their maximum, the exponentials, their sum and each output lane's weighted sum run over the
+// rows in list order.  buf: 3 * D floats; sc: L floats.
+template <typename T>
+void one_head(const T* q, const T* kc, const T* vc, const T* ku, const T* vu, const int64_t* rows, int64_t L,
+              int64_t Lc, int64_t D, int64_t k_row, int64_t v_row, float scale, float* sc, float* buf, T* out) {
+  float* qf = buf;
+  float* acc = buf + D;
+  float* kf = buf + 2 * D;
+  for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]) * scale;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    const T* kr = (j < Lc ? kc : ku) + rows[j] * k_row;
+    float s;
+    if constexpr (std::is_same_v<T, float>) {
+      s = dot(qf, kr, D);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kr[d]);
+      s = dot(qf, kf, D);
+    }
+    sc[j] = s;
+    m = s > m ? s : m;
+  }
+  for (int64_t j0 = 0; j0 < L; j0 += LANES) {          // the last group padded with m (its lanes dropped)
+    const int64_t n = std::min<int64_t>(LANES, L - j0);
+    float x[LANES];
+    std::fill(x, x + LANES, m);
+    std::memcpy(x, sc + j0, n * sizeof(float));
+    f16v e = load16(x);
+    e = exp_nonpositive16(e - m);
+    std::memcpy(sc + j0, &e, n * sizeof(float));
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < L; ++j) total += sc[j];
+  // sum_j p_j v_j, each lane over j in order; a 16-lane slice of the row at a time so its sum stays in a register
+  int64_t d0 = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d0 + LANES <= D; d0 += LANES) {
+      f16v a = {};
+      for (int64_t j = 0; j < L; ++j) a += sc[j] * load16((j < Lc ? vc : vu) + rows[j] * v_row + d0);
+      std::memcpy(acc + d0, &a, sizeof a);
+    }
+  }
+  if (d0 < D) {                                          // what is left of the row, and other dtypes
+    for (int64_t d = d0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      const T* vr = (j < Lc ? vc : vu) + rows[j] * v_row;
+      const float p = sc[j];
+      for (int64_t d = d0; d < D; ++d) acc[d] += p * to_float(vr[d]);
+    }
+  }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+// RMSNorm of one float32 row: x * (1 / sqrt(mean(x^2) + eps)) * w.
+inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* o) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) o[d] = x[d] * inv * w[d];
+}
