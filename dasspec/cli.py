@@ -264,6 +264,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, metrics)", "dasspec.serve.cli"),
     "eval": ("lm-evaluation-harness with dasspec's model and offline tasks (lm-eval's own arguments)",
              "dasspec.eval.lm_eval_cli"),
+    "kernels": ("build the CPU kernels ahead of time (build), or show the ISA and the exactness guarantee (info)",
+                "dasspec.kernels_cli"),
 }
 
 

@@ -9,3 +9,4 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test,ray,eval]"
+dasspec kernels build || echo "setup: the CPU kernels did not build; dasspec runs on torch's kernels (see: dasspec kernels info)" >&2

@@ -182,7 +182,10 @@ def stream_text(chunks, chat: bool = False) -> str:
 
 def test_models_health_and_completion(server, client, model):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert server.health()["method"] == "das-wave"
+    health = server.health()
+    assert health["method"] == "das-wave"
+    from dasspec.model import decode_kernel          # the promise users read: float32 on a CPU is exact
+    assert health["exactness"] == decode_kernel.guarantee()
     ids = model.tokenizer.encode(PROMPT)
     ref = ar(model, ids, 12)
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12)

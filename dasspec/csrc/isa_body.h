@@ -183,14 +183,16 @@ inline void gemm_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, cons
 }
 
 // ---- dot products, exp, attention -----------------------------------------------------------------------------
-// sum_d q[d] k[d]: 16 lanes (no FMA: a product, then a sum, as before), the fixed tree.
-DASSPEC_INLINE float dot(const float* q, const float* k, int64_t D) {
+// sum_d q[d] k[d]: 16 lanes (no FMA: a product, then a sum), then the fixed tree.
+DASSPEC_INLINE f16v dot_lanes(const float* q, const float* k, int64_t D) {
   f16v part = {};
   int64_t d = 0;
   for (; d + LANES <= D; d += LANES) part += load16(q + d) * load16(k + d);
   if (d < D) part += load_tail(q + d, D - d) * load_tail(k + d, D - d);
-  return tree_sum(part);
+  return part;
 }
+
+DASSPEC_INLINE float dot(const float* q, const float* k, int64_t D) { return tree_sum(dot_lanes(q, k, D)); }
 
 // exp(x) for x <= 0 of 16 values at once (Cephes' single-precision polynomial, about 2 ulp), in plain vector
 // arithmetic, the same operations lane by lane; underflows to 0 below -87.  floor as truncation corrected by one
@@ -232,7 +234,17 @@ void one_head(const T* q, const T* kc, const T* vc, const T* ku, const T* vu, co
   float* kf = buf + 2 * D;
   for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]) * scale;
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < L; ++j) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {        // 16 keys' trees at once (tree_sum16: the same additions)
+    for (; j + LANES <= L; j += LANES) {
+      f16v parts[LANES];
+      for (int t = 0; t < LANES; ++t) parts[t] = dot_lanes(qf, (j + t < Lc ? kc : ku) + rows[j + t] * k_row, D);
+      const f16v s = tree_sum16(parts);
+      std::memcpy(sc + j, &s, sizeof s);
+      for (int t = 0; t < LANES; ++t) m = s[t] > m ? s[t] : m;
+    }
+  }
+  for (; j < L; ++j) {
     const T* kr = (j < Lc ? kc : ku) + rows[j] * k_row;
     float s;
     if constexpr (std::is_same_v<T, float>) {
@@ -258,10 +270,16 @@ void one_head(const T* q, const T* kc, const T* vc, const T* ku, const T* vu, co
   // sum_j p_j v_j, each lane over j in order; a 16-lane slice of the row at a time so its sum stays in a register
   int64_t d0 = 0;
   if constexpr (std::is_same_v<T, float>) {
-    for (; d0 + LANES <= D; d0 += LANES) {
-      f16v a = {};
-      for (int64_t j = 0; j < L; ++j) a += sc[j] * load16((j < Lc ? vc : vu) + rows[j] * v_row + d0);
-      std::memcpy(acc + d0, &a, sizeof a);
+    // up to 8 slices of 16 lanes in registers, one pass over the value rows for them
+    for (; d0 + LANES <= D; d0 += 8 * LANES) {
+      const int n = static_cast<int>(std::min<int64_t>(8, (D - d0) / LANES));
+      f16v a[8] = {};
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vr = (j < Lc ? vc : vu) + rows[j] * v_row + d0;
+        for (int t = 0; t < n; ++t) a[t] += sc[j] * load16(vr + t * LANES);
+      }
+      std::memcpy(acc + d0, a, n * sizeof(f16v));
+      if (n < 8) { d0 += n * LANES; break; }
     }
   }
   if (d0 < D) {                                          // what is left of the row, and other dtypes

@@ -134,6 +134,20 @@ def guarantee() -> str:
     return GUARANTEE_KERNELS if available() else GUARANTEE_TORCH
 
 
+GUARANTEE_OTHER = ("{dtype} on {device}: rows are computed by torch's kernels, whose sums may follow the batch and the "
+                   "call's shape, so a token can differ from the request's own batch-1 AR decode at a near-tie "
+                   "(bfloat16 on CPU: measured in docs/performance.md); float32 on a CPU is exact")
+
+
+def exactness(device: "torch.device | str", dtype: torch.dtype) -> str:
+    """What a model on ``device`` in ``dtype`` promises about each request's tokens against its own AR decode (the
+    server's ``/health``, ``dasspec kernels info``)."""
+    device = torch.device(device)
+    if device.type == "cpu" and dtype == torch.float32:
+        return guarantee()
+    return GUARANTEE_OTHER.format(dtype=str(dtype).removeprefix("torch."), device=device.type)
+
+
 def isa() -> str | None:
     """The instruction set the kernels run on ("avx512", "avx2", "portable"), or None without kernels."""
     return _module.isa() if available() else None

@@ -38,6 +38,7 @@ from ..engine.policy import SpeculationPolicy
 from ..engine.runtime import Runtime
 from ..engine.sampling import Sampling
 from ..methods import get_method
+from ..model import decode_kernel
 from ..model.chat_template import TemplateLimit, TemplateSandbox
 from ..model.looped import LoopedLM
 from ..model.tokenizer import PLAIN_CHAT_TEMPLATE
@@ -225,6 +226,7 @@ class Service(Frontend):
         self.model = model
         self.method = get_method(options.method).name            # canonical name (aliases resolved)
         self.depth = model.depth(None)
+        self.exactness = decode_kernel.exactness(model.device, model.dtype)     # what /health promises
         super().__init__(model.tokenizer, model.config.block_size, model.config.vocab_size, options)
         self.drafters = DrafterCache(model, self.depth, *engine_methods(), keep=_DRAFTERS_KEPT)
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
@@ -307,7 +309,7 @@ class Service(Frontend):
         ok = self.worker.alive
         return {"status": "ok" if ok else "the decode worker has stopped", "model": self.model_name,
                 "method": self.method, "queue_length": self.worker.queue_length,
-                "running": self.worker.running}, ok
+                "running": self.worker.running, "exactness": self.exactness}, ok
 
     async def metrics_text(self) -> str:
         return self.metrics.render()

@@ -1,0 +1,42 @@
+"""The CPU kernels build wherever a C++ compiler exists: the suite fails (not skips) when they do not, since every
+exactness test would otherwise run on torch's kernels and prove less than it claims."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dasspec.model import decode_kernel
+
+
+def test_the_kernels_build_where_a_compiler_exists():
+    if os.environ.get("DASSPEC_DECODE_KERNEL") == "0":
+        pytest.skip("DASSPEC_DECODE_KERNEL=0 turns the kernels off on purpose")
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("no C++ compiler here: dasspec runs on torch's kernels (decode_kernel.GUARANTEE_TORCH)")
+    assert decode_kernel.available(), f"the CPU kernels did not build: {decode_kernel.error()}"
+    assert decode_kernel.isa() in decode_kernel.isas_here() and "portable" in decode_kernel.isas_here()
+
+
+def test_a_process_without_kernels_says_so_once_and_keeps_working(tmp_path):
+    """DASSPEC_DECODE_KERNEL=0 (or a failed build): one warning naming what the guarantee becomes, the model still
+    decodes, and `dasspec kernels info` reports it."""
+    code = ("import warnings, dasspec, torch\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    m = dasspec.testing.random_model('ouro', seed=1, mean_recurrence=2, n_core=1)\n"
+            "    out = dasspec.generate(m, [3, 4, 5], 'das-wave', max_new_tokens=4, eos=False)\n"
+            "    out2 = dasspec.generate(m, [3, 4, 5], 'ar', max_new_tokens=4, eos=False)\n"
+            "print(len([x for x in w if 'could not be built' in str(x.message)]), out.tokens == out2.tokens)\n")
+    env = {**os.environ, "DASSPEC_DECODE_KERNEL": "0"}
+    got = subprocess.run([sys.executable, "-c", "import dasspec.testing\n" + code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["1", "True"]
+    info = subprocess.run([sys.executable, "-m", "dasspec.cli", "kernels", "info"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert info.returncode == 0 and "not available" in info.stdout and "torch's kernels" in info.stdout
