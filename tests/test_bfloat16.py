@@ -69,3 +69,21 @@ def test_a_batch_follows_bfloat16_ar(models):
         # would keep about 1 of its 16 (49 of 64 in all), so 80% still catches it (docs/performance.md,
         # "bfloat16: how closely a batch follows batch-1 decoding")
         assert same >= 0.8 * NEW * len(prompts), (method, same)
+
+
+def test_bfloat16_on_a_cpu_is_exact_too(models):
+    """With the kernels built, a bfloat16 row on a CPU is summed in float32 in the kernels' order and rounded once
+    (products, attention, norms): every method alone and every request of a batch emit bf16 AR's own tokens exactly
+    (the tolerant checks above are for torch's kernels: CUDA, or no compiler)."""
+    from dasspec.model import decode_kernel
+    if not decode_kernel.available():
+        pytest.skip("no kernels: tests/test_kernel_build.py fails where a compiler exists")
+    model = models[0]
+    ref = dasspec.generate(model, PROMPT, "ar", max_new_tokens=NEW, eos=False).tokens
+    for method, knobs in [(m, {}) for m in method_names()] + [("das-wave", WAVE_EXTENSIONS)]:
+        assert dasspec.generate(model, PROMPT, method, max_new_tokens=NEW, eos=False, **knobs).tokens == ref, method
+    prompts = [PROMPT, PROMPT[3:] + [40, 41], [7, 3, 9] * 5, PROMPT[:9]]
+    alone = [dasspec.generate(model, p, "ar", max_new_tokens=NEW, eos=False).tokens for p in prompts]
+    for method, knobs in (("ar", {}), ("das-wave", WAVE_EXTENSIONS), ("token-recycling", {})):
+        outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=NEW, eos=False, max_batch=4, **knobs)
+        assert [o.tokens for o in outs] == alone, method

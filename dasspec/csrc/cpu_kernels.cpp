@@ -33,9 +33,10 @@ struct HeadArgs {
   float scale;
 };
 
+template <typename T>
 struct GemmArgs {
-  const float *x, *w, *bias;
-  float* out;
+  const T *x, *w, *bias;
+  T* out;
   int64_t ldx, ldw, ldo, K;
 };
 
@@ -43,8 +44,11 @@ struct GemmArgs {
 
 // One body per ISA; each defines the same three entry points.
 #define DASSPEC_ENTRY_POINTS                                                                                      \
-  void gemm(const dasspec::GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {                        \
-    gemm_block(a.x, a.ldx, m0, m1, a.w, a.ldw, n0, n1, a.K, a.out, a.ldo, a.bias);                              \
+  void gemm_f32(const dasspec::GemmArgs<float>& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {           \
+    gemm_block<float>(a.x, a.ldx, m0, m1, a.w, a.ldw, n0, n1, a.K, a.out, a.ldo, a.bias);                       \
+  }                                                                                                               \
+  void gemm_bf16(const dasspec::GemmArgs<c10::BFloat16>& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {   \
+    gemm_block<c10::BFloat16>(a.x, a.ldx, m0, m1, a.w, a.ldw, n0, n1, a.K, a.out, a.ldo, a.bias);               \
   }                                                                                                               \
   template <typename T>                                                                                           \
   void heads(const dasspec::HeadArgs<T>& a, int64_t i0, int64_t i1) {                                            \
@@ -110,7 +114,8 @@ namespace {
 
 struct Ops {
   const char* name;
-  void (*gemm)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t);
+  void (*gemm_f32)(const GemmArgs<float>&, int64_t, int64_t, int64_t, int64_t);
+  void (*gemm_bf16)(const GemmArgs<c10::BFloat16>&, int64_t, int64_t, int64_t, int64_t);
   void (*heads_f32)(const HeadArgs<float>&, int64_t, int64_t);
   void (*heads_bf16)(const HeadArgs<c10::BFloat16>&, int64_t, int64_t);
   void (*heads_f16)(const HeadArgs<c10::Half>&, int64_t, int64_t);
@@ -118,7 +123,7 @@ struct Ops {
 };
 
 #define DASSPEC_OPS(ns, label) \
-  Ops { label, &ns::gemm, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms }
+  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms }
 
 const Ops PORTABLE = DASSPEC_OPS(dasspec_portable, "portable");
 #if DASSPEC_X86
@@ -194,31 +199,16 @@ std::vector<std::string> isas_here() {
 }
 
 // ---- the product ------------------------------------------------------------------------------------------------
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "linear: x [M, K] and w [N, K], float32");
-  check_cpu(x_in, "x");
-  check_cpu(w, "w");
-  TORCH_CHECK(x_in.size(1) == w.size(1), "linear: x has ", x_in.size(1), " columns, w ", w.size(1));
-  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, "linear: w's rows must be contiguous");
-  const auto x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "linear: bias [N], float32");
-  }
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return bias.defined() ? out.copy_(bias.expand({M, N})) : out.zero_();
-  const GemmArgs a{x.data_ptr<float>(), w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-                   out.data_ptr<float>(), std::max<int64_t>(x.stride(0), 1), std::max<int64_t>(w.stride(0), 1), N, K};
-  const auto gemm = ops().gemm;
+namespace {
+template <typename T, typename Gemm>
+void run_gemm(const T* xp, const T* wp, const T* bp, T* op, int64_t M, int64_t N, int64_t K, int64_t ldx,
+              int64_t ldw, Gemm gemm) {
+  const GemmArgs<T> a{xp, wp, bp, op, std::max<int64_t>(ldx, 1), std::max<int64_t>(ldw, 1), N, K};
   constexpr int64_t MB = 64, NB = 64;
   if (M <= 16) {            // every row at once: the weight is read once
     const int64_t grain = std::max<int64_t>(16, ((1 << 15) / std::max<int64_t>(K * M, 1) + 15) / 16 * 16);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm(a, 0, M, n0, n1); });
-    return out;
+    return;
   }
   const int64_t mb = (M + MB - 1) / MB, nb = (N + NB - 1) / NB;
   at::parallel_for(0, mb * nb, 1, [&](int64_t t0, int64_t t1) {
@@ -227,6 +217,35 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::option
       gemm(a, i * MB, std::min(M, (i + 1) * MB), j * NB, std::min(N, (j + 1) * NB));
     }
   });
+}
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias_in) {
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && w.scalar_type() == dt && (dt == at::kFloat || dt == at::kBFloat16),
+              "linear: x [M, K] and w [N, K], both float32 or both bfloat16");
+  check_cpu(x_in, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(x_in.size(1) == w.size(1), "linear: x has ", x_in.size(1), " columns, w ", w.size(1));
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, "linear: w's rows must be contiguous");
+  const auto x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == dt && bias.numel() == w.size(0), "linear: bias [N] of x's dtype");
+  }
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return bias.defined() ? out.copy_(bias.expand({M, N})) : out.zero_();
+  if (dt == at::kFloat) {
+    run_gemm<float>(x.data_ptr<float>(), w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                    out.data_ptr<float>(), M, N, K, x.stride(0), w.stride(0), ops().gemm_f32);
+  } else {
+    using B = c10::BFloat16;
+    run_gemm<B>(x.data_ptr<B>(), w.data_ptr<B>(), bias.defined() ? bias.data_ptr<B>() : nullptr, out.data_ptr<B>(),
+                M, N, K, x.stride(0), w.stride(0), ops().gemm_bf16);
+  }
   return out;
 }
 

@@ -71,6 +71,10 @@ DASSPEC_INLINE Acc acc_load(const float* p) { return _mm512_loadu_ps(p); }
 DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
+DASSPEC_INLINE Acc acc_load(const c10::BFloat16* p) {       // bfloat16 -> float32 is exact: the bits, shifted
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); }
 DASSPEC_INLINE f16v acc_lanes(Acc a) { return (f16v)a; }
 constexpr int MG = 4;                                // rows of x per register block
@@ -83,6 +87,11 @@ DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {
   float t[16] = {};
   std::memcpy(t, p, n * sizeof(float));
   return acc_load(t);
+}
+DASSPEC_INLINE Acc acc_load(const c10::BFloat16* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16))};
 }
 DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
@@ -100,6 +109,11 @@ typedef f16v Acc;
 DASSPEC_INLINE Acc acc_zero() { return f16v{}; }
 DASSPEC_INLINE Acc acc_load(const float* p) { return load16(p); }
 DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) { return load_tail(p, n); }
+DASSPEC_INLINE Acc acc_load(const c10::BFloat16* p) {
+  f16v v;
+  for (int l = 0; l < LANES; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
 DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) {
   f16v r;
   for (int l = 0; l < LANES; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
@@ -110,13 +124,22 @@ constexpr int MG = 4;
 constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
 #endif
 
+DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
+  c10::BFloat16 t[LANES];
+  std::memset(static_cast<void*>(t), 0, sizeof t);
+  std::memcpy(static_cast<void*>(t), p, n * sizeof(c10::BFloat16));
+  return acc_load(t);
+}
+
 // out[m, n] (m < mr, n < nr) of x rows [mr, K] (stride ldx) and w rows [nr, K] (stride ldw): an MR x NR block of
 // accumulators; rows past mr / nr repeat the last one (computed, not stored).
-template <int MR, int NR>
-DASSPEC_INLINE void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-                              int64_t ldo, int mr, int nr, const float* bias) {
-  const float* xr[MR];
-  const float* wr[NR];
+// bfloat16 rows are widened exactly and summed in float32 like float32 rows; the output is rounded once (to nearest
+// even) after the bias.
+template <int MR, int NR, typename T>
+DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out,
+                              int64_t ldo, int mr, int nr, const T* bias) {
+  const T* xr[MR];
+  const T* wr[NR];
   for (int m = 0; m < MR; ++m) xr[m] = x + std::min(m, mr - 1) * ldx;
   for (int n = 0; n < NR; ++n) wr[n] = w + std::min(n, nr - 1) * ldw;
   Acc acc[MR * NR];
@@ -143,40 +166,42 @@ DASSPEC_INLINE void gemm_tile(const float* x, int64_t ldx, const float* w, int64
     for (int i = 0; i < 16; ++i) lanes[i] = acc_lanes(acc[i]);
     const f16v r = tree_sum16(lanes);
     for (int m = 0; m < mr; ++m)
-      for (int n = 0; n < nr; ++n) out[m * ldo + n] = bias ? r[m * NR + n] + bias[n] : r[m * NR + n];
+      for (int n = 0; n < nr; ++n)
+        out[m * ldo + n] = static_cast<T>(bias ? r[m * NR + n] + static_cast<float>(bias[n]) : r[m * NR + n]);
   } else {
     for (int m = 0; m < mr; ++m)
       for (int n = 0; n < nr; ++n) {
         const float s = tree_sum(acc_lanes(acc[m * NR + n]));
-        out[m * ldo + n] = bias ? s + bias[n] : s;
+        out[m * ldo + n] = static_cast<T>(bias ? s + static_cast<float>(bias[n]) : s);
       }
   }
 }
 
-template <int MR>
-inline void gemm_rows(const float* x, int64_t ldx, int mr, const float* w, int64_t ldw, int64_t n0, int64_t n1,
-                      int64_t K, float* out, int64_t ldo, const float* bias) {
+template <int MR, typename T>
+inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t n0, int64_t n1,
+                      int64_t K, T* out, int64_t ldo, const T* bias) {
   constexpr int NR = NR_OF[MR];
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-    gemm_tile<MR, NR>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr);
+    gemm_tile<MR, NR, T>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr);
   }
 }
 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
 // than MG (a decode step) stream the weight in chunks of 16 rows.
-inline void gemm_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* w, int64_t ldw, int64_t n0,
-                       int64_t n1, int64_t K, float* out, int64_t ldo, const float* bias) {
+template <typename T>
+inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,
+                       int64_t n1, int64_t K, T* out, int64_t ldo, const T* bias) {
   const int64_t NC = m1 - m0 < MG ? 16 : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
     int64_t m = m0;
-    for (; m + MG <= m1; m += MG) gemm_rows<MG>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias);
+    for (; m + MG <= m1; m += MG) gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias);
     switch (m1 - m) {
-      case 3: gemm_rows<3>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
-      case 2: gemm_rows<2>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
-      case 1: gemm_rows<1>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      case 3: gemm_rows<3, T>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      case 2: gemm_rows<2, T>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
+      case 1: gemm_rows<1, T>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias); break;
       default: break;
     }
   }

@@ -155,11 +155,11 @@ def kernel_attention(q: Tensor, kvs: list["LayerKV"], parts: list[Span], cache: 
 
 def causal_self_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """A forward without cache (``model(ids)``, training): each of q [B, H, T, hd]'s rows over the call's own keys
-    k, v [B, H_kv, T, hd] up to its own row - on CPU in float32 the row kernel (the bits a cached decode of the same
+    k, v [B, H_kv, T, hd] up to its own row - on CPU in float32 or bfloat16 the row kernel (the bits a cached decode of the same
     row gets), elsewhere SDPA."""
     B, H, T, hd = q.shape
     hkv = k.shape[1]
-    if not (q.device.type == "cpu" and q.dtype == torch.float32 and not torch.compiler.is_compiling()
+    if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and decode_kernel.available()):
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=hkv != H)
@@ -363,8 +363,8 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
 # On CPU in float32 every query row takes the row kernel (``decode_kernel.rows_attention``): a decode row, a prompt
 # block, a verification chain, a tree, a draft window, a prefix read at another depth - each query over its own list
 # of visible rows in position order, so a row's bits follow from its rows alone, whatever the call's shape, the
-# block layout or the batch.  bfloat16 keeps SDPA, whose bf16 rounding the wider passes (windows) share: a float32
-# one-row kernel beside them made bf16 AR part from a bf16 batch more often (tests/test_bfloat16.py).
+# block layout or the batch.  bfloat16 rows take it too (keys and values widened exactly, float32 sums, the output
+# rounded once), so a bfloat16 model on a CPU is batch-invariant as well.
 
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
     return span_suits_kernel(q, span) and (kv.one_source or (
@@ -379,7 +379,7 @@ def kernel_group(kv: LayerKV) -> tuple:
 
 def span_suits_kernel(q: Tensor, span: Span) -> bool:
     """``kernel_rows``' tests of the span and the queries (the same for every layer and depth of a call)."""
-    return (span.rows is None and q.device.type == "cpu" and q.dtype == torch.float32
+    return (span.rows is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and not q.requires_grad and not torch.compiler.is_compiling() and decode_kernel.available())
 
 

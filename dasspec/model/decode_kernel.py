@@ -1,6 +1,6 @@
-"""dasspec's CPU kernels (``dasspec/csrc``): one arithmetic for every float32 row, whatever shares its call.
+"""dasspec's CPU kernels (``dasspec/csrc``): one arithmetic for every row, whatever shares its call.
 
-A row's value on a CPU in float32 is computed here in an order fixed by that row's own inputs and length alone:
+A row's value on a CPU in float32 (and bfloat16: widened exactly, summed in float32, rounded once) is computed here in an order fixed by that row's own inputs and length alone:
 
 * ``linear``: every output is a 16-lane FMA chain along k followed by a fixed tree of additions - the same for a
   row alone or among 1,000, at any thread count (threads split rows and outputs, never a sum), and the same on
@@ -46,8 +46,9 @@ _module = None
 _tried = False
 _error: str | None = None
 
-GUARANTEE_KERNELS = ("every float32 CPU row is computed in an order fixed by its own length: the same bits in any "
-                     "batch, at any thread count, for any verifier shape, on AVX-512, AVX2 and portable CPUs")
+GUARANTEE_KERNELS = ("every float32 and bfloat16 CPU row is computed in an order fixed by its own length: the same "
+                     "bits in any batch, at any thread count, for any verifier shape, on AVX-512, AVX2 and portable "
+                     "CPUs - each request's tokens are its own batch-1 AR decode's")
 GUARANTEE_TORCH = ("the CPU kernels are not built: torch's kernels run, and a row's last bits may depend on its batch, "
                    "the thread count and the CPU; greedy outputs still equal AR's except at near-ties")
 
@@ -135,15 +136,15 @@ def guarantee() -> str:
 
 
 GUARANTEE_OTHER = ("{dtype} on {device}: rows are computed by torch's kernels, whose sums may follow the batch and the "
-                   "call's shape, so a token can differ from the request's own batch-1 AR decode at a near-tie "
-                   "(bfloat16 on CPU: measured in docs/performance.md); float32 on a CPU is exact")
+                   "call's shape, so a token can differ from the request's own batch-1 AR decode at a near-tie; "
+                   "float32 and bfloat16 on a CPU are exact")
 
 
 def exactness(device: "torch.device | str", dtype: torch.dtype) -> str:
     """What a model on ``device`` in ``dtype`` promises about each request's tokens against its own AR decode (the
     server's ``/health``, ``dasspec kernels info``)."""
     device = torch.device(device)
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return guarantee()
     return GUARANTEE_OTHER.format(dtype=str(dtype).removeprefix("torch."), device=device.type)
 

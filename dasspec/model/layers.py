@@ -8,6 +8,7 @@ never decides depths: it receives a ``LayerKV`` (views of the depth cache picked
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,11 @@ from . import decode_kernel
 from .attention import LayerKV, Span, attend, causal_self_attention, row_plan
 from .config import LoopedConfig
 from .linear import Linear, kernel_takes
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(n: int) -> Tensor:
+    return torch.ones(n)
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +46,10 @@ class RMSNorm(nn.Module):
             if self.takes_kernel(x):
                 return decode_kernel.rms_norm(x, self.weight, self.eps)    # one call, not a composite of five
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if (x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+                and not torch.compiler.is_compiling() and decode_kernel.available()):
+            # bfloat16 on CPU: the row's sum in the kernel's order too (x * inv * 1 is x * inv exactly)
+            return decode_kernel.rms_norm(x.float(), _ones(x.shape[-1]), self.eps).to(x.dtype) * self.weight
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
@@ -183,7 +193,8 @@ def bare(linear: nn.Module) -> bool:
 def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
     """The weights of two ``bare`` Linear layers that a one-call path multiplies x by with the kernel's product
     (rows contiguous), or None: the modules' own path."""
-    if not (bare(first) and bare(second) and kernel_takes(x, first.weight) and kernel_takes(x, second.weight)
+    if not (x.dtype == torch.float32 and bare(first) and bare(second) and kernel_takes(x, first.weight)
+            and kernel_takes(x, second.weight)
             and first.weight.stride(-1) == 1 and second.weight.stride(-1) == 1):
         return None
     return first.weight, second.weight

@@ -1,10 +1,11 @@
 """Every Linear layer's matrix product, behind one function (``linear``): the hardware shortcuts in the math.
 
-Float32 on a CPU (no gradient to keep): dasspec's own product (``decode_kernel.linear``), whose every output is a
-function of its own row and weight row alone, summed in an order fixed by the width - so a row has the same bits
-alone or in a batch of any size, at any thread count, on AVX-512, AVX2 and portable CPUs (docs/architecture.md,
-"One arithmetic").  It reads the weight in place; no copy, no size threshold.  Where the kernels cannot be built,
-torch's ``F.linear`` runs instead (``decode_kernel.guarantee`` says what that costs).
+Float32 or bfloat16 on a CPU (no gradient to keep): dasspec's own product (``decode_kernel.linear``), whose every
+output is a function of its own row and weight row alone, summed in float32 in an order fixed by the width (a
+bfloat16 output rounded once) - so a row has the same bits alone or in a batch of any size, at any thread count, on
+AVX-512, AVX2 and portable CPUs (docs/architecture.md, "One arithmetic").  It reads the weight in place; no copy,
+no size threshold.  Where the kernels cannot be built, torch's ``F.linear`` runs instead (``decode_kernel.guarantee``
+says what that costs), with this shortcut for bfloat16:
 
 bfloat16 on a CPU without bfloat16 matrix units (no AMX, no AVX512-BF16: most laptops and many servers): torch
 multiplies bfloat16 matrices at a fixed cost per activation row - a 32-row product costs 32 one-row products - so
@@ -12,8 +13,7 @@ neither a batch of requests nor a speculative draft gets cheaper per token there
 WIDE_ROWS or more rows is converted to float32 a tile of output rows at a time (a tile small enough to stay in
 cache) and multiplied in float32; the result is cast back to bfloat16.  Float32 accumulation is what the bfloat16
 product does too, so the values agree to bfloat16 rounding; GPUs and CPUs with bfloat16 units never take it.
-bfloat16 rows are not batch-invariant (docs/serving.md says what is promised there).  Figures: docs/performance.md,
-"Batching".
+Figures: docs/performance.md, "Batching".
 """
 
 from __future__ import annotations
@@ -64,9 +64,13 @@ def tiled_float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     return out.to(x.dtype, memory_format=torch.contiguous_format).reshape(*x.shape[:-1], N)   # row-major, as F.linear
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def kernel_takes(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``linear(x, weight)`` is dasspec's own float32 CPU product (no gradient to keep, not traced)."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+    """Whether ``linear(x, weight)`` is dasspec's own CPU product: float32 or bfloat16 (no gradient to keep, not
+    traced)."""
+    return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.device.type == "cpu"
             and weight.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and decode_kernel.available())
