@@ -51,8 +51,8 @@ print(json.dumps(out))
 """
 
 
-def run_worker(tree: Path, job: dict) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def run_worker(tree: Path, job: dict, extra_env: dict[str, str]) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(tree), **extra_env}
     got = subprocess.run([sys.executable, "-c", WORKER], input=json.dumps(job), cwd=tree, env=env,
                          capture_output=True, text=True, check=False)
     if got.returncode != 0:
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=Path(os.environ.get("DASSPEC_DATA", REPO.parent / "shared/data")))
     p.add_argument("--ouro-src", type=Path, default=REPO.parent / "shared/checkpoints/ouro-1.4b")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dasspec-paired")
+    p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the new side only (e.g. DASSPEC_CPU_ISA=avx2 with --old HEAD: "
+                        "one code, two kernel paths)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     import dasspec
@@ -91,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), args.old], check=True)
     job = {"models": models, "prompts": prompts, "methods": args.methods.split(","), "new": args.new_tokens,
            "threads": args.threads}
+    new_env = dict(kv.split("=", 1) for kv in args.new_env)
     runs = []
     for r in range(args.rounds):
         order = [("old", old), ("new", REPO)] if r % 2 == 0 else [("new", REPO), ("old", old)]
         for version, tree in order:
-            for row in run_worker(tree, job):
+            for row in run_worker(tree, job, new_env if version == "new" else {}):
                 runs.append({**row, "version": version, "round": r})
             print(f"round {r + 1}/{args.rounds}: {version} done", file=sys.stderr, flush=True)
         (args.out / "results.json").write_text(json.dumps(runs))
-    lines = [f"# New against old ({args.old}), paired by round", "",
+    lines = [f"# New{' (' + ', '.join(args.new_env) + ')' if args.new_env else ''} against old ({args.old}), "
+             "paired by round", "",
              f"{args.rounds} rounds, {args.prompts} GSM8K questions x {args.new_tokens} new tokens, "
              f"{args.threads} thread(s); tokens/s includes the prefill.", "",
              "| model | B | method | new / old tok/s, median [range] | new tok/s (median) | same tokens |",
