@@ -96,6 +96,7 @@ from typing import Any, Callable
 import torch
 
 from ..engine.draft import Draft, Drafter, Session, Verdict
+from ..model import decode_kernel
 from . import Method, build_drafter, register
 from .knobs import Knobs, Most, boolean, brief, knob
 
@@ -156,6 +157,8 @@ def _keys(model) -> tuple[str, str]:
               f"threads={torch.get_num_threads()}|torch={torch.__version__}"
     if model.device.type == "cuda":
         machine += "|" + torch.cuda.get_device_name(model.device)
+    elif decode_kernel.available():                 # pass costs follow the kernels' build and path
+        machine += f"|kernels={decode_kernel.build_tag()}:{decode_kernel.isa()}"
     return mkey, hashlib.sha256(machine.encode()).hexdigest()[:16]
 
 
