@@ -439,3 +439,36 @@ def test_the_recurrences_one_call_takes_once_only_what_every_layer_shares():
     for j, other in ((11, 0.25), (3, torch.zeros(2)), (8, torch.zeros(2)), (12, 16)):
         changed = attention[:j] + (other,) + attention[j + 1:]
         assert not decode_kernel.layers_agree([layer, (layer[0], layer[1], changed, layer[3])]), j
+
+
+@pytest.mark.parametrize("hd", [64, 40, 8])
+def test_queries_grouped_over_one_list_get_the_bits_they_get_alone(hd):
+    """Consecutive queries over prefixes of one row list (a prompt block, a chain) are computed in groups that load
+    each key and value row once; every query keeps its own arithmetic: the same bits as with lists that start apart
+    (no groups), alone, in a group with a prefix read at another depth, on every ISA path."""
+    g = torch.Generator().manual_seed(hd)
+    H, T = 4, 70
+    q, k, v = torch.randn(T, H, hd, generator=g), torch.randn(H, T, hd, generator=g), torch.randn(H, T, hd, generator=g)
+    kp, vp = torch.randn(H, T, hd, generator=g), torch.randn(H, T, hd, generator=g)
+    lengths = torch.arange(1, T + 1).flip(0)[torch.randperm(T, generator=g)].clamp(min=20)  # unordered lengths
+    rows = torch.arange(T)
+    grouped = decode_kernel.rows_attention(q, k, v, rows, torch.zeros(T, dtype=torch.long), lengths, 0.2)
+    apart = torch.zeros(T, dtype=torch.long)
+    apart[1::2] = T
+    single = decode_kernel.rows_attention(q, k, v, rows.repeat(2), apart, lengths, 0.2)
+    assert torch.equal(grouped, single)
+    for s in (0, 5, T - 1):
+        alone = decode_kernel.rows_attention(q[s: s + 1], k, v, rows, torch.tensor([0]), lengths[s: s + 1], 0.2)
+        assert torch.equal(alone[0], grouped[s])
+    prefix = torch.full((T,), 11)
+    two = decode_kernel.rows_attention(q, k, v, rows, torch.zeros(T, dtype=torch.long), lengths, 0.2, kp, vp, prefix)
+    two_apart = decode_kernel.rows_attention(q, k, v, rows.repeat(2), apart, lengths, 0.2, kp, vp, prefix)
+    assert torch.equal(two, two_apart) and not torch.equal(two, grouped)
+    isa = decode_kernel.isa()
+    try:
+        for path in decode_kernel.isas_here():
+            decode_kernel.set_isa(path)
+            assert torch.equal(decode_kernel.rows_attention(q, k, v, rows, torch.zeros(T, dtype=torch.long), lengths,
+                                                            0.2), grouped), path
+    finally:
+        decode_kernel.set_isa(isa)

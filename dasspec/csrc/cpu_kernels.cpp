@@ -23,12 +23,15 @@
 
 namespace dasspec {
 
+constexpr int QG = 4;   // queries per attention group (isa_body.h's group_heads)
+
 // What a range of (query, head) items of one rows_attention call needs.
 template <typename T>
 struct HeadArgs {
   const T *q, *kc, *vc, *ku, *vu;
   T* out;
   const int64_t *rows, *starts, *lengths, *prefix;   // prefix: rows of each query's list read from (kc, vc), or null
+  const int64_t *group_first, *group_size;           // float32: items are (group of queries, head) pairs
   int64_t H, D, g, kc0, kc1, vc0, vc1, ku0, ku1, vu0, vu1, L_max;
   float scale;
 };
@@ -60,7 +63,28 @@ struct GemmArgs {
                   a.rows + a.starts[s], L, Lc, a.D, a.kc1, a.vc1, a.scale, sc.data(), buf.data(), a.out + i * a.D); \
     }                                                                                                             \
   }                                                                                                               \
-  void heads_f32(const dasspec::HeadArgs<float>& a, int64_t i0, int64_t i1) { heads<float>(a, i0, i1); }         \
+  void heads_f32(const dasspec::HeadArgs<float>& a, int64_t i0, int64_t i1) {                                    \
+    std::vector<float> sc(QG * a.L_max), buf(3 * a.D), qf(QG * a.D);                                              \
+    for (int64_t i = i0; i < i1; ++i) {                                                                           \
+      const int64_t g = i / a.H, h = i % a.H, kvh = h / a.g, s0 = a.group_first[g], n = a.group_size[g];          \
+      const float *kc = a.kc + kvh * a.kc0, *vc = a.vc + kvh * a.vc0, *ku = a.ku + kvh * a.ku0,                   \
+                  *vu = a.vu + kvh * a.vu0;                                                                       \
+      const int64_t Lc0 = a.prefix ? a.prefix[s0] : a.L_max;                                                      \
+      if (n == QG) {                                                                                              \
+        const float* q[QG];                                                                                       \
+        float* out[QG];                                                                                           \
+        for (int t = 0; t < QG; ++t) q[t] = a.q + ((s0 + t) * a.H + h) * a.D, out[t] = a.out + ((s0 + t) * a.H + h) * a.D; \
+        group_heads(q, kc, vc, ku, vu, a.rows + a.starts[s0], a.lengths + s0, Lc0, a.D, a.kc1, a.vc1, a.scale,   \
+                    sc.data(), a.L_max, qf.data(), out);                                                           \
+        continue;                                                                                                 \
+      }                                                                                                           \
+      for (int64_t s = s0; s < s0 + n; ++s) {                                                                     \
+        const int64_t L = a.lengths[s], Lc = a.prefix ? a.prefix[s] : L, it = s * a.H + h;                       \
+        one_head<float>(a.q + it * a.D, kc, vc, ku, vu, a.rows + a.starts[s], L, Lc, a.D, a.kc1, a.vc1, a.scale, \
+                        sc.data(), buf.data(), a.out + it * a.D);                                                 \
+      }                                                                                                           \
+    }                                                                                                             \
+  }                                                                                                               \
   void heads_bf16(const dasspec::HeadArgs<c10::BFloat16>& a, int64_t i0, int64_t i1) {                           \
     heads<c10::BFloat16>(a, i0, i1);                                                                              \
   }                                                                                                               \
@@ -298,12 +322,26 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
   for (int64_t j = 0; j < N; ++j) TORCH_CHECK(rw[j] >= 0 && rw[j] < P, "row ", rw[j], " outside the cache");
   const float sc = static_cast<float>(scale);
   const auto& o = ops();
+  // float32: consecutive queries whose lists start alike (a prompt block's or a chain's rows) in groups of QG that
+  // load each key and value row once (every query's arithmetic unchanged); the rest alone
+  std::vector<int64_t> first, size;
+  if (q.scalar_type() == at::kFloat) {
+    for (int64_t s = 0; s < S;) {
+      int64_t n = 1;
+      while (n < QG && s + n < S && st[s + n] == st[s] && (!pp || pp[s + n] == pp[s])) ++n;
+      first.push_back(s);
+      size.push_back(n);
+      s += n;
+    }
+  }
   auto run = [&](auto* tag, auto fn) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const HeadArgs<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                        out.data_ptr<T>(), rw, st, ln, pp, H, D, H / Hkv, kc.stride(0), kc.stride(1), vc.stride(0),
-                        vc.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), L_max, sc};
-    at::parallel_for(0, S * H, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
+                        out.data_ptr<T>(), rw, st, ln, pp, first.data(), size.data(), H, D, H / Hkv, kc.stride(0),
+                        kc.stride(1), vc.stride(0), vc.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        L_max, sc};
+    const int64_t items = (first.empty() ? S : static_cast<int64_t>(first.size())) * H;
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
   };
   // one_head reads both sources with the first's row strides (checked equal above)
   switch (q.scalar_type()) {

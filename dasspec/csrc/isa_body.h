@@ -319,6 +319,101 @@ void one_head(const T* q, const T* kc, const T* vc, const T* ku, const T* vu, co
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
+// QG float32 queries of one head whose row lists are prefixes of one list (consecutive rows of a prompt block or
+// a chain: query t sees rows[0, L[t])), with one prefix split Lc: each key and value row is loaded once for all of
+// them while every query's arithmetic stays one_head's (its own scores, max, exponentials, sum and weighted sums,
+// each over its rows in order).  sc: QG * L_max floats; buf: QG * D floats.
+constexpr int QG = 4;
+inline void group_heads(const float* const* q, const float* kc, const float* vc, const float* ku, const float* vu,
+                        const int64_t* rows, const int64_t* L, int64_t Lc, int64_t D, int64_t k_row, int64_t v_row,
+                        float scale, float* sc, int64_t ld_sc, float* qf, float* const* out) {
+  int64_t Lmin = L[0], Lmax = L[0];
+  for (int t = 1; t < QG; ++t) Lmin = std::min(Lmin, L[t]), Lmax = std::max(Lmax, L[t]);
+  for (int t = 0; t < QG; ++t)
+    for (int64_t d = 0; d < D; ++d) qf[t * D + d] = q[t][d] * scale;
+  // scores: 16 keys at a time for every query while all of them see the keys, then each query's own rest
+  int64_t j = 0;
+  for (; j + LANES <= Lmin; j += LANES) {
+    f16v parts[QG][LANES];
+    for (int u = 0; u < LANES; ++u) {
+      const float* kr = (j + u < Lc ? kc : ku) + rows[j + u] * k_row;
+      for (int t = 0; t < QG; ++t) parts[t][u] = dot_lanes(qf + t * D, kr, D);
+    }
+    for (int t = 0; t < QG; ++t) {
+      const f16v s = tree_sum16(parts[t]);
+      std::memcpy(sc + t * ld_sc + j, &s, sizeof s);
+    }
+  }
+  float m[QG], total[QG];
+  for (int t = 0; t < QG; ++t) {
+    float* st = sc + t * ld_sc;
+    int64_t i = j;
+    for (; i + LANES <= L[t]; i += LANES) {
+      f16v parts[LANES];
+      for (int u = 0; u < LANES; ++u) parts[u] = dot_lanes(qf + t * D, (i + u < Lc ? kc : ku) + rows[i + u] * k_row, D);
+      const f16v s = tree_sum16(parts);
+      std::memcpy(st + i, &s, sizeof s);
+    }
+    for (; i < L[t]; ++i) st[i] = dot(qf + t * D, (i < Lc ? kc : ku) + rows[i] * k_row, D);
+    m[t] = -std::numeric_limits<float>::infinity();
+    for (i = 0; i < L[t]; ++i) m[t] = st[i] > m[t] ? st[i] : m[t];
+    for (int64_t j0 = 0; j0 < L[t]; j0 += LANES) {
+      const int64_t n = std::min<int64_t>(LANES, L[t] - j0);
+      float x[LANES];
+      std::fill(x, x + LANES, m[t]);
+      std::memcpy(x, st + j0, n * sizeof(float));
+      f16v e = load16(x);
+      e = exp_nonpositive16(e - m[t]);
+      std::memcpy(st + j0, &e, n * sizeof(float));
+    }
+    total[t] = 0.f;
+    for (i = 0; i < L[t]; ++i) total[t] += st[i];
+  }
+  // weighted sums: 32 lanes of every query at a time, each value row loaded once while all queries see it
+  int64_t d0 = 0;
+  for (; d0 + 2 * LANES <= D; d0 += 2 * LANES) {
+    f16v a[QG][2] = {};
+    int64_t i = 0;
+    for (; i < Lmin; ++i) {
+      const float* vr = (i < Lc ? vc : vu) + rows[i] * v_row + d0;
+      const f16v v0 = load16(vr), v1 = load16(vr + LANES);
+      for (int t = 0; t < QG; ++t) {
+        const float p = sc[t * ld_sc + i];
+        a[t][0] += p * v0;
+        a[t][1] += p * v1;
+      }
+    }
+    for (int t = 0; t < QG; ++t) {
+      for (int64_t r = i; r < L[t]; ++r) {
+        const float* vr = (r < Lc ? vc : vu) + rows[r] * v_row + d0;
+        const float p = sc[t * ld_sc + r];
+        a[t][0] += p * load16(vr);
+        a[t][1] += p * load16(vr + LANES);
+      }
+      const float inv = 1.0f / total[t];
+      for (int l = 0; l < LANES; ++l) out[t][d0 + l] = a[t][0][l] * inv, out[t][d0 + LANES + l] = a[t][1][l] * inv;
+    }
+  }
+  for (; d0 + LANES <= D; d0 += LANES) {                 // one 16-lane slice left
+    for (int t = 0; t < QG; ++t) {
+      f16v a = {};
+      for (int64_t r = 0; r < L[t]; ++r) a += sc[t * ld_sc + r] * load16((r < Lc ? vc : vu) + rows[r] * v_row + d0);
+      const float inv = 1.0f / total[t];
+      for (int l = 0; l < LANES; ++l) out[t][d0 + l] = a[l] * inv;
+    }
+  }
+  if (d0 < D) {                                          // what is left of the row
+    for (int t = 0; t < QG; ++t) {
+      const float inv = 1.0f / total[t];
+      for (int64_t d = d0; d < D; ++d) {
+        float acc = 0.f;
+        for (int64_t r = 0; r < L[t]; ++r) acc += sc[t * ld_sc + r] * ((r < Lc ? vc : vu) + rows[r] * v_row)[d];
+        out[t][d] = acc * inv;
+      }
+    }
+  }
+}
+
 // RMSNorm of one float32 row: x * (1 / sqrt(mean(x^2) + eps)) * w.
 inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* o) {
   const float inv = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + eps);
