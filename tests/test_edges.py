@@ -46,3 +46,41 @@ def test_a_window_near_the_end_of_the_context_is_capped(model, method, knobs, sa
     assert alone.tokens == refs[1]
     both = dasspec.generate_batch(model, [short, long], method, max_new_tokens=16, eos=False, seed=3, **opts, **knobs)
     assert [o.tokens for o in both] == refs
+
+
+# --- 2. a wide drafter preempted in a small pool -------------------------------------------------------------------
+
+def _record_plans(engine: Engine) -> list:
+    """Every plan the engine's scheduler makes from now on."""
+    plans, schedule = [], engine.scheduler.schedule
+
+    def spy(events):
+        plan, ended = schedule(events)
+        plans.append(plan)
+        return plan, ended
+
+    engine.scheduler.schedule = spy
+    return plans
+
+
+@pytest.mark.parametrize("method", ["token-recycling", "lookahead"])
+def test_a_wide_drafter_swaps_back_in_with_ar_steps(model, method):
+    """A pool of 6 blocks of 8 rows: each request (12 + 24 rows) fits it alone, but not with its drafter's scratch
+    (81 and 40 verifier inputs), so a preempted request must come back with its anchor's rows and take AR steps
+    (as the decode path does) instead of waiting for a width that never frees.  Real swaps happen (rows to host
+    memory and back, not roll-backs of a just-admitted prompt) and every answer is its own AR decode."""
+    prompts = [_repeating(model.config.vocab_size, 12, 5, seed=i) for i in range(3)]
+    for sampled in (False, True):
+        opts = dict(do_sample=True, temperature=0.8) if sampled else {}
+        refs = [dasspec.generate(model, p, "ar", max_new_tokens=24, eos=False, seed=i, **opts).tokens
+                for i, p in enumerate(prompts)]
+        engine = Engine(model, method, max_batch=3, block_size=8, kv_budget=6 * 8)
+        assert engine.pool.blocks_for(12 + 1 + engine._default.width) > engine.pool.capacity_blocks
+        plans = _record_plans(engine)
+        ids = [engine.add(p, max_new_tokens=24, eos=False, seed=i, **opts) for i, p in enumerate(prompts)]
+        while engine.has_work:
+            engine.step()
+        assert [engine.result(i).tokens for i in ids] == refs, sampled
+        swaps = sum(len(p.swap_out) for p in plans)
+        assert swaps > 0 and swaps == sum(len(p.swap_in) for p in plans)
+        assert engine.pool.available == engine.pool.capacity_blocks

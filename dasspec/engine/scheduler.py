@@ -382,9 +382,15 @@ class Scheduler:
         return self.R is not None and e.options.get("exit") is None
 
     def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
-        width = e.drafter.width
-        rows = min(e.n + 1 + width, e.max_rows) if e.generated else max(e.computed, 1)
-        need = self.pool.blocks_for(rows)
+        """Bring ``e`` back with the rows of its next draft - or, when they do not fit, of its anchor alone (its
+        next steps are AR steps until the scratch fits, as on the decode path: a drafter wider than the free pool
+        must not keep a request out for good), leaving one free block per running request."""
+        if e.generated:
+            wide = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
+            need = min(wide, self.pool.available - len(self.running))
+            need = max(need, self.pool.blocks_for(e.n + 1))
+        else:
+            need = self.pool.blocks_for(max(e.computed, 1))
         if self.pool.available - need < len(self.running):
             return False
         got = self.pool.allocate(need)
