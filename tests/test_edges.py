@@ -84,3 +84,53 @@ def test_a_wide_drafter_swaps_back_in_with_ar_steps(model, method):
         swaps = sum(len(p.swap_out) for p in plans)
         assert swaps > 0 and swaps == sum(len(p.swap_in) for p in plans)
         assert engine.pool.available == engine.pool.capacity_blocks
+
+
+# --- 3. a prompt larger than the free blocks beside short requests ----------------------------------------------
+
+class _Streamer:
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+
+    def put(self, t):
+        self.chunks.append(t[0].tolist())
+
+    def end(self):
+        pass
+
+
+def test_a_prompt_larger_than_the_free_blocks_is_admitted_once_and_blocks_no_one(model):
+    """A pool of 12 blocks of 8 rows, 6 of them held by a long decode: a 60-token prompt (8 blocks) does not fit
+    beside it.  It is admitted once, when its prefill fits (its streamer sees the prompt once, no request rolls
+    itself back), short requests behind it start meanwhile - at most max_batch of them pass it, then it is served
+    first - and every answer is its own AR decode."""
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    first = torch.randint(2, V, (8,), generator=g).tolist()
+    big = torch.randint(2, V, (60,), generator=g).tolist()
+    shorts = [torch.randint(2, V, (4,), generator=g).tolist() for _ in range(5)]
+    engine = Engine(model, "ar", max_batch=3, block_size=8, kv_budget=12 * 8)
+    a = engine.add(first, max_new_tokens=70, eos=False)
+    for _ in range(40):
+        engine.step()
+    assert engine.pool.available - engine.pool.blocks_for(len(big)) < 1     # it does not fit now
+    streamer = _Streamer()
+    b = engine.add(big, max_new_tokens=4, eos=False, streamer=streamer)
+    cs = [engine.add(p, max_new_tokens=4, eos=False) for p in shorts]
+    started, finished, step = {}, {}, 0
+    while engine.has_work:
+        step += 1
+        for ev in engine.step():
+            if ev.started:
+                started[ev.id] = step
+            if ev.finished:
+                finished[ev.id] = step
+    outs = {i: engine.result(i).tokens for i in [a, b, *cs]}
+    assert streamer.chunks[0] == big and sum(streamer.chunks[1:], []) == outs[b]   # the prompt once, then its tokens
+    assert engine.scheduler.preemptions == 0
+    assert finished[cs[0]] < finished[a]                                    # not blocked behind the big prompt
+    assert sum(started[c] < started[b] for c in cs) <= engine.max_batch     # it is not passed for ever
+    assert started[b] <= max(started[c] for c in cs)                         # ... then served first
+    refs = {i: dasspec.generate(model, p, "ar", max_new_tokens=n, eos=False).tokens
+            for i, p, n in [(a, first, 70), (b, big, 4)] + [(c, p, 4) for c, p in zip(cs, shorts)]}
+    assert outs == refs
