@@ -15,10 +15,10 @@ first, then waiting ones, first in first out, each admitted only while a batch s
 prompt are free (so it never rolls itself back); one whose prompt does not fit yet lets up to ``max_batch``
 requests behind it start meanwhile, then is served first.  A swapped-out request comes back with its next draft's
 rows, or its anchor's alone when they do not fit (AR steps, as above).  The budget decides when a block runs,
-never where a prompt is cut: chunk boundaries are block boundaries.  When what is left is less than the next block, the block runs a depth slice instead - core steps (r0, r1] of its
-R, as many as the budget's rows buy (a block of b rows at d of R depths costs ceil(b d / R)), carried over the
-next steps until its R-th: a looped model's prefill splits along depth as well as along positions, and the rows
-are the same whichever steps compute them (each core step reads the prefix at its own depth, computed before).
+never where a prompt is cut: chunk boundaries are block boundaries.  When what is left is less than the next
+block, the block runs a depth slice instead - core steps (r0, r1] of its R, as many as the budget's rows buy (a
+block of b rows at d of R depths costs ceil(b d / R)), carried over the next steps until its R-th: a looped
+model's prefill splits along depth as well as along positions, and the rows are the same whichever steps compute them (each core step reads the prefix at its own depth, computed before).
 A request whose prompt + max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.

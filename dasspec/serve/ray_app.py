@@ -20,7 +20,9 @@ ingress makes the seed explicit: a sampled request without one gets a fresh rand
 returned in ``dasspec.seed``.  When a replica dies (its process killed, its node lost) while it holds a request,
 the ingress sends the same request, seed included, to another replica and skips the text the client already has
 (a count of characters: the streamed text is always a prefix of the final text), so the stream continues with
-neither a repeated nor a missing character.  After ``max_failovers`` deaths the request ends with a clear error
+neither a repeated nor a missing character - after comparing the re-run's token ids with those the sent text came
+from (``splice.py``): a re-run that decodes differently ends the stream with an error event, never a spliced
+answer.  After ``max_failovers`` deaths the request ends with a clear error
 (a 503, or an error event in a stream), never a silently short answer.  Requests still waiting at the ingress are
 only sent once a live replica takes them, so they survive a replica restart.
 
@@ -41,6 +43,7 @@ from typing import Any, AsyncIterator
 
 from .schema import APIError, ChatRequest, CompletionRequest, parse_request
 from .service import Frontend, ServeOptions
+from .splice import Diverged, Splice
 from .worker import Cancelled, Delta, Done, Failed, Job, Started
 
 RAY_HINT = "--ray needs Ray Serve: pip install 'dasspec[ray]' (or pip install 'ray[serve]>=2.9')"
@@ -166,8 +169,8 @@ class DasspecReplica:
                     queue_time = event.queue_time
                     yield {"started": event.queue_time}
                 elif isinstance(event, Delta):
-                    if event.text:
-                        yield {"text": event.text, "tokens": event.tokens}
+                    if event.text or event.ids:     # ids even when the text is held back: failover compares them
+                        yield {"text": event.text, "tokens": event.tokens, "ids": event.ids}
                 elif isinstance(event, Done):
                     r = event.result
                     yield {"done": {"text": r.text or "", "tokens": list(r.tokens), "stop_reason": r.stop_reason,
@@ -242,7 +245,8 @@ class ClusterService(Frontend):
                                ("endpoint", "outcome"))
         self.metrics = _M()
         self.failovers = Counter(r, "dasspec_failovers_total", "Requests re-run on another replica after theirs "
-                                 "died (resumed), and requests given up after max_failovers deaths (failed)",
+                                 "died (resumed), requests given up after max_failovers deaths (failed), and re-runs that decoded "
+                                 "other tokens than those streamed (diverged: ended with an error)",
                                  ("outcome",))
         Gauge(r, "dasspec_ingress_waiting", "Requests at the ingress not yet decoding on a replica",
               lambda: self._waiting)
@@ -296,11 +300,11 @@ class ClusterService(Frontend):
         from ray.serve.exceptions import BackPressureError
         from .routing import mark_dead
 
-        sent = 0                           # characters of text the client has been handed
+        splice = Splice(job.stream)        # the text the client has, and the token ids it came from
         avoid: list[str] = []
         try:
             while True:
-                seen = 0                   # characters of this attempt's text so far
+                splice.restart()
                 job.replica = None
                 call = self.handle.options(method_name="generate", stream=True)
                 try:
@@ -315,17 +319,14 @@ class ClusterService(Frontend):
                                 job.queue_time = ev["started"]
                                 job.post(Started(ev["started"]))
                         elif "text" in ev:
-                            text, seen = _skip(ev["text"], seen, sent)
+                            text = splice.chunk(ev["text"], ev.get("ids", ()))
                             if text:
-                                sent += len(text)
                                 job.post(Delta(text, ev["tokens"]))
                         elif "done" in ev:
                             d = ev["done"]
                             if d["cancelled"]:             # not by us (that cancels this task): it is stopping
                                 raise RuntimeError("the replica stopped the request (it is shutting down)")
-                            tail, seen = _skip(d["tail"], seen, sent)
-                            if job.stream and seen < sent:          # cannot happen: the decode is deterministic
-                                raise _Diverged("a re-run's text is shorter than what the client already has")
+                            tail = splice.done(d["tail"], d["tokens"])
                             result = RemoteResult(d["text"], d["tokens"], d["stop_reason"], d["stats"])
                             job.post(Done(result, tail, False))
                             return
@@ -341,7 +342,19 @@ class ClusterService(Frontend):
                                              "queue are full; retry shortly", type="rate_limit_error",
                                              code="queue_full")))
                     return
-                except (ray.exceptions.RayTaskError, _Diverged):
+                except Diverged as err:
+                    # never splice two trajectories: the stream ends with an error event (the text sent so far
+                    # stays what it was, a prefix of the first attempt's answer)
+                    self.failovers.inc(outcome="diverged")
+                    self.metrics.requests.inc(endpoint=job.endpoint, outcome="error")
+                    e = APIError(500, f"the request could not be finished: its replica failed and the re-run on "
+                                 f"another replica decoded differently ({err}); the {splice.sent} characters "
+                                 "streamed so far are a prefix of the first attempt's answer", type="server_error",
+                                 code="failover_diverged")
+                    e.counted = True
+                    job.post(Failed(e))
+                    return
+                except ray.exceptions.RayTaskError:
                     raise
                 except (ray.exceptions.RayError, RuntimeError) as err:
                     # the replica died (actor or node lost) or stopped: the same request, seed included, elsewhere
@@ -353,7 +366,7 @@ class ClusterService(Frontend):
                         self.metrics.requests.inc(endpoint=job.endpoint, outcome="error")
                         e = APIError(503, f"the request could not be finished: its replica failed "
                                      f"{job.failovers + 1} times (last: {type(err).__name__}); "
-                                     + (f"the {sent} characters streamed so far are a prefix of the answer"
+                                     + (f"the {splice.sent} characters streamed so far are a prefix of the answer"
                                         if job.stream else "no answer was produced"),
                                      type="server_error", code="replica_failed")
                         e.counted = True
@@ -422,16 +435,6 @@ class ClusterService(Frontend):
 
     def close(self) -> None:
         super().close()
-
-
-class _Diverged(Exception):
-    """A re-run's answer disagrees with what was streamed (a bug: the request's 500, not a failover)."""
-
-
-def _skip(text: str, seen: int, sent: int) -> tuple[str, int]:
-    """The part of ``text`` (this attempt's characters ``seen`` .. ``seen + len(text)``) past the ``sent``
-    characters the client already has; and the new ``seen``."""
-    return text[max(0, sent - seen):], seen + len(text)
 
 
 # --- metrics: the replicas' series added up ------------------------------------------------------------------------
