@@ -134,3 +134,32 @@ def test_a_prompt_larger_than_the_free_blocks_is_admitted_once_and_blocks_no_one
     refs = {i: dasspec.generate(model, p, "ar", max_new_tokens=n, eos=False).tokens
             for i, p, n in [(a, first, 70), (b, big, 4)] + [(c, p, 4) for c, p in zip(cs, shorts)]}
     assert outs == refs
+
+
+# --- 5. bounds, seeds, ties, the prefix cache's settings -----------------------------------------------------------
+
+def test_a_contiguous_paged_read_or_write_stays_within_the_sequences_blocks():
+    """A sequence whose blocks lie in order is read and written as one slice of the pool: a range past its backed
+    rows would be another sequence's rows (here blocks 3.. of the pool), so it is refused, not served."""
+    from dasspec.model.attention import PagedKV, Span
+    from dasspec.model.cache import BlockTable
+
+    B, H, hd = 4, 2, 3
+    pool_k = torch.arange(H * 8 * B * hd, dtype=torch.float32).reshape(H, 8 * B, hd)
+    pool_v = -pool_k
+    table = BlockTable(B, 4 * B, "cpu")
+    table.append([1, 2])                                  # rows 0..7 of the sequence = pool rows 4..11
+    assert table.base == B
+    kv = PagedKV(pool_k, pool_v, pool_k, pool_v, table)
+    k, _ = kv.own(0, 2 * B)
+    assert torch.equal(k, pool_k[:, B: 3 * B])
+    for lo, hi in ((0, 2 * B + 1), (B, 3 * B), (-1, 2)):
+        with pytest.raises(IndexError, match="outside the sequence"):
+            kv.own(lo, hi)
+        with pytest.raises(IndexError, match="outside the sequence"):
+            kv.prefix(lo, hi)
+    before = pool_k.clone()
+    span = Span(n=2 * B, start=2 * B, W=1, rot=None)
+    with pytest.raises(IndexError, match="outside the sequence"):
+        kv.store(span, torch.ones(H, 1, hd), torch.ones(H, 1, hd))
+    assert torch.equal(pool_k, before)                    # block 3's rows are untouched

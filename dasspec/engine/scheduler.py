@@ -18,8 +18,9 @@ rows, or its anchor's alone when they do not fit (AR steps, as above).  The budg
 never where a prompt is cut: chunk boundaries are block boundaries.  When what is left is less than the next
 block, the block runs a depth slice instead - core steps (r0, r1] of its R, as many as the budget's rows buy (a
 block of b rows at d of R depths costs ceil(b d / R)), carried over the next steps until its R-th: a looped
-model's prefill splits along depth as well as along positions, and the rows are the same whichever steps compute them (each core step reads the prefix at its own depth, computed before).
-A request whose prompt + max_new_tokens could never fit the pool alone is refused by ``add``.
+model's prefill splits along depth as well as along positions, and the rows are the same whichever steps compute
+them (each core step reads the prefix at its own depth, computed before).  A request whose prompt +
+max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
 """
