@@ -540,11 +540,40 @@ def build_app(args: dict | None = None):
     return ingress.bind(replica.bind(asdict(c)), asdict(c))
 
 
+# Ray Serve gives a starting HTTP proxy 5 s to answer its readiness check and a running one 10 s per health check,
+# then restarts it; on a loaded machine (a shared CI box) a proxy that is merely slow to import is restarted over
+# and over and ``serve.start`` gives up after its fixed 60 s.  A local instance gets this much patience instead
+# (Ray Serve reads these variables in its controller), and ``start_serve`` waits up to SERVE_START_S.
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+SERVE_START_S = 600
+
+
 def local_ray_env() -> dict:
-    """A runtime_env that lets Ray's workers import this dasspec (a source checkout not on their path)."""
+    """A runtime_env for a local Ray instance: its workers import this dasspec (a source checkout not on their
+    path), and Ray Serve's proxy checks are patient with a loaded machine (``PROXY_PATIENCE``)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"PYTHONPATH": path}}
+    return {"env_vars": {"PYTHONPATH": path, **{k: os.environ.get(k, v) for k, v in PROXY_PATIENCE.items()}}}
+
+
+def start_serve(serve, http_options: dict, wait_s: float = SERVE_START_S) -> None:
+    """``serve.start`` that waits up to ``wait_s`` for every HTTP proxy to be healthy (``serve.start`` alone
+    raises after a fixed 60 s while its controller goes on starting the proxy; a later call connects to that
+    controller), and otherwise says what did not start and how long it was given."""
+    deadline = time.monotonic() + wait_s
+    last: object = None
+    while True:
+        try:
+            serve.start(http_options=http_options)
+            last = proxies = serve.status().proxies
+            if proxies and all(str(getattr(v, "value", v)) == "HEALTHY" for v in proxies.values()):
+                return
+        except TimeoutError as err:
+            last = err
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Ray Serve's HTTP proxy did not become healthy within {wait_s:.0f} s (an "
+                               f"overloaded machine?); last seen: {last}")
+        time.sleep(1.0)
 
 
 def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log: bool = True) -> int:
@@ -569,7 +598,7 @@ def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log:
 
     signal.signal(signal.SIGTERM, stop)           # SIGTERM as Ctrl-C: the application and a local Ray go down
     try:
-        serve.start(http_options={"host": host, "port": port})
+        start_serve(serve, {"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         n = f"autoscaling {cluster.autoscaling}" if cluster.autoscaling else f"{cluster.replicas} replica(s)"
         print(f"dasspec serve --ray: {n} of {cluster.model or 'dasspec-tiny'} ({cluster.num_cpus:g} CPU, "
