@@ -33,7 +33,7 @@ from dasspec.serve.ray_app import build_app, local_ray_env, merge_metrics, start
 from dasspec.serve.routing import HashRing, prefix_key  # noqa: E402
 
 MODULE_LIMIT_S = 2400          # the whole module, Ray's start included: past it the process dumps its stacks and exits
-START_LIMIT_S = 600            # Ray Serve's proxy, then both replicas answering (a loaded CI machine is slow, not broken)
+START_LIMIT_S = 600            # for the Serve proxy, then for both replicas (a loaded CI machine is slow, not broken)
 METHODS = ["ar", "das-wave", "self-spec", "mature-spec", "pld", "lookahead", "token-recycling", "sam"]
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "Q: What is 3 + 4?\nA:", "for i in range(",
            "def add(a, b):", "x = [", "The answer is"]

@@ -245,8 +245,8 @@ class ClusterService(Frontend):
                                ("endpoint", "outcome"))
         self.metrics = _M()
         self.failovers = Counter(r, "dasspec_failovers_total", "Requests re-run on another replica after theirs "
-                                 "died (resumed), requests given up after max_failovers deaths (failed), and re-runs that decoded "
-                                 "other tokens than those streamed (diverged: ended with an error)",
+                                 "died (resumed), requests given up after max_failovers deaths (failed), and "
+                                 "re-runs that decoded other tokens than those streamed (diverged: an error)",
                                  ("outcome",))
         Gauge(r, "dasspec_ingress_waiting", "Requests at the ingress not yet decoding on a replica",
               lambda: self._waiting)
@@ -307,9 +307,10 @@ class ClusterService(Frontend):
                 splice.restart()
                 job.replica = None
                 call = self.handle.options(method_name="generate", stream=True)
+                events = None
                 try:
-                    async for ev in call.remote(job.body, job.prompt, job.endpoint, route_key=job.route_key,
-                                                avoid=avoid):
+                    events = call.remote(job.body, job.prompt, job.endpoint, route_key=job.route_key, avoid=avoid)
+                    async for ev in events:
                         if "replica" in ev:
                             job.replica = ev["replica"]
                         elif "started" in ev:
@@ -344,7 +345,9 @@ class ClusterService(Frontend):
                     return
                 except Diverged as err:
                     # never splice two trajectories: the stream ends with an error event (the text sent so far
-                    # stays what it was, a prefix of the first attempt's answer)
+                    # stays what it was, a prefix of the first attempt's answer), and the re-run stops
+                    if events is not None:
+                        events.cancel()
                     self.failovers.inc(outcome="diverged")
                     self.metrics.requests.inc(endpoint=job.endpoint, outcome="error")
                     e = APIError(500, f"the request could not be finished: its replica failed and the re-run on "
