@@ -48,6 +48,18 @@ def test_a_window_near_the_end_of_the_context_is_capped(model, method, knobs, sa
     assert [o.tokens for o in both] == refs
 
 
+@pytest.mark.parametrize("method", ["pld", "sam", "lookahead", "token-recycling", "mature-spec", "self-spec"])
+def test_every_other_drafter_runs_to_the_end_of_the_context(model, method):
+    """The other drafters cap their widths by the room and the context already: the same request, alone and beside
+    a short one, gives AR's tokens with each of them (greedy)."""
+    long = _repeating(model.config.vocab_size, CONTEXT - 16, 9, seed=0)
+    short = _repeating(model.config.vocab_size, 12, 5, seed=1)
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=16, eos=False).tokens for p in (short, long)]
+    assert dasspec.generate(model, long, method, max_new_tokens=16, eos=False).tokens == refs[1]
+    both = dasspec.generate_batch(model, [short, long], method, max_new_tokens=16, eos=False)
+    assert [o.tokens for o in both] == refs
+
+
 # --- 2. a wide drafter preempted in a small pool -------------------------------------------------------------------
 
 def _record_plans(engine: Engine) -> list:
