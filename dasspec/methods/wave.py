@@ -150,7 +150,8 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
     B = len(sessions)
     # Each window is capped by its request's room: proposals past it are never verified, and near the end of the
     # context the rows past it lie beyond the last position (prompt + max_new_tokens <= the context).  Rows read
-    # only rows before them, so the proposals within the cap are those of the uncapped window.
+    # only rows before them, so the proposals within the cap are those of the uncapped window (up to early stop,
+    # which then looks at the capped window only).
     cap = [max(1, min(w, req.room, req.depth_limit + 1)) for req in reqs]
     Z = []
     for s, req, seed, c in zip(sessions, reqs, seeds, cap):
@@ -188,10 +189,10 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         else:
             e = batch.prelude(batch.ids())
         for i, e_i in zip(live, batch.split(e, dim=1)):          # new rows (all, without carry) start here
-            W, J0 = Ws[i], min(joined, cap[i])
-            if J0 < W:
+            W, new = Ws[i], min(joined, cap[i])
+            if new < W:
                 r = reqs[i]
-                sessions[i].H[:, J0:W] = r.start_state(r.initial(r.n + J0, W - J0), e_i[:, J0:W])
+                sessions[i].H[:, new:W] = r.start_state(r.initial(r.n + new, W - new), e_i[:, new:W])
         h = _cat([sessions[i].H[:, :Ws[i]] for i in live])
         clock = j * k if kn.carry else 0
         for u in range(k):
