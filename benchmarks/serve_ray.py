@@ -196,7 +196,7 @@ def main() -> int:
     from ray import serve
 
     import dasspec
-    from dasspec.serve.ray_app import local_ray_env
+    from dasspec.serve.ray_app import local_ray_env, start_serve
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -210,7 +210,7 @@ def main() -> int:
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                      "args": vars(args)}
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve(serve, {"host": "127.0.0.1", "port": port})
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
         for n in (1, 2):
             url = deploy(serve, port, replicas=n, routing="least-loaded")

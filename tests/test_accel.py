@@ -31,14 +31,16 @@ def test_static_shapes_change_no_token(family: str) -> None:
 
 
 def test_static_shapes_with_a_prefix_cache() -> None:
-    """The cached rows load into a static-shape cache (zeroed, attended in full) and the rest of the prompt runs
-    there: tokens equal eager AR with the same prefix cache."""
+    """Rows cached under static shapes load into a static-shape cache (zeroed, attended in full) and the rest of
+    the prompt runs there: tokens equal eager AR with an eager prefix cache (a cache serves only its own runtime)."""
     model = random_model("raven-llama", seed=4, mean_recurrence=5)
     prefix = [5, 6, 7, 8] * 4
-    pc = dasspec.PrefixCache(model, prefix, init_scale=1.0)
+    eager = dasspec.PrefixCache(model, prefix, init_scale=1.0)
     prompts = [prefix + [9, 10, 11], prefix + [3, 5, 6, 7, 8]]
-    refs = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False, prefix_cache=pc).tokens for p in prompts]
+    refs = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False, prefix_cache=eager).tokens
+            for p in prompts]
     static = dasspec.Runtime(static_shapes=True)
+    pc = dasspec.PrefixCache(model, prefix, init_scale=1.0, runtime=static)
     for prompt, ref in zip(prompts, refs):
         for method, knobs in (("ar", {}), ("das-wave", {"gamma": 6, "rounds": 5}), ("pld", {})):
             out = dasspec.generate(model, prompt, method, max_new_tokens=10, eos=False, prefix_cache=pc,

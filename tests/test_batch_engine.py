@@ -303,9 +303,9 @@ def test_static_shapes_and_a_prefix_cache_in_a_batch():
     model = random_model("huginn", seed=9, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     shared = list(range(10, 40))
     prompts = [shared + p for p in _prompts(model.config.vocab_size, 4, seed=12)]
-    pc = dasspec.PrefixCache(model, shared)
     refs = [dasspec.generate(model, p, "ar", max_new_tokens=8, eos=False).tokens for p in prompts]
     for runtime in (dasspec.Runtime(static_shapes=True), None):
+        pc = dasspec.PrefixCache(model, shared, runtime=runtime)      # a cache's rows are computed as its requests'
         outs = dasspec.generate_batch(model, prompts, "das-wave", max_new_tokens=8, eos=False, prefix_cache=pc,
                                       runtime=runtime, max_batch=4, gamma=4, rounds=3)
         assert [o.tokens for o in outs] == refs, runtime

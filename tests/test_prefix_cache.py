@@ -201,6 +201,31 @@ def test_a_prefix_cache_carries_blocks_across_engines(model):
 
 
 
+def test_a_prefix_cache_is_refused_under_another_runtime_or_thread_count(model):
+    """Rows computed with static shapes, or at another torch thread count, may round differently from the rows a
+    request computes itself: such a request is refused with the difference named; one built for the request's
+    runtime serves it (its answer is its own AR decode)."""
+    prefix, (prompt, *_) = _prompts(model.config.vocab_size, 40, 1)
+    pc = dasspec.PrefixCache(model, prefix, block_size=B)
+    eng = Engine(model, "ar", block_size=B, max_batch=1, runtime=dasspec.Runtime(static_shapes=True))
+    with pytest.raises(ValueError, match="runtime static_shapes=True"):
+        eng.add(prompt, max_new_tokens=3, prefix_cache=pc)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with pytest.raises(ValueError, match=f"{threads + 1} torch threads \\(cache: {threads}\\)"):
+            Engine(model, "ar", block_size=B, max_batch=1).add(prompt, max_new_tokens=3, prefix_cache=pc)
+    finally:
+        torch.set_num_threads(threads)
+    static = dasspec.PrefixCache(model, prefix, block_size=B, runtime=dasspec.Runtime(static_shapes=True))
+    rid = eng.add(prompt, max_new_tokens=6, eos=False, prefix_cache=static)
+    with torch.inference_mode():
+        while eng.has_work:
+            eng.step()
+    assert eng._table[rid].stats.cached_tokens == 40
+    assert eng.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
+
+
 def test_blocks_copied_from_a_prefix_cache_are_keyed_only_once_they_hold_the_rows(model, monkeypatch):
     """A request whose set-up fails before its PrefixCache blocks are copied leaves them unkeyed: the next request
     with that prefix copies (or computes) them again instead of sharing blocks that never got their rows."""

@@ -174,6 +174,42 @@ def test_noise_does_not_depend_on_the_width_of_a_call():
     assert len(set(wide.tolist())) > 20                              # zero logits: the noise alone decides
 
 
+def test_top_p_drops_tied_tokens_by_id():
+    """Tokens tied at the top-p boundary are dropped lowest id first (a stable sort), the same in every call -
+    alone or in a batch of rows, at any vocabulary size - so AR and every speculative method keep the same set."""
+    g = torch.Generator().manual_seed(0)
+    s = Sampling(temperature=1.0, top_p=0.6)
+    for V in (97, 4096):
+        logits = torch.randint(0, 4, (6, V), generator=g).float()          # four values: ties everywhere
+        kept = s.warp(logits) > float("-inf")
+        for row, keep in zip(logits, kept):
+            z = row - row.max()
+            order = torch.tensor(sorted(range(V), key=lambda i: (z[i].item(), i)))   # ascending, ties by id
+            drop = z[order].softmax(-1).cumsum(-1) <= 1 - 0.6
+            drop[-1] = False
+            want = torch.ones(V, dtype=torch.bool)
+            want[order[drop]] = False
+            assert torch.equal(keep, want), V
+            assert torch.equal(s.warp(row[None])[0] > float("-inf"), want), V
+
+
+def test_a_seed_uses_every_bit():
+    """Seeds that differ only above bit 31 (or in sign) draw other noise; a seed below 2^32 keeps the noise it
+    always had (the stored values: outputs sampled before this change still reproduce)."""
+    from dasspec.model.noise import gumbel_noise, position_noise
+
+    pos = torch.arange(64)
+    for a, b in ((7, 7 + 2**32), (2**40, 2**41), (5, -5), (2**32 - 5, -5), (1, 2**62 + 1)):
+        assert not torch.equal(gumbel_noise(pos, 97, a), gumbel_noise(pos, 97, b)), (a, b)
+        assert not torch.equal(position_noise(pos, 8, a), position_noise(pos, 8, b)), (a, b)
+    assert [round(x, 6) for x in gumbel_noise(torch.tensor([0, 9]), 3, 0).flatten().tolist()] == GUMBEL_SEED0
+    assert [round(x, 6) for x in position_noise(torch.tensor([3]), 4, 12345).flatten().tolist()] == STATE_12345
+
+
+GUMBEL_SEED0 = [-0.58012, 1.191041, 1.489094, -0.325356, 3.175548, -0.153169]    # noise of seeds < 2^32 as
+STATE_12345 = [0.753463, -0.767677, 1.117164, -0.917536]                       # drawn before the full width
+
+
 # --- interface ------------------------------------------------------------------------------------------------
 
 def test_hugging_face_conventions():

@@ -191,7 +191,7 @@ class Engine:
         if not (isinstance(init_scale, (int, float)) and init_scale >= 0 and init_scale == init_scale):
             raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
         if prefix_cache is not None:
-            prefix_cache.check(self.model, self.R, init_scale, state_seed, self.pool.B, exit)
+            prefix_cache.check(self.model, self.R, init_scale, state_seed, self.pool.B, exit, self.runtime)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         salt = prefix_salt(self.R, init_scale, state_seed, exit, self.model.dtype, self.pool.B)

@@ -9,8 +9,9 @@ automatically (``blocks.py``).  A ``PrefixCache`` is an engine of its own that p
 full blocks; a request that starts with them gets copies of their rows in its engine's blocks (registered there for
 sharing too) and prefills only the rest.  The rows are computed exactly as a request computes its own prompt blocks
 (one attention segment per block), so they are the rows it would have computed: the request's tokens are its own
-AR decode.  The cache is tied to the model, depth R, ``init_scale``, ``state_seed``, block size and exit rule it
-was built with; a request that differs in any of them is refused with a message saying which.
+AR decode.  The cache is tied to the model, depth R, ``init_scale``, ``state_seed``, block size, exit rule, runtime
+(static shapes, compiled) and torch thread count it was built with - each can change how a row rounds; a request
+that differs in any of them is refused with a message saying which.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from ..model.cache import PagedCache
 from ..model.looped import LoopedLM
 from .blocks import BLOCK_SIZE, block_keys, prefix_salt
 from .options import as_token_list
+from .runtime import DEFAULT, Runtime
+
+
+def _execution(rt: Runtime) -> str:
+    """What of a runtime decides how rows are computed (not ``track_memory``)."""
+    return ", ".join(f"{k}={getattr(rt, k)}" for k in ("static_shapes", "compile", "cuda_graphs"))
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -38,7 +45,8 @@ class PrefixCache:
     """The full blocks of ``ids`` at every depth 1..R plus the prelude and coda layers, for reuse across engines."""
 
     def __init__(self, model: LoopedLM, ids, num_steps: int | None = None, init_scale: float = 1.0,
-                 state_seed: int = 0, block_size: int = BLOCK_SIZE):
+                 state_seed: int = 0, block_size: int = BLOCK_SIZE, runtime: Runtime | None = None):
+        """``runtime``: how the prefix's rows are computed - the requests that use the cache must run the same."""
         from .engine import Engine
 
         tokens = as_token_list(model, ids)
@@ -51,8 +59,10 @@ class PrefixCache:
         self.R = model.depth(num_steps)
         self.model, self.init_scale, self.state_seed, self.B = model, float(init_scale), int(state_seed), block_size
         self.tokens = tokens
-        self.engine = Engine(model, "ar", num_steps=self.R, max_batch=1, kv_budget=m + 2 * block_size,
-                             block_size=block_size, max_step_tokens=max(m, block_size))
+        self.runtime = runtime or DEFAULT
+        self.threads = torch.get_num_threads()      # a product's kernel (and rounding) can depend on it
+        self.engine = Engine(model, "ar", num_steps=self.R, runtime=self.runtime, max_batch=1,
+                             kv_budget=m + 2 * block_size, block_size=block_size, max_step_tokens=max(m, block_size))
         rid = self.engine.add(tokens, max_new_tokens=1, eos=False, init_scale=init_scale, state_seed=state_seed)
         with torch.inference_mode():
             while self.engine.has_work:
@@ -71,8 +81,9 @@ class PrefixCache:
     def nbytes(self) -> int:
         return len(self.blocks) * self.engine.pool.bytes_per_block
 
-    def check(self, model: LoopedLM, R: int, init_scale: float, state_seed: int, block_size: int, exit) -> None:
-        """Refuse a request whose rows would differ from the cached ones."""
+    def check(self, model: LoopedLM, R: int, init_scale: float, state_seed: int, block_size: int, exit,
+              runtime: Runtime | None = None) -> None:
+        """Refuse a request whose rows would differ from the cached ones (it runs under ``runtime``, now)."""
         diffs = []
         if model is not self.model:
             diffs.append("another model object")
@@ -88,10 +99,14 @@ class PrefixCache:
             diffs.append(f"block size {block_size} (cache: {self.B})")
         if exit is not None:
             diffs.append("an early-exit target (the cache holds the last step's coda rows)")
+        if _execution(runtime or DEFAULT) != _execution(self.runtime):
+            diffs.append(f"runtime {_execution(runtime or DEFAULT)} (cache: {_execution(self.runtime)})")
+        if torch.get_num_threads() != self.threads:
+            diffs.append(f"{torch.get_num_threads()} torch threads (cache: {self.threads})")
         if diffs:
             raise ValueError("this prefix cache was built for other settings than the request's: "
                              + ", ".join(diffs) + "; build one PrefixCache per (model, num_steps, init_scale, "
-                             "state_seed, block size)")
+                             "state_seed, block size, runtime, thread count)")
 
     def full_blocks(self, prompt: list[int]) -> int:
         """How many of the cached blocks ``prompt`` starts with."""

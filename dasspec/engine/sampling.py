@@ -68,7 +68,7 @@ class Sampling:
             kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
             z = z.masked_fill(z < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1:
-            ascending, order = torch.sort(z, dim=-1)
+            ascending, order = torch.sort(z, dim=-1, stable=True)    # ties: the same tokens dropped every call
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[..., -1] = False                       # the most likely token always stays
             z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))

@@ -11,13 +11,16 @@ is 0, or when only its own preemption could free the scratch: it takes an AR ste
 run out the most recently admitted request is preempted (its rows are swapped
 to host memory, bit for bit, and it resumes later with exactly the tokens it would have produced); then prompt
 blocks are prefilled under what is left of the step's token budget (``max_step_tokens``): requests still prefilling
-first, then waiting ones, first in first out, each admitted only while a batch slot and its first blocks are
-free.  The budget decides when a block runs, never where a prompt is cut: chunk boundaries are block boundaries.
-When what is left is less than the next block, the block runs a depth slice instead - core steps (r0, r1] of its
-R, as many as the budget's rows buy (a block of b rows at d of R depths costs ceil(b d / R)), carried over the
-next steps until its R-th: a looped model's prefill splits along depth as well as along positions, and the rows
-are the same whichever steps compute them (each core step reads the prefix at its own depth, computed before).
-A request whose prompt + max_new_tokens could never fit the pool alone is refused by ``add``.
+first, then waiting ones, first in first out, each admitted only while a batch slot and the blocks of its whole
+prompt are free (so it never rolls itself back); one whose prompt does not fit yet lets up to ``max_batch``
+requests behind it start meanwhile, then is served first.  A swapped-out request comes back with its next draft's
+rows, or its anchor's alone when they do not fit (AR steps, as above).  The budget decides when a block runs,
+never where a prompt is cut: chunk boundaries are block boundaries.  When what is left is less than the next
+block, the block runs a depth slice instead - core steps (r0, r1] of its R, as many as the budget's rows buy (a
+block of b rows at d of R depths costs ceil(b d / R)), carried over the next steps until its R-th: a looped
+model's prefill splits along depth as well as along positions, and the rows are the same whichever steps compute
+them (each core step reads the prefix at its own depth, computed before).  A request whose prompt +
+max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
 """
@@ -129,6 +132,7 @@ class Entry:
     reason: str | None = None
     error: Exception | None = None     # what failed it (reason "error"): its streamer, its setup
     sent: int = 0                      # generated tokens already reported in events
+    passed: int = 0                    # requests admitted past it while its prompt did not fit the free blocks
     t0: float = field(default_factory=time.perf_counter)
 
     @property
@@ -230,6 +234,7 @@ class Scheduler:
             if e.status == "running" and not e.generated and e.computed < e.P:
                 budget = self._prefill(e, budget, plan, planned)
         claimed = {k for x in self.running if x.computed < x.P for k in x.keys[x.computed // B:]}
+        held: list[Entry] = []                            # waiting requests passed this step (their prompt did not fit)
         for e in list(self.waiting):                      # first in, first served (for memory)
             if len(self.running) >= self.max_batch:
                 break
@@ -243,8 +248,16 @@ class Scheduler:
             hit = self.pool.cached_run(e.keys[:usable])
             if hit < usable and e.keys[hit] in claimed:   # its next block is being computed: share it next step
                 continue
-            if not self._admit(e, budget, plan, planned):
+            if any(x.passed >= self.max_batch for x in held):
                 break
+            refused = self._admit(e, budget, plan, planned)
+            if refused is not None:
+                if refused == "full" or e.passed >= self.max_batch:
+                    break                                 # the pool is full, or it has waited long enough: FIFO
+                held.append(e)                            # its prompt needs more blocks than are free: smaller
+                continue                                  # requests behind it may start meanwhile (a bounded number)
+            for x in held:
+                x.passed += 1
             budget = self._prefill(e, budget, plan, planned)
             if e.status != "running":                     # it preempted itself: the pool is full for now
                 break
@@ -296,9 +309,12 @@ class Scheduler:
         self.running.remove(e)
         self.waiting.appendleft(e)
 
-    def _admit(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> bool:
-        """Start ``e`` if its first prompt block (after the shared ones) fits now, leaving one free block per
-        running request for their growth."""
+    def _admit(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> str | None:
+        """Start ``e`` if its whole prompt (after the shared blocks) fits the free blocks now, leaving one free block
+        per running request for their growth; otherwise say why not: "full" (not even its first block fits) or
+        "prompt" (its first block would: requests behind it may start meanwhile, up to ``max_batch`` of them
+        before it is served first).  Admitted only when its prefill fits, a request never rolls itself back (and
+        is never re-admitted, re-sending its prompt to its streamer)."""
         B = self.pool.B
         usable = (e.P - 1) // B                    # the last prompt token is always computed (it yields logits)
         shared = self.pool.lookup(e.keys[:usable])
@@ -311,9 +327,11 @@ class Scheduler:
         first = len(shared) + (copy[2] - copy[1] if copy else 0)
         rows = min(e.P, (first + 1) * B)
         fresh = self.pool.blocks_for(rows) - len(shared)
-        if self.pool.available - fresh < len(self.running):
+        whole = self.pool.blocks_for(e.P) - len(shared)
+        if self.pool.available - whole < len(self.running):
+            why = "full" if self.pool.available - fresh < len(self.running) else "prompt"
             self.pool.free(shared)
-            return False
+            return why
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
         self.waiting.remove(e)
         e.blocks = shared + got
@@ -329,7 +347,7 @@ class Scheduler:
         plan.work.append(w)
         if e.streamer is not None:                 # as in Hugging Face generate: the prompt first
             self._stream(e, e.prompt)
-        return True
+        return None
 
     @staticmethod
     def _stream(e: Entry, tokens: list[int]) -> None:
@@ -382,9 +400,15 @@ class Scheduler:
         return self.R is not None and e.options.get("exit") is None
 
     def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
-        width = e.drafter.width
-        rows = min(e.n + 1 + width, e.max_rows) if e.generated else max(e.computed, 1)
-        need = self.pool.blocks_for(rows)
+        """Bring ``e`` back with the rows of its next draft - or, when they do not fit, of its anchor alone (its
+        next steps are AR steps until the scratch fits, as on the decode path: a drafter wider than the free pool
+        must not keep a request out for good), leaving one free block per running request."""
+        if e.generated:
+            wide = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
+            need = min(wide, self.pool.available - len(self.running))
+            need = max(need, self.pool.blocks_for(e.n + 1))
+        else:
+            need = self.pool.blocks_for(max(e.computed, 1))
         if self.pool.available - need < len(self.running):
             return False
         got = self.pool.allocate(need)

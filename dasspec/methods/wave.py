@@ -148,44 +148,52 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
     reqs = [s.ctx for s in sessions]
     R, k, J, w = reqs[0].R, kn.k, kn.rounds, kn.w
     B = len(sessions)
+    # Each window is capped by its request's room: proposals past it are never verified, and near the end of the
+    # context the rows past it lie beyond the last position (prompt + max_new_tokens <= the context).  Rows read
+    # only rows before them, so the proposals within the cap are those of the uncapped window (up to early stop,
+    # which then looks at the capped window only).
+    cap = [max(1, min(w, req.room, req.depth_limit + 1)) for req in reqs]
     Z = []
-    for s, req, seed in zip(sessions, reqs, seeds):
-        z = req.draft_slots(w)                    # z[0] is the anchor; the guesses live in the token scratch
+    for s, req, seed, c in zip(sessions, reqs, seeds, cap):
+        z = req.draft_slots(c)                    # z[0] is the anchor; the guesses live in the token scratch
         z[1:] = z[0]
         if seed is not None and len(seed):
-            m = min(len(seed), w)
+            m = min(len(seed), c)
             z[1: m + 1] = torch.from_numpy(seed[:m]).to(z.device)
         Z.append(z)
     incremental = sessions[0].inj is not None
     reads = sessions[0].reads
     greedy_all = all(r.choose is greedy for r in reqs)
     fresh = [0] * B                               # incremental: Z[:fresh] is what the prelude rows in ``inj`` saw
-    updates, rounds, out_w = [0] * B, [0] * B, [w] * B
+    updates, rounds, out_w = [0] * B, [0] * B, list(cap)
     changed_at: list[list[int]] = [[] for _ in range(B)]
     live = list(range(B))
     for j in range(J):
         live = [i for i in live if reqs[i].stopping() is None]
         if not live:
             break
-        W = min(kn.gamma, kn.w_init + j)
+        W_all = min(kn.gamma, kn.w_init + j)
+        Ws = {i: min(W_all, cap[i]) for i in live}               # this round's window of each session
         joined = 0 if j == 0 or not kn.carry else min(kn.gamma, kn.w_init + j - 1)   # rows starting this round
         last = j == J - 1
         group = [reqs[i] for i in live]
-        batch = Batch(group, [r.n for r in group], [W] * len(group))
+        batch = Batch(group, [r.n for r in group], [Ws[i] for i in live])
         if incremental:
-            pre = [i for i in live if fresh[i] < W]
+            pre = [i for i in live if fresh[i] < Ws[i]]
             if pre:
-                pb = Batch([reqs[i] for i in pre], [reqs[i].n + fresh[i] for i in pre], [W - fresh[i] for i in pre])
+                pb = Batch([reqs[i] for i in pre], [reqs[i].n + fresh[i] for i in pre],
+                           [Ws[i] - fresh[i] for i in pre])
                 for i, part in zip(pre, pb.split(pb.prelude(pb.ids()), dim=1)):
-                    sessions[i].inj[:, fresh[i]:W] = part
-            e = _cat([sessions[i].inj[:, :W] for i in live])
+                    sessions[i].inj[:, fresh[i]:Ws[i]] = part
+            e = _cat([sessions[i].inj[:, :Ws[i]] for i in live])
         else:
             e = batch.prelude(batch.ids())
         for i, e_i in zip(live, batch.split(e, dim=1)):          # new rows (all, without carry) start here
-            if joined < W:
+            W, new = Ws[i], min(joined, cap[i])
+            if new < W:
                 r = reqs[i]
-                sessions[i].H[:, joined:W] = r.start_state(r.initial(r.n + joined, W - joined), e_i[:, joined:W])
-        h = _cat([sessions[i].H[:, :W] for i in live])
+                sessions[i].H[:, new:W] = r.start_state(r.initial(r.n + new, W - new), e_i[:, new:W])
+        h = _cat([sessions[i].H[:, :Ws[i]] for i in live])
         clock = j * k if kn.carry else 0
         for u in range(k):
             h = batch.core_step(h, e, reads[min(R, clock + u + 1)])
@@ -195,17 +203,18 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         else:
             news = [reqs[i].choose(z, reqs[i].n) for i, z in zip(live, batch.split(logits))]
         for i, part in zip(live, batch.split(h, dim=1)):
-            sessions[i].H[:, :W] = part
-            updates[i] += k * W
+            sessions[i].H[:, :Ws[i]] = part
+            updates[i] += k * Ws[i]
             rounds[i] = j + 1
         if incremental or kn.early_stop or (kn.trim and last and J > 1):    # one host sync for all three uses
             firsts = []
             for i, new in zip(live, news):
-                diff = new != Z[i][1: W + 1]
-                firsts.append(torch.where(diff.any(), diff.int().argmax(), W))
+                diff = new != Z[i][1: Ws[i] + 1]
+                firsts.append(torch.where(diff.any(), diff.int().argmax(), Ws[i]))
             firsts = (firsts[0].view(1) if len(firsts) == 1 else torch.stack(firsts)).tolist()
             still = []
             for i, new, c in zip(live, news, firsts):       # c: the first proposal this round changed
+                W = Ws[i]
                 changed_at[i].append(c)
                 Z[i][1: W + 1] = new
                 fresh[i] = min(c + 1, W)    # Z[c + 1] is the first guess that changes; the prelude saw Z[:W]
@@ -218,7 +227,7 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
             live = still
         else:
             for i, new in zip(live, news):
-                Z[i][1: W + 1] = new
+                Z[i][1: Ws[i] + 1] = new
         if last:
             break
     for i, req in enumerate(reqs):

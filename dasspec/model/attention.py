@@ -433,6 +433,8 @@ class PagedKV(LayerKV):
         t = self.table
         hi = t.capacity if hi is None else hi
         if t.base is not None:
+            if not 0 <= lo <= hi <= t.backed:      # a slice past its blocks would read another request's rows
+                raise IndexError(f"rows [{lo}, {hi}) are outside the sequence's {t.backed} backed rows")
             return k[:, t.base + lo: t.base + hi], v[:, t.base + lo: t.base + hi]
         idx = t.rows[lo:hi]
         return k.index_select(1, idx), v.index_select(1, idx)
@@ -448,6 +450,8 @@ class PagedKV(LayerKV):
         if span.rows is not None:
             idx = t.rows.index_select(0, span.rows)
         elif t.base is not None:
+            if not 0 <= span.start <= span.end <= t.backed:     # ... or overwrite them
+                raise IndexError(f"rows [{span.start}, {span.end}) are outside the sequence's {t.backed} backed rows")
             self.k_own[:, t.base + span.start: t.base + span.end] = k
             self.v_own[:, t.base + span.start: t.base + span.end] = v
             return

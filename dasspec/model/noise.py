@@ -25,10 +25,25 @@ def _hash32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
+def seed_key(seed: int, stream: int = 0) -> int:
+    """The 32-bit key of a seed of any width: its low word (xor ``stream``) mixed as it always was - a seed in
+    [0, 2^32) keeps its noise - then every higher word folded in, and the sign, so seeds that differ only above
+    bit 31 (or in sign) draw different noise."""
+    key = _hash32((seed ^ stream) & _MASK32)
+    rest = (seed if seed >= 0 else ~seed) >> 32
+    while rest:
+        key = _hash32(key ^ (rest & _MASK32))
+        rest >>= 32
+    return _hash32(key ^ _NEGATIVE) if seed < 0 else key
+
+
+_NEGATIVE = 0x7F4A7C15
+
+
 def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
     """Standard normal truncated to [-3, 3], a pure function of (seed, absolute position, channel): AR and every
     speculative decoder draw the same initial state for the same position."""
-    s = _hash32(torch.tensor(seed & _MASK32, dtype=torch.int64, device=positions.device))
+    s = torch.tensor(seed_key(seed), dtype=torch.int64, device=positions.device)
     ctr = (positions.to(torch.int64)[:, None] * dim + torch.arange(dim, device=positions.device)) & _MASK32
     bits = _hash32(_hash32(ctr ^ s) + 0x9E3779B9 & _MASK32)
     u = ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)          # uniform in (0, 1)
@@ -41,7 +56,7 @@ _GUMBEL_STREAM = 0x5DEECE66D                   # keeps the sampling noise indepe
 
 def gumbel_noise(positions: Tensor, vocab: int, seed: int) -> Tensor:
     """Standard Gumbel noise [len(positions), vocab] (float32), a pure function of (seed, position, token id)."""
-    s = _hash32(torch.tensor((seed ^ _GUMBEL_STREAM) & _MASK32, dtype=torch.int64, device=positions.device))
+    s = torch.tensor(seed_key(seed, _GUMBEL_STREAM), dtype=torch.int64, device=positions.device)
     row = _hash32((positions.to(torch.int64) ^ s) & _MASK32)                 # one key per position
     bits = _hash32(_hash32(row[:, None] ^ torch.arange(vocab, device=positions.device)) + 0x9E3779B9 & _MASK32)
     u = (bits.to(torch.float64) + 0.5) / float(1 << 32)                       # uniform in (0, 1)

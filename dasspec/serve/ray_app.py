@@ -20,7 +20,9 @@ ingress makes the seed explicit: a sampled request without one gets a fresh rand
 returned in ``dasspec.seed``.  When a replica dies (its process killed, its node lost) while it holds a request,
 the ingress sends the same request, seed included, to another replica and skips the text the client already has
 (a count of characters: the streamed text is always a prefix of the final text), so the stream continues with
-neither a repeated nor a missing character.  After ``max_failovers`` deaths the request ends with a clear error
+neither a repeated nor a missing character - after comparing the re-run's token ids with those the sent text came
+from (``splice.py``): a re-run that decodes differently ends the stream with an error event, never a spliced
+answer.  After ``max_failovers`` deaths the request ends with a clear error
 (a 503, or an error event in a stream), never a silently short answer.  Requests still waiting at the ingress are
 only sent once a live replica takes them, so they survive a replica restart.
 
@@ -41,6 +43,7 @@ from typing import Any, AsyncIterator
 
 from .schema import APIError, ChatRequest, CompletionRequest, parse_request
 from .service import Frontend, ServeOptions
+from .splice import Diverged, Splice
 from .worker import Cancelled, Delta, Done, Failed, Job, Started
 
 RAY_HINT = "--ray needs Ray Serve: pip install 'dasspec[ray]' (or pip install 'ray[serve]>=2.9')"
@@ -166,8 +169,8 @@ class DasspecReplica:
                     queue_time = event.queue_time
                     yield {"started": event.queue_time}
                 elif isinstance(event, Delta):
-                    if event.text:
-                        yield {"text": event.text, "tokens": event.tokens}
+                    if event.text or event.ids:     # ids even when the text is held back: failover compares them
+                        yield {"text": event.text, "tokens": event.tokens, "ids": event.ids}
                 elif isinstance(event, Done):
                     r = event.result
                     yield {"done": {"text": r.text or "", "tokens": list(r.tokens), "stop_reason": r.stop_reason,
@@ -242,7 +245,8 @@ class ClusterService(Frontend):
                                ("endpoint", "outcome"))
         self.metrics = _M()
         self.failovers = Counter(r, "dasspec_failovers_total", "Requests re-run on another replica after theirs "
-                                 "died (resumed), and requests given up after max_failovers deaths (failed)",
+                                 "died (resumed), requests given up after max_failovers deaths (failed), and "
+                                 "re-runs that decoded other tokens than those streamed (diverged: an error)",
                                  ("outcome",))
         Gauge(r, "dasspec_ingress_waiting", "Requests at the ingress not yet decoding on a replica",
               lambda: self._waiting)
@@ -296,16 +300,17 @@ class ClusterService(Frontend):
         from ray.serve.exceptions import BackPressureError
         from .routing import mark_dead
 
-        sent = 0                           # characters of text the client has been handed
+        splice = Splice(job.stream)        # the text the client has, and the token ids it came from
         avoid: list[str] = []
         try:
             while True:
-                seen = 0                   # characters of this attempt's text so far
+                splice.restart()
                 job.replica = None
                 call = self.handle.options(method_name="generate", stream=True)
+                events = None
                 try:
-                    async for ev in call.remote(job.body, job.prompt, job.endpoint, route_key=job.route_key,
-                                                avoid=avoid):
+                    events = call.remote(job.body, job.prompt, job.endpoint, route_key=job.route_key, avoid=avoid)
+                    async for ev in events:
                         if "replica" in ev:
                             job.replica = ev["replica"]
                         elif "started" in ev:
@@ -315,17 +320,14 @@ class ClusterService(Frontend):
                                 job.queue_time = ev["started"]
                                 job.post(Started(ev["started"]))
                         elif "text" in ev:
-                            text, seen = _skip(ev["text"], seen, sent)
+                            text = splice.chunk(ev["text"], ev.get("ids", ()))
                             if text:
-                                sent += len(text)
                                 job.post(Delta(text, ev["tokens"]))
                         elif "done" in ev:
                             d = ev["done"]
                             if d["cancelled"]:             # not by us (that cancels this task): it is stopping
                                 raise RuntimeError("the replica stopped the request (it is shutting down)")
-                            tail, seen = _skip(d["tail"], seen, sent)
-                            if job.stream and seen < sent:          # cannot happen: the decode is deterministic
-                                raise _Diverged("a re-run's text is shorter than what the client already has")
+                            tail = splice.done(d["tail"], d["tokens"])
                             result = RemoteResult(d["text"], d["tokens"], d["stop_reason"], d["stats"])
                             job.post(Done(result, tail, False))
                             return
@@ -341,7 +343,21 @@ class ClusterService(Frontend):
                                              "queue are full; retry shortly", type="rate_limit_error",
                                              code="queue_full")))
                     return
-                except (ray.exceptions.RayTaskError, _Diverged):
+                except Diverged as err:
+                    # never splice two trajectories: the stream ends with an error event (the text sent so far
+                    # stays what it was, a prefix of the first attempt's answer), and the re-run stops
+                    if events is not None:
+                        events.cancel()
+                    self.failovers.inc(outcome="diverged")
+                    self.metrics.requests.inc(endpoint=job.endpoint, outcome="error")
+                    e = APIError(500, f"the request could not be finished: its replica failed and the re-run on "
+                                 f"another replica decoded differently ({err}); the {splice.sent} characters "
+                                 "streamed so far are a prefix of the first attempt's answer", type="server_error",
+                                 code="failover_diverged")
+                    e.counted = True
+                    job.post(Failed(e))
+                    return
+                except ray.exceptions.RayTaskError:
                     raise
                 except (ray.exceptions.RayError, RuntimeError) as err:
                     # the replica died (actor or node lost) or stopped: the same request, seed included, elsewhere
@@ -353,7 +369,7 @@ class ClusterService(Frontend):
                         self.metrics.requests.inc(endpoint=job.endpoint, outcome="error")
                         e = APIError(503, f"the request could not be finished: its replica failed "
                                      f"{job.failovers + 1} times (last: {type(err).__name__}); "
-                                     + (f"the {sent} characters streamed so far are a prefix of the answer"
+                                     + (f"the {splice.sent} characters streamed so far are a prefix of the answer"
                                         if job.stream else "no answer was produced"),
                                      type="server_error", code="replica_failed")
                         e.counted = True
@@ -422,16 +438,6 @@ class ClusterService(Frontend):
 
     def close(self) -> None:
         super().close()
-
-
-class _Diverged(Exception):
-    """A re-run's answer disagrees with what was streamed (a bug: the request's 500, not a failover)."""
-
-
-def _skip(text: str, seen: int, sent: int) -> tuple[str, int]:
-    """The part of ``text`` (this attempt's characters ``seen`` .. ``seen + len(text)``) past the ``sent``
-    characters the client already has; and the new ``seen``."""
-    return text[max(0, sent - seen):], seen + len(text)
 
 
 # --- metrics: the replicas' series added up ------------------------------------------------------------------------
@@ -537,11 +543,40 @@ def build_app(args: dict | None = None):
     return ingress.bind(replica.bind(asdict(c)), asdict(c))
 
 
+# Ray Serve gives a starting HTTP proxy 5 s to answer its readiness check and a running one 10 s per health check,
+# then restarts it; on a loaded machine (a shared CI box) a proxy that is merely slow to import is restarted over
+# and over and ``serve.start`` gives up after its fixed 60 s.  A local instance gets this much patience instead
+# (Ray Serve reads these variables in its controller), and ``start_serve`` waits up to SERVE_START_S.
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+SERVE_START_S = 600
+
+
 def local_ray_env() -> dict:
-    """A runtime_env that lets Ray's workers import this dasspec (a source checkout not on their path)."""
+    """A runtime_env for a local Ray instance: its workers import this dasspec (a source checkout not on their
+    path), and Ray Serve's proxy checks are patient with a loaded machine (``PROXY_PATIENCE``)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"PYTHONPATH": path}}
+    return {"env_vars": {"PYTHONPATH": path, **{k: os.environ.get(k, v) for k, v in PROXY_PATIENCE.items()}}}
+
+
+def start_serve(serve, http_options: dict, wait_s: float = SERVE_START_S) -> None:
+    """``serve.start`` that waits up to ``wait_s`` for every HTTP proxy to be healthy (``serve.start`` alone
+    raises after a fixed 60 s while its controller goes on starting the proxy; a later call connects to that
+    controller), and otherwise says what did not start and how long it was given."""
+    deadline = time.monotonic() + wait_s
+    last: object = None
+    while True:
+        try:
+            serve.start(http_options=http_options)
+            last = proxies = serve.status().proxies
+            if proxies and all(str(getattr(v, "value", v)) == "HEALTHY" for v in proxies.values()):
+                return
+        except TimeoutError as err:
+            last = err
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Ray Serve's HTTP proxy did not become healthy within {wait_s:.0f} s (an "
+                               f"overloaded machine?); last seen: {last}")
+        time.sleep(1.0)
 
 
 def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log: bool = True) -> int:
@@ -566,7 +601,7 @@ def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log:
 
     signal.signal(signal.SIGTERM, stop)           # SIGTERM as Ctrl-C: the application and a local Ray go down
     try:
-        serve.start(http_options={"host": host, "port": port})
+        start_serve(serve, {"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         n = f"autoscaling {cluster.autoscaling}" if cluster.autoscaling else f"{cluster.replicas} replica(s)"
         print(f"dasspec serve --ray: {n} of {cluster.model or 'dasspec-tiny'} ({cluster.num_cpus:g} CPU, "

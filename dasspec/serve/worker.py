@@ -46,6 +46,7 @@ class Started:
 class Delta:
     text: str                        # new text released by this chunk (may be empty: held back)
     tokens: int                      # tokens committed in this chunk
+    ids: list[int] = field(default_factory=list)   # their ids (a failover re-run is compared with them)
 
 
 @dataclass
@@ -247,7 +248,8 @@ class DecodeWorker:
         if ev.tokens:
             job.first_token = job.first_token or now
             job.last_token = now
-            job.post(Delta(job.text.feed(ev.tokens) if job.text is not None else "", len(ev.tokens)))
+            text = job.text.feed(ev.tokens) if job.text is not None else ""
+            job.post(Delta(text, len(ev.tokens), list(ev.tokens)))
         if not ev.finished:
             return
         del self._jobs[ev.id]

@@ -121,5 +121,5 @@ def task_prefix_caches(model: LoopedLM, prompts: list[Prompt], R: int, plan: Ben
         ids = [p.ids for p in prompts if p.task.name == task]
         m = common_prefix(ids) if len(ids) > 1 else 0
         if m >= min_tokens:
-            out[task] = PrefixCache(model, ids[0][:m], R, plan.init_scale, plan.gen_seed)
+            out[task] = PrefixCache(model, ids[0][:m], R, plan.init_scale, plan.gen_seed, runtime=plan.runtime)
     return out

@@ -1,0 +1,108 @@
+"""Failover splicing (dasspec/serve/splice.py, used by the Ray Serve ingress): a re-run's text continues the stream
+only while its token ids are the ones the stream came from.  Unit tests of the splice on real decodes of the bundled
+model - a float32 replica's answer, the same answer re-run, and a bfloat16 replica's answer, which leaves the float32
+one at token 14 of this prompt (what "another replica's hardware or dtype" looks like) - streamed as a replica
+streams them (``IncrementalText``).  Not through Ray: making a live replica decode differently would need a
+deployment whose replicas differ, which the application does not offer; test_serve_ray.py covers the real
+failover of identical replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.serve.splice import Diverged, Splice
+from dasspec.serve.textstream import IncrementalText
+
+PROMPT = "def fibonacci(n):"
+N = 40
+
+
+@pytest.fixture(scope="module")
+def answers():
+    """(float32 ids, text), (bfloat16 ids, text) of PROMPT, and where they first differ."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = dasspec.load_model(dtype=dtype)
+        r = dasspec.generate(model, model.tokenizer.encode(PROMPT), "ar", max_new_tokens=N, eos=False)
+        out.append((r.tokens, r.text))
+    (a, _), (b, _) = out
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    assert first is not None and 4 < first < N - 8, first       # the data this test needs: a shared start
+    return out[0], out[1], first, model.tokenizer.decode
+
+
+def _attempt(ids, text, decode, chunk: int, dies_after: int | None = None):
+    """A replica's events for one attempt: (text, ids) chunks of ``chunk`` tokens, then (tail, all ids) when it
+    finishes; only the first ``dies_after`` chunks when its replica dies."""
+    inc = IncrementalText(decode)
+    chunks = []
+    for i in range(0, len(ids), chunk):
+        part = ids[i: i + chunk]
+        chunks.append((inc.feed(part), part))
+    if dies_after is not None:
+        return chunks[:dies_after], None
+    return chunks, (inc.finish(text), ids)
+
+
+def _stream(splice: Splice, attempts) -> str:
+    """What the client receives over the attempts (the ingress's loop)."""
+    got = []
+    for chunks, done in attempts:
+        splice.restart()
+        for text, ids in chunks:
+            got.append(splice.chunk(text, ids))
+        if done is not None:
+            got.append(splice.done(*done))
+    return "".join(got)
+
+
+def test_a_rerun_that_decodes_the_same_continues_the_stream_exactly(answers):
+    (ids, text), _, first, decode = answers
+    for dies_after in (1, 3, 7):
+        s = Splice(stream=True)
+        got = _stream(s, [_attempt(ids, text, decode, 4, dies_after), _attempt(ids, text, decode, 3)])
+        assert got == text
+
+
+def test_a_rerun_that_decodes_differently_ends_the_stream_instead_of_splicing(answers):
+    """The float32 replica dies after streaming past token ``first``; the re-run (bfloat16) commits another token
+    there: the splice raises before handing the client any of the re-run's text past what it had, and what the
+    client has is a prefix of the first attempt's answer - never one answer's prefix and another's suffix."""
+    (ids, text), (other, other_text), first, decode = answers
+    s = Splice(stream=True)
+    got = []
+    with pytest.raises(Diverged, match=f"token {first}"):
+        for chunks, done in [_attempt(ids, text, decode, 4, first // 4 + 2), _attempt(other, other_text, decode, 3)]:
+            s.restart()
+            for t, i in chunks:
+                got.append(s.chunk(t, i))
+            if done is not None:
+                got.append(s.done(*done))
+    assert text.startswith("".join(got)) and len("".join(got)) == s.sent
+    # the same when the re-run's chunks reach the difference only in its final answer (the tail and all ids)
+    s = Splice(stream=True)
+    with pytest.raises(Diverged):
+        _stream(s, [_attempt(ids, text, decode, 4, first // 4 + 2), ([], (other_text[len(text):], other))])
+
+
+def test_a_rerun_that_differs_only_past_what_was_streamed_is_streamed_whole(answers):
+    """The first replica died before the answers part: the client has a prefix both share, so the re-run's answer
+    is a consistent whole (no splice of two trajectories) and is streamed to its end."""
+    (ids, text), (other, other_text), first, decode = answers
+    s = Splice(stream=True)
+    assert _stream(s, [_attempt(ids, text, decode, 2, 1), _attempt(other, other_text, decode, 3)]) == other_text
+
+
+def test_a_non_streamed_answer_is_taken_whole_from_the_attempt_that_finishes(answers):
+    (ids, text), (other, other_text), first, decode = answers
+    s = Splice(stream=False)
+    s.restart()
+    for t, i in _attempt(ids, text, decode, 4, first // 4 + 2)[0]:
+        s.chunk(t, i)
+    s.restart()
+    chunks, done = _attempt(other, other_text, decode, 3)
+    for t, i in chunks:
+        s.chunk(t, i)
+    s.done(*done)                                         # no error: nothing was sent to splice onto
