@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, two_source_attention
+from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
 from ..layers import NormedBlock
 from . import Family, LayerGroup, Slot, register
@@ -118,13 +118,7 @@ class LoopCoderBlock(NormedBlock):
         else:
             kv.local.store(span, k[0], v[0])
             b = attend(q, kv.local, windowed(span, self.window, q.dtype))
-            if getattr(span, "_loop_k1_written", False):
-                a = attend(q, kv.glob, span)
-            else:
-                # A draft call that did not compute depth 1 for its rows (a DAS-Wave round past the first): depth
-                # 1's rows [n, end) hold nothing of this call, so its own rows are read at the call's depth.  Only
-                # drafts get here: every verifying / AR / prefill call runs depth 1 first.
-                a = _prefix_then_own(q, kv.glob, kv.local, span)
+            a = attend(q, kv.glob, span)
         return self._out(g * a + (1 - g) * b)
 
     def _out(self, y: Tensor) -> Tensor:
@@ -184,21 +178,6 @@ def _window_part(span: Span, window: int, dtype: torch.dtype) -> Span:
     return replace(span, mask=mask, causal=False, bias=bias, causal_rows=False, _split=None, _rows_cache={})
 
 
-def _prefix_then_own(q: Tensor, glob: "LayerKV | BatchKV", local: "LayerKV | BatchKV",
-                     span: "Span | RaggedSpan") -> Tensor:
-    """Global attention of a call that skipped depth 1: the verified prefix's K1/V1, the call's own rows at its
-    depth (eq. 2-3's two sources, one softmax)."""
-    if isinstance(span, RaggedSpan):
-        return torch.cat([_prefix_then_own(q[:, :, a:b], glob.parts[i], local.parts[i], part)
-                          for i, a, b, part in span.segments()], dim=2)
-    mc, mu = span.source_masks()
-    if span.rows is not None:
-        (kc, vc), (ku, vu) = glob.prefix(0, None), local.own(0, None)
-    else:
-        (kc, vc), (ku, vu) = glob.prefix(0, span.n), local.own(span.n, span.end)
-    return two_source_attention(q, kc, vc, mc, ku, vu, mu, q.shape[-1] ** -0.5)
-
-
 class IQuestLoop(Family):
     name = "iquest-loop"
     model_type = "iquestloopcoder"
@@ -218,14 +197,16 @@ class IQuestLoop(Family):
                      "trim": True, "seed_branch": 8, "copy_run": True, "early_stop": True},
     }
     stop_tokens = ("<|im_end|>",)
+    # Depth r >= 2 reads depth 1's rows of the call's own positions.  A target call (AR, verification, prefill, a
+    # depth slice of one) computed them earlier in the call or in an earlier slice; a DAS-Wave round that carries
+    # states past depth 1 reads whatever an earlier call left there - harmless to a draft, unless it is garbage
+    # from an uninitialised pool (a NaN would reach a sampled draft's probabilities), hence a zeroed pool.
+    cache_zeroed = True
 
     def core_kv(self, cache: Any, layer: int, read: tuple[int, int], own: tuple[int, int], span: Any) -> LoopKV:
-        """Each layer call's ``LoopKV``: the call's own view and depth 1's.  A call computing depth 1 with a cache is
-        marked on its span (its depth-1 rows then hold K1/V1 for its later depths)."""
+        """Each layer call's ``LoopKV``: the call's own view and depth 1's."""
         if cache is None:
             return LoopKV(own[0], None, None)
-        if own[0] == 1:
-            setattr(span, "_loop_k1_written", True)
         return LoopKV(own[0], cache.core_kv(layer, read, own), cache.core_kv(layer, (1, 1), (1, 1)))
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
