@@ -138,3 +138,4 @@ def test_served_in_its_chat_template(folder, model, tmp_path):
     finally:
         srv.stop()
         (folder / "chat_template.jinja").unlink()
+

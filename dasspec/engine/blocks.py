@@ -50,8 +50,7 @@ class BlockPool:
         check_cache_fits(model, R, self.num_blocks * block_size,
                          "lower kv_budget (positions kept for running requests) or use bfloat16")
         self.R = R
-        self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype,
-                                zeroed=model.family.cache_zeroed)
+        self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype)
         for t in self.cache.tensors():
             t[..., :block_size, :].zero_()                          # the null block
 

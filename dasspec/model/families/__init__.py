@@ -74,7 +74,6 @@ class Family:
     # --- decoding ----------------------------------------------------------------------------------------------
     knob_defaults: dict[str, dict[str, Any]] = {}     # method -> {knob: default}: required for knobs declared per
                                                       # family, and replacing the method's default for any other
-    cache_zeroed: bool = False          # the engine's pool starts zeroed: a draft may read rows it did not write
     stop_tokens: tuple[str, ...] = ()   # tokens that end a reply besides the tokenizer files' EOS (a chat turn's end)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:

@@ -199,9 +199,7 @@ class IQuestLoop(Family):
     stop_tokens = ("<|im_end|>",)
     # Depth r >= 2 reads depth 1's rows of the call's own positions.  A target call (AR, verification, prefill, a
     # depth slice of one) computed them earlier in the call or in an earlier slice; a DAS-Wave round that carries
-    # states past depth 1 reads whatever an earlier call left there - harmless to a draft, unless it is garbage
-    # from an uninitialised pool (a NaN would reach a sampled draft's probabilities), hence a zeroed pool.
-    cache_zeroed = True
+    # states past depth 1 reads whatever an earlier call left there (even uninitialised memory) - a draft only.
 
     def core_kv(self, cache: Any, layer: int, read: tuple[int, int], own: tuple[int, int], span: Any) -> LoopKV:
         """Each layer call's ``LoopKV``: the call's own view and depth 1's."""
