@@ -35,6 +35,9 @@ def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:
         base.update(qk_norm=True, rope_theta=500000.0, norm_eps=1e-6, init_std=0.0087)
     elif family == "ouro":          # the whole stack loops; no prelude, coda or initial state
         base.update(n_kv_heads=2, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=4, rope_theta=1e6)
+    elif family == "iquest-loop":   # two loops; loop 2 mixes K1/V1 with its own K/V in a window of 8 positions
+        base.update(n_kv_heads=2, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=2, rope_theta=5e5,
+                    norm_eps=1e-5, loop_window=8)
     base.update(overrides)
     return LoopedConfig(**base).validate()
 

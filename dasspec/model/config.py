@@ -102,6 +102,7 @@ class LoopedConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+    loop_window: int = 0               # IQuest-Loop: depths >= 2 attend to their own K/V within this many positions
 
     # --- the family and its layout switches ------------------------------------------------------------
     @property

@@ -206,8 +206,9 @@ class LoopedLM(Recurrence, nn.Module):
         t = self.transformer
         x = t.adapter(torch.cat(torch.broadcast_tensors(h, inj), dim=-1)) if self.family.injection else h
         own = read if own is None else own
+        family = self.family
         for i, block in enumerate(t.core_block):
-            x = block(x, span, cache.core_kv(i, read, own) if cache is not None else None)
+            x = block(x, span, family.core_kv(cache, i, read, own, span))
         return t.ln_f(x) if self.family.norm_every_step else x
 
     def readout(self, h: Tensor, span: Span, cache: DepthCache | None = None,

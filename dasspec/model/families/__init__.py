@@ -8,6 +8,7 @@ method.  ``LoopedLM``, the loader and the methods ask the family; none of them s
     huginn.py   Huginn-0125 (and the huginn_raven config format the Raven files share)
     raven.py    Raven-Llama (Raven-Llama-3.2, Raven-TinyLlama) and Raven-OLMo
     ouro.py     ByteDance Ouro (Ouro-1.4B / 2.6B and their -Thinking variants)
+    iquest.py   IQuest-Coder-V1-Loop (IQuestLab's 40B-Loop coder)
 
 A new family is one new module here that subclasses ``Family`` and calls ``register`` (imported below).
 """
@@ -93,6 +94,12 @@ class Family:
         tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
         return {name: Slot(name, shape) for name, shape in params.items() if name not in tied}
 
+    def core_kv(self, cache: Any, layer: int, read: tuple[int, int], own: tuple[int, int], span: Any) -> Any:
+        """What core layer ``layer`` of a step reads its K/V through (its block's ``kv`` argument): the cache's view
+        for the step's depths, None without a cache.  A family whose layers read other depths too (IQuest-Loop's
+        depth-1 K/V) returns its own object."""
+        return cache.core_kv(layer, read, own) if cache is not None else None
+
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
         """The state the first core step reads: the position's initial state ``h0`` (Huginn, Raven)."""
         return h0
@@ -152,4 +159,4 @@ def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None
     return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
 
 
-from . import huginn, raven, ouro  # noqa: E402,F401  (each registers its families)
+from . import huginn, raven, ouro, iquest  # noqa: E402,F401  (each registers its families)

@@ -1,0 +1,218 @@
+"""dasspec (AR and its default method, ``auto``) against vLLM's CPU build on a mid-size random IQuest-Coder-V1-Loop
+(issue 53, "Peers"): tokens and tok/s at batch 1 and 8, side by side in one run.
+
+    python benchmarks/iquest_vllm.py --model /tmp/iquest-mid --out runs/iquest-vllm \\
+        --vllm-python /work/venv-vllm/bin/python
+
+The checkpoint (built once when ``--model`` has no config.json): the published layout at width 512 - 8 layers x
+loop_num 2, 8 query / 2 key-value heads of 64, FFN 1408, loop_window_size 64, the real vocabulary size (76,800),
+random weights (std 1/sqrt(fan-in)), float32.  Prompts: ``--prompts`` random token-id prompts of 40-120 ids (the
+repository's tokenizer is not on this machine), each decoded greedily for ``--max-new-tokens`` with EOS ignored, so
+prompt + output run past the 64-row window.
+
+dasspec: ``generate_batch(model, prompts, method, max_batch=B, eos=False)``, float32, in this process.  vLLM (a
+benchmark only, never a dependency): a worker under ``--vllm-python`` runs its native ``IQuestLoopCoderForCausalLM``
+(``LLM.generate``, greedy, ``ignore_eos``; every prompt alone for B = 1, all with ``max_num_seqs`` = B otherwise);
+transformers has no ``iquestloopcoder`` config, so the worker registers Llama's config under that name with the
+two loop fields.  Rounds alternate the sides (drift of a shared machine hits both); tok/s = new tokens / wall
+time, prefill included, the fastest round reported; ratios per round, median and range.  Tokens are compared
+with dasspec AR at B = 1.  Writes results.json and results.md to --out; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MID = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+           intermediate_size=1408, vocab_size=76800, loop_num=2, loop_window_size=64)
+
+
+def vllm_worker() -> None:
+    """One JSON job line on stdin; answers "@@ {ready}", then per line "B" one "@@ {seconds, tokens}"."""
+    job = json.loads(sys.stdin.readline())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import torch
+    torch.set_num_threads(job["threads"])
+    from transformers import AutoConfig, LlamaConfig
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    class IQuestLoopCoderConfig(LlamaConfig):
+        model_type = "iquestloopcoder"
+
+        def __init__(self, loop_num=2, loop_window_size=64, **kw):
+            self.loop_num, self.loop_window_size = loop_num, loop_window_size
+            super().__init__(**kw)
+
+    AutoConfig.register("iquestloopcoder", IQuestLoopCoderConfig)
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], max_num_seqs=job["max_batch"],
+              seed=0, skip_tokenizer_init=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm.generate(prompts[:2], sp, use_tqdm=False)                    # warm-up
+    print("@@", json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        B = int(line)
+        t = time.perf_counter()
+        outs = ([llm.generate([p], sp, use_tqdm=False)[0] for p in prompts] if B == 1
+                else llm.generate(prompts, sp, use_tqdm=False))
+        print("@@", json.dumps({"seconds": time.perf_counter() - t,
+                                "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+
+
+class VLLM:
+    def __init__(self, python: str, job: dict, log: Path):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([python, __file__, "--vllm-worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd="/tmp")
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the vLLM worker stopped (log: {self.log.name})")
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+
+    def run(self, B: int) -> dict:
+        self.proc.stdin.write(f"{B}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def build(folder: Path) -> None:
+    import torch
+    sys.path.insert(0, str(REPO / "tests"))
+    from iquest_reference import write_iquest_checkpoint
+    shape = {k: MID[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim", "intermediate_size")}
+    write_iquest_checkpoint(folder, vocab_size=MID["vocab_size"], seed=0, n_shards=2, loop_num=MID["loop_num"],
+                            window=MID["loop_window_size"], shape=shape,
+                            config_edits={"max_position_embeddings": 4096, "torch_dtype": "float32"})
+    del torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="/tmp/iquest-mid")
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--methods", default="ar,auto")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", default=None)
+    a = p.parse_args(argv)
+
+    import torch
+    torch.set_num_threads(a.threads)
+    sys.path.insert(0, str(REPO))
+    import dasspec
+
+    folder = Path(a.model)
+    if not (folder / "config.json").exists():
+        build(folder)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = dasspec.load_model(folder, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, MID["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(40, 121, (a.prompts,), generator=g)]
+    batches = [int(b) for b in a.batches.split(",")]
+    methods = a.methods.split(",")
+    sides = [f"dasspec-{m}" for m in methods]
+    vllm = None
+    if a.vllm_python:
+        job = dict(model=str(folder.resolve()), threads=a.threads, max_model_len=max(map(len, prompts))
+                   + a.max_new_tokens + 16, max_batch=max(batches), max_new_tokens=a.max_new_tokens, prompts=prompts)
+        vllm = VLLM(a.vllm_python, job, out / "vllm.log")
+        sides.append("vllm")
+
+    def run_dasspec(method: str, B: int) -> dict:
+        t = time.perf_counter()
+        outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=a.max_new_tokens, max_batch=B, eos=False)
+        return {"seconds": time.perf_counter() - t, "tokens": [o.tokens for o in outs]}
+
+    for m in methods:
+        run_dasspec(m, min(batches))                                    # warm-up
+    records = []
+    try:
+        for rnd in range(a.rounds):
+            for B in (batches if rnd % 2 == 0 else batches[::-1]):
+                for side in (sides if rnd % 2 == 0 else sides[::-1]):
+                    r = vllm.run(B) if side == "vllm" else run_dasspec(side.removeprefix("dasspec-"), B)
+                    r.update(side=side, B=B, round=rnd, new_tokens=sum(map(len, r["tokens"])))
+                    r["tokens_per_second"] = r["new_tokens"] / r["seconds"]
+                    records.append(r)
+                    print(f"round {rnd} {side:14s} B={B:<3d} {r['tokens_per_second']:7.1f} tok/s", flush=True)
+    finally:
+        if vllm is not None:
+            vllm.close()
+
+    ref = next(r["tokens"] for r in records if r["side"] == "dasspec-ar" and r["B"] == min(batches))
+    same = {f"{r['side']} B={r['B']} round {r['round']}": r["tokens"] == ref for r in records}
+    best = {(s, B): max(r["tokens_per_second"] for r in records if r["side"] == s and r["B"] == B)
+            for s in sides for B in batches}
+
+    def ratio(num, den) -> dict:
+        vals = []
+        for rnd in range(a.rounds):
+            x = {(r["side"], r["B"]): r["tokens_per_second"] for r in records if r["round"] == rnd}
+            vals.append(x[num] / x[den])
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+    summary = {"model": str(folder), "shape": MID, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+               "max_new_tokens": a.max_new_tokens, "threads": a.threads, "rounds": a.rounds,
+               "torch": torch.__version__, "best_tokens_per_second": {f"{s} B={B}": v for (s, B), v in best.items()},
+               "same_tokens_as_dasspec_ar_B1": same}
+    if vllm:
+        summary["over_vllm"] = {f"{s} B={B}": ratio((s, B), ("vllm", B)) for s in sides if s != "vllm"
+                                for B in batches}
+    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": [
+        {k: v for k, v in r.items() if k != "tokens"} for r in records]}, indent=2) + "\n")
+    lines = [f"# IQuest-Loop (width 512, 8 layers x 2 loops, window 64, vocabulary 76,800), float32", "",
+             f"{len(prompts)} random prompts ({summary['prompt_tokens']} tokens), {a.max_new_tokens} greedy tokens "
+             f"each, {a.threads} threads, {a.rounds} rounds alternating; tok/s = fastest round.", "",
+             "| side | " + " | ".join(f"B = {B} tok/s" for B in batches)
+             + (" | " + " | ".join(f"/ vLLM B = {B} (median [range])" for B in batches) if vllm else "") + " |",
+             "|---|" + "---|" * (len(batches) * (2 if vllm else 1))]
+    for s in sides:
+        row = f"| {s} | " + " | ".join(f"{best[(s, B)]:.1f}" for B in batches)
+        if vllm:
+            cells = []
+            for B in batches:
+                r = summary["over_vllm"].get(f"{s} B={B}")
+                cells.append(f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" if r else "-")
+            row += " | " + " | ".join(cells)
+        lines.append(row + " |")
+    lines += ["", "Tokens equal to dasspec AR's at B = 1: "
+              + ("all runs" if all(same.values()) else ", ".join(k for k, v in same.items() if not v) + " DIFFER")]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(same.values()) else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--vllm-worker"]:
+        vllm_worker()
+    else:
+        sys.exit(main())
