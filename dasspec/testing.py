@@ -35,6 +35,9 @@ def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:
         base.update(qk_norm=True, rope_theta=500000.0, norm_eps=1e-6, init_std=0.0087)
     elif family == "ouro":          # the whole stack loops; no prelude, coda or initial state
         base.update(n_kv_heads=2, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=4, rope_theta=1e6)
+    elif family == "nanbeige":      # Ouro's loop over Llama layers; q / o not square (4 x 16 heads over 32 wide)
+        base.update(n_kv_heads=2, head_dim=16, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=2, rope_theta=7e7,
+                    norm_eps=1e-5)
     base.update(overrides)
     return LoopedConfig(**base).validate()
 
