@@ -416,8 +416,9 @@ SPECIALS = {
     "raven-olmo": (None, "<|endoftext|>", "<|pad|>", []),
     # Ouro's published base files: EOS <|endoftext|> (id 0), then the ChatML tokens <|im_start|> 1, <|im_end|> 2
     "ouro": (None, "<|endoftext|>", None, ["<|im_start|>", "<|im_end|>"]),
-    # Nanbeige4.2's files: EOS <|im_end|> (eos_token_id 166101 there), ChatML turns with a <think> block
-    "nanbeige": (None, "<|im_end|>", "<unk>", ["<|im_start|>", "<think>", "</think>"]),
+    # Nanbeige4.2's files: BOS <|im_start|> (added by the tokenizer's template, as there), EOS <|im_end|>, pad
+    # <unk>, ChatML turns with a <think> block (166100 / 166101 / 0 / 166103-4 there)
+    "nanbeige": ("<|im_start|>", "<|im_end|>", "<unk>", ["<think>", "</think>"]),
 }
 
 
@@ -684,7 +685,7 @@ NANBEIGE_CHAT_TEMPLATE = (
 def nanbeige_config(vocab_size: int = 128, num_loops: int = 2) -> dict:
     """config.json of a miniature Nanbeige4.2 with every field the published 3B file carries (non-square q / o:
     4 heads of 16 over a 32-wide stream, GQA 4/2, rope_theta 7e7, kv_channels = head_dim); the special ids are
-    those of ``write_tokenizer("nanbeige")`` (<|im_end|> 0, <unk> 1)."""
+    those of ``write_tokenizer("nanbeige")`` (<|im_start|> 0, <|im_end|> 1, <unk> 2)."""
     return {
         "architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige", **NANBEIGE_MINI,
         "auto_map": {"AutoConfig": "configuration_nanbeige.NanbeigeConfig",
@@ -694,7 +695,7 @@ def nanbeige_config(vocab_size: int = 128, num_loops: int = 2) -> dict:
         "max_position_embeddings": 512, "rope_theta": 70000000, "rope_scaling": None, "attention_bias": False,
         "attention_dropout": 0.0, "rms_norm_eps": 1e-05, "num_loops": num_loops, "loop_loss_weights": [],
         "skip_loop_final_norm": False, "pretraining_tp": 1, "tie_word_embeddings": False,
-        "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 0, "torch_dtype": "bfloat16",
+        "pad_token_id": 2, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
     }
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, json_type, real, whole
+from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, json_type, real
 from . import Family, LayerGroup, Slot, register
 from .raven import PreNormBlock
 
@@ -50,6 +50,7 @@ OFF: dict[str, Any] = {
 INERT = frozenset({
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
     "use_cache", "initializer_range", "attention_dropout", "pretraining_tp", "tokenizer_class",
+    "kv_channels",                # Megatron's name for head_dim, in the published file; upstream never reads it
     "ngram_mod_force_prime", "ngram_embedding_hidden_size", "ngram_fused_mode", "emb_tp_num", "skip_ngram_for_input",
     "ngram_layer_downproject_size", "loop_middle_layers", "loop_middle_repeats", "num_residual_streams",
     "mhc_sinkhorn_iterations", "mhc_init_gating_factor", "depth_attention_stride", "depth_attention_recent_window",
@@ -57,7 +58,7 @@ INERT = frozenset({
 })
 READ = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "kv_channels", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "tie_word_embeddings", "num_loops", "loop_loss_weights", "skip_loop_final_norm",
     "bos_token_id", "eos_token_id", "pad_token_id", "dasspec_family",
 })
@@ -145,8 +146,6 @@ class Nanbeige(Family):
             raise ConfigError(f"config field rope_scaling={scaling!r} is not supported for Nanbeige (upstream knows "
                               "linear and dynamic NTK scaling; the released checkpoints use none)")
         head_dim = f.opt_int("head_dim", None) or n_embd // n_heads
-        if cfg.get("kv_channels") is not None and whole("kv_channels", cfg["kv_channels"], least=1) != head_dim:
-            raise ConfigError(f"config fields kv_channels={cfg['kv_channels']} and head_dim={head_dim} disagree")
         special = f.special_ids()
         return LoopedConfig(
             family=self.name,
@@ -199,25 +198,25 @@ class Nanbeige(Family):
         d, hd, inter = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
 
-        def whole_(name: str) -> Slot:
+        def whole(name: str) -> Slot:
             return Slot(name, params[name])
 
-        out = {"model.embed_tokens.weight": whole_("transformer.wte.weight"),
-               "model.norm.weight": whole_("transformer.ln_f.weight")}
+        out = {"model.embed_tokens.weight": whole("transformer.wte.weight"),
+               "model.norm.weight": whole("transformer.ln_f.weight")}
         if not cfg.tie_embeddings:
-            out["lm_head.weight"] = whole_("lm_head.weight")
+            out["lm_head.weight"] = whole("lm_head.weight")
         for i in range(cfg.n_core):
             src, dst = f"model.layers.{i}.", f"transformer.core_block.{i}."
             qkv, fc = dst + "attn.Wqkv.weight", dst + "mlp.fc.weight"
             out[src + "self_attn.q_proj.weight"] = Slot(qkv, (q, d), 0)
             out[src + "self_attn.k_proj.weight"] = Slot(qkv, (kv, d), q)
             out[src + "self_attn.v_proj.weight"] = Slot(qkv, (kv, d), q + kv)
-            out[src + "self_attn.o_proj.weight"] = whole_(dst + "attn.proj.weight")
+            out[src + "self_attn.o_proj.weight"] = whole(dst + "attn.proj.weight")
             out[src + "mlp.gate_proj.weight"] = Slot(fc, (inter, d), 0)
             out[src + "mlp.up_proj.weight"] = Slot(fc, (inter, d), inter)
-            out[src + "mlp.down_proj.weight"] = whole_(dst + "mlp.proj.weight")
-            out[src + "input_layernorm.weight"] = whole_(dst + "norm_1.weight")
-            out[src + "post_attention_layernorm.weight"] = whole_(dst + "norm_2.weight")
+            out[src + "mlp.down_proj.weight"] = whole(dst + "mlp.proj.weight")
+            out[src + "input_layernorm.weight"] = whole(dst + "norm_1.weight")
+            out[src + "post_attention_layernorm.weight"] = whole(dst + "norm_2.weight")
         return out
 
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
