@@ -41,7 +41,7 @@ PUBLISHED = {
     "bos_token_id": 166100, "eos_token_id": 166101, "torch_dtype": "bfloat16", "initializer_range": 0.02,
 }
 MID = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-           kv_channels=128, intermediate_size=1536, max_position_embeddings=4096)
+           kv_channels=128, intermediate_size=1536, max_position_embeddings=4096, torch_dtype="float32")
 SPECIALS = {166100: "<|im_start|>", 166101: "<|im_end|>", 166102: "<|endoftext|>", 166103: "<think>",
             166104: "</think>", 166105: "<tool_call>", 166106: "</tool_call>"}
 GENERATION = {"bos_token_id": 166100, "do_sample": True, "eos_token_id": 166101, "pad_token_id": 0,

@@ -173,3 +173,34 @@ def test_sharded_folder_with_tokenizer_loads(tmp_path):
                                        tokenizer=write_tokenizer("nanbeige"))
     model = dasspec.load_model(folder, device="cpu")
     assert model.config.family == "nanbeige" and model.tokenizer.token_to_id("<|im_end|>") in model.tokenizer.eos_ids
+
+
+def test_the_published_layout_at_small_width(tmp_path):
+    """The real layout without its weights (benchmarks/nanbeige_files.py: the published config.json, a two-shard
+    index, the real vocabulary and special ids) built at width 64 by ``build_real_checkpoint``: it loads in both
+    dtypes with all 22 layers x 2 loops and the 166,144-row vocabulary, the tokenizer's BOS / EOS are the published
+    ids, and a speculative method equals AR on it."""
+    import importlib.util
+
+    from dasspec.testing import build_real_checkpoint
+
+    spec = importlib.util.spec_from_file_location("nanbeige_files",
+                                                  Path(__file__).parents[1] / "benchmarks" / "nanbeige_files.py")
+    files = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(files)
+    src = files.write_files(tmp_path / "files")
+    folder = build_real_checkpoint(src, tmp_path / "ckpt", scale="small")
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
+                                                                   "model-00002-of-00002.safetensors"]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = dasspec.load_model(folder, device="cpu", dtype=dtype)
+        c = model.config
+        assert (c.vocab_size, c.n_core, c.mean_recurrence, c.block_size, c.rope_theta) == (166144, 22, 2, 262144, 7e7)
+        assert model.dtype == dtype
+    tok = model.tokenizer
+    assert (tok.bos_id, tok.eos_ids, tok.pad_id) == (166100, [166101], 0)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+2?"}], enable_thinking=False),
+                     add_special_tokens=False)
+    assert ids[0] == 166100 and ids[-6:] == [166103, 13, 13, 166104, 13, 13]        # <think>\n\n</think>\n\n
+    ref = dasspec.generate(model, ids, "ar", max_new_tokens=6, eos=False).tokens
+    assert dasspec.generate(model, ids, "pld", max_new_tokens=6, eos=False).tokens == ref
