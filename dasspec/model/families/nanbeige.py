@@ -77,7 +77,8 @@ def check_options(cfg: dict[str, Any]) -> None:
     """Refuse every option dasspec does not implement, and every key it does not know, one line naming the field."""
     for name in OFF:
         if name in cfg and not _is_off(name, cfg[name]):
-            raise ConfigError(f"config field {name}={cfg[name]!r} enables a Nanbeige option dasspec does not "
+            shown = repr(cfg[name]) if len(repr(cfg[name])) <= 60 else repr(cfg[name])[:57] + "..."
+            raise ConfigError(f"config field {name}={shown} enables a Nanbeige option dasspec does not "
                               f"implement (the released Nanbeige4.2 checkpoints leave it off); refusing to load")
     unknown = sorted(k for k in cfg if k not in OFF and k not in INERT and k not in READ)
     if unknown:
