@@ -6,6 +6,8 @@
 * llama.cpp: the ``llama-cpp-python`` package (a CPU build from the registry's source distribution, which vendors a
   llama.cpp with the ``nanbeige`` architecture), in a worker process run with ``--llama-path`` on its PYTHONPATH,
   greedy (``top_k=1``) on the same token ids, one prompt at a time (batch 1: its Python API has no batching).
+* upstream's HF remote code (``--hf-path``: transformers and ``modeling_nanbeige.py`` as the package ``hfmod``,
+  outside the repository), float32, eager attention, greedy through its own cache, batch 1.
 * dasspec: ``generate(..., "ar")`` and the default method (``auto``) at batch 1, ``generate_batch(...,
   max_batch=8)`` with AR and ``auto`` at batch 8, float32, in this process.
 
@@ -60,11 +62,54 @@ def worker(gguf: str, threads: int) -> None:
         print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
 
 
+def hf_worker(folder: str, threads: int) -> None:
+    """Upstream's HF remote code side (``modeling_nanbeige.py`` importable as ``hfmod``; transformers on the path),
+    float32, eager attention, greedy through its own DynamicCache, ``inv_freq`` recomputed after construction."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.cache_utils import DynamicCache
+
+    from hfmod.configuration_nanbeige import NanbeigeConfig
+    from hfmod.modeling_nanbeige import NanbeigeForCausalLM
+
+    torch.set_num_threads(threads)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    config = NanbeigeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "model_type")})
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = NanbeigeForCausalLM(config)
+    state = {}
+    index = Path(folder) / "model.safetensors.index.json"
+    shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+              else ["model.safetensors"])
+    for shard in shards:
+        state.update(load_file(Path(folder) / shard))
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+    for mod in model.modules():                    # the zero-buffer bug: inv_freq computed, never loaded
+        if hasattr(mod, "inv_freq"):
+            mod.inv_freq = 1.0 / (mod.base ** (torch.arange(0, mod.dim, 2, dtype=torch.int64).float() / mod.dim))
+    model = model.float().eval()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t = time.perf_counter()
+        out = []
+        with torch.inference_mode():
+            step = model(input_ids=torch.tensor([req["ids"]]), past_key_values=DynamicCache(), use_cache=True)
+            while len(out) < req["n"]:
+                out.append(int(step.logits[0, -1].argmax()))
+                if len(out) < req["n"]:
+                    step = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=step.past_key_values,
+                                 use_cache=True)
+        print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
+
+
 class Peer:
-    def __init__(self, gguf: str, llama_path: str, threads: int):
-        env = dict(os.environ, PYTHONPATH=llama_path, OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", gguf, "--threads", str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    def __init__(self, target: str, path: str, threads: int, kind: str = "llama"):
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", target, "--kind", kind, "--threads",
+                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
         assert json.loads(self.proc.stdout.readline())["ready"]
 
     def run(self, ids: list[int], n: int) -> dict:
@@ -96,10 +141,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/nanbeige-peers")
+    p.add_argument("--hf-path", default=None, help="PYTHONPATH holding transformers and upstream's "
+                   "modeling_nanbeige.py as the package hfmod (adds upstream's HF remote code as a side)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="llama", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.threads)
+        (hf_worker if args.kind == "hf" else worker)(args.worker, args.threads)
         return
 
     import torch
@@ -113,6 +161,8 @@ def main() -> None:
     peers = {"llama.cpp f32": Peer(args.gguf, args.llama_path, args.threads)}
     if args.gguf_q8:
         peers["llama.cpp q8_0"] = Peer(args.gguf_q8, args.llama_path, args.threads)
+    if args.hf_path:
+        peers["upstream HF code f32"] = Peer(args.model, args.hf_path, args.threads, kind="hf")
     auto = dasspec.build_drafter(model, "auto")                  # calibrated once, kept across requests
     opts = dict(max_new_tokens=n, eos=False)
 
