@@ -138,6 +138,7 @@ def main() -> None:
     p.add_argument("--gguf-q8")
     p.add_argument("--llama-path", default="/work/ref/llamapy")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts (at most 8)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/nanbeige-peers")
@@ -156,9 +157,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = dasspec.load_model(args.model, device="cpu", dtype=torch.float32)
     tok = model.tokenizer
-    prompts = [tok.encode(t) for t in PROMPTS]
+    prompts = [tok.encode(t) for t in PROMPTS[: args.prompts]]
     n = args.tokens
-    peers = {"llama.cpp f32": Peer(args.gguf, args.llama_path, args.threads)}
+    peers = {"llama.cpp f32": Peer(args.gguf, args.llama_path, args.threads)} if args.gguf else {}
     if args.gguf_q8:
         peers["llama.cpp q8_0"] = Peer(args.gguf_q8, args.llama_path, args.threads)
     if args.hf_path:
@@ -197,10 +198,13 @@ def main() -> None:
            "threads": args.threads, "rounds": args.rounds, "rates": rates,
            "agree_with_dasspec_ar": {k: [agree(a, b) for a, b in zip(v, ar)] for k, v in tokens.items()},
            "torch": torch.__version__}
-    base = rates["llama.cpp f32"]
-    lines = [f"# Nanbeige mid-size (width 512, 8 layers x 2 loops, vocab 166,144), random weights, float32 dasspec, "
+    ref = "llama.cpp f32" if "llama.cpp f32" in rates else "dasspec AR B=1"
+    base = rates[ref]
+    c = model.config
+    lines = [f"# Nanbeige (width {c.n_embd}, {c.n_heads} / {c.n_kv_heads} heads of {c.head_dim}, {c.n_core} layers x "
+             f"{c.mean_recurrence} loops, vocab {c.vocab_size:,}), random weights, float32 dasspec, "
              f"{args.threads} threads, {len(prompts)} prompts x {n} greedy tokens, {args.rounds} rounds", "",
-             "| side | tok/s (fastest round) | x llama.cpp f32 per round: median [range] | leading tokens equal to "
+             f"| side | tok/s (fastest round) | x {ref} per round: median [range] | leading tokens equal to "
              "dasspec AR, per prompt |", "|---|---|---|---|"]
     for k, v in rates.items():
         per = [a / b for a, b in zip(v, base)]
