@@ -17,7 +17,7 @@ What is the real checkpoint's and what is not:
   ids of <unk> 0, <s> 1, </s> 2, byte pieces <0x00>..<0xFF> 3..258, <|im_start|> 166100 (BOS, added by the
   tokenizer's template as the real one does), <|im_end|> 166101 (EOS), <|endoftext|> 166102, <think> 166103,
   </think> 166104, <tool_call> 166105, </tool_call> 166106; single-character pieces (the word marker and printable
-  ASCII) and no merges, so text encodes to about a token per character.
+  ASCII) and no merges, so text encodes to about a token per character; the ids past 166106 are padding pieces.
 
     python benchmarks/nanbeige_files.py --out /tmp/dasspec-big/nanbeige-files --layers 4
     python benchmarks/nanbeige_files.py --out /tmp/dasspec-big/nanbeige-mid-files --preset mid
@@ -71,7 +71,11 @@ def tokenizer_files(vocab_size: int) -> dict[str, str]:
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens([AddedToken(SPECIALS[i], special=i <= 166102, normalized=False) for i in sorted(SPECIALS)])
-    assert all(tok.token_to_id(t) == i for i, t in SPECIALS.items())
+    # the rows past the last named token, as padding pieces: llama.cpp's converter sizes its vocabulary from the
+    # tokenizer and needs one entry per embedding row (the real repository's SentencePiece path pads the same way)
+    tok.add_tokens([AddedToken(f"<|pad_{i}|>", special=True, normalized=False)
+                    for i in range(max(SPECIALS) + 1, vocab_size)])
+    assert all(tok.token_to_id(t) == i for i, t in SPECIALS.items()) and tok.get_vocab_size() == vocab_size
     tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 166100)])
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<unk>", "unk_token": "<unk>",
               "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}
