@@ -1,4 +1,4 @@
-"""Huginn-0125 (or Ouro-1.4B: ``--layout ouro``) at its real size on this machine's CPU, with random weights of the
+"""Huginn-0125 (or Ouro-1.4B: ``--layout ouro``; Nanbeige4.2-3B: ``--layout nanbeige``) at its real size on this machine's CPU, with random weights of the
 real layout.
 
 From the real repository's files without the weights (config.json, model.safetensors.index.json when there is one,
@@ -45,6 +45,9 @@ LAYOUTS = {
                    phases="build,load,bf16,fp32", R=32, methods="ar,mature-spec,das-wave", title="Huginn-0125"),
     "ouro": dict(files="../shared/checkpoints/ouro-1.4b", ckpt="/tmp/dasspec-big/ouro-1.4b-random",
                  phases="build,load,bf16", R=4, methods="ar,sam,das-wave", title="Ouro-1.4B"),
+    # files: ``python benchmarks/nanbeige_files.py --out /tmp/dasspec-big/nanbeige-files [--layers N]``
+    "nanbeige": dict(files="/tmp/dasspec-big/nanbeige-files", ckpt="/tmp/dasspec-big/nanbeige-random",
+                     phases="build,load,bf16", R=2, methods="ar,self-spec,das-wave,pld", title="Nanbeige4.2-3B"),
 }
 
 
@@ -236,6 +239,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,8", help="batch sizes of the batch phase")
     p.add_argument("--rounds", type=int, default=1, help="decode phases: each method this many times, alternating "
                    "(tok/s: the fastest; x AR: per round, median and range)")
+    p.add_argument("--load-dtypes", default="float32,bfloat16", help="the load phase's dtypes")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -263,7 +267,7 @@ def main() -> None:
         results["build"] = {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss()}
         print(f"built {ckpt} in {results['build']['seconds']:.0f} s", file=sys.stderr, flush=True)
     if "load" in phases:
-        results["load"] = [run_child(args, "load", str(ckpt), d) for d in ("float32", "bfloat16")]
+        results["load"] = [run_child(args, "load", str(ckpt), d) for d in args.load_dtypes.split(",")]
     results["decode"] = {}
     for phase, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
         if phase in phases:

@@ -38,6 +38,9 @@ def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:
     elif family == "iquest-loop":   # two loops; loop 2 mixes K1/V1 with its own K/V in a window of 8 positions
         base.update(n_kv_heads=2, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=2, rope_theta=5e5,
                     norm_eps=1e-5, loop_window=8)
+    elif family == "nanbeige":      # Ouro's loop over Llama layers; q / o not square (4 x 16 heads over 32 wide)
+        base.update(n_kv_heads=2, head_dim=16, n_prelude=0, n_core=3, n_coda=0, mean_recurrence=2, rope_theta=7e7,
+                    norm_eps=1e-5)
     base.update(overrides)
     return LoopedConfig(**base).validate()
 

@@ -416,6 +416,9 @@ SPECIALS = {
     "raven-olmo": (None, "<|endoftext|>", "<|pad|>", []),
     # Ouro's published base files: EOS <|endoftext|> (id 0), then the ChatML tokens <|im_start|> 1, <|im_end|> 2
     "ouro": (None, "<|endoftext|>", None, ["<|im_start|>", "<|im_end|>"]),
+    # Nanbeige4.2's files: BOS <|im_start|> (added by the tokenizer's template, as there), EOS <|im_end|>, pad
+    # <unk>, ChatML turns with a <think> block (166100 / 166101 / 0 / 166103-4 there)
+    "nanbeige": ("<|im_start|>", "<|im_end|>", "<unk>", ["<think>", "</think>"]),
 }
 
 
@@ -656,4 +659,85 @@ def write_ouro_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, s
         tensors.pop(k)
     tensors.update(edit or {})
     cfg.update(config_edits or {})
+    return write_folder(folder, cfg, tensors, n_shards, tokenizer)
+
+
+# =================================================================================================================
+# Nanbeige4.2: random HF folders in upstream's layout (its forward is checked against upstream's own logits:
+# tests/fixtures/nanbeige)
+# =================================================================================================================
+
+NANBEIGE_MINI = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=80,
+                     num_hidden_layers=3)
+
+# ChatML with Nanbeige's thinking switch, written from its behaviour (not upstream's file): the generation prompt
+# opens a <think> block, or with enable_thinking=false closes an empty one.
+NANBEIGE_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role != 'system' %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}")
+
+
+def nanbeige_config(vocab_size: int = 128, num_loops: int = 2) -> dict:
+    """config.json of a miniature Nanbeige4.2 with every field the published 3B file carries (non-square q / o:
+    4 heads of 16 over a 32-wide stream, GQA 4/2, rope_theta 7e7, kv_channels = head_dim); the special ids are
+    those of ``write_tokenizer("nanbeige")`` (<|im_start|> 0, <|im_end|> 1, <unk> 2)."""
+    return {
+        "architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige", **NANBEIGE_MINI,
+        "auto_map": {"AutoConfig": "configuration_nanbeige.NanbeigeConfig",
+                     "AutoModel": "modeling_nanbeige.NanbeigeModel",
+                     "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"},
+        "vocab_size": vocab_size, "kv_channels": NANBEIGE_MINI["head_dim"], "hidden_act": "silu",
+        "max_position_embeddings": 512, "rope_theta": 70000000, "rope_scaling": None, "attention_bias": False,
+        "attention_dropout": 0.0, "rms_norm_eps": 1e-05, "num_loops": num_loops, "loop_loss_weights": [],
+        "skip_loop_final_norm": False, "pretraining_tp": 1, "tie_word_embeddings": False,
+        "pad_token_id": 2, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    }
+
+
+def nanbeige_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under upstream's tensor names (a Llama layer: two norms)."""
+    g = torch.Generator().manual_seed(seed)
+    d, nh, nkv, hd, inter = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                             cfg["head_dim"], cfg["intermediate_size"])
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) / math.sqrt(i)
+
+    def norm():
+        return 0.5 + torch.rand(d, generator=g)
+
+    t = {"model.embed_tokens.weight": torch.randn(cfg["vocab_size"], d, generator=g)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = lin(nh * hd, d)
+        t[p + "self_attn.k_proj.weight"] = lin(nkv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = lin(nkv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = lin(d, nh * hd)
+        t[p + "mlp.gate_proj.weight"] = lin(inter, d)
+        t[p + "mlp.up_proj.weight"] = lin(inter, d)
+        t[p + "mlp.down_proj.weight"] = lin(d, inter)
+        t[p + "input_layernorm.weight"] = norm()
+        t[p + "post_attention_layernorm.weight"] = norm()
+    t["model.norm.weight"] = norm()
+    t["lm_head.weight"] = lin(cfg["vocab_size"], d)
+    return t
+
+
+def write_nanbeige_checkpoint(folder: str | os.PathLike, *, vocab_size: int = 128, seed: int = 0, n_shards: int = 1,
+                              num_loops: int = 2, config_edits: dict | None = None,
+                              edit: dict[str, torch.Tensor] | None = None, tokenizer: dict | None = None) -> Path:
+    """Write a random HF Nanbeige folder; ``edit`` replaces or adds tensors; ``tokenizer``: files from
+    ``write_tokenizer("nanbeige")``, to which the ChatML + thinking-switch template is added as chat_template.jinja."""
+    folder = Path(folder)
+    cfg = nanbeige_config(vocab_size, num_loops)
+    tensors = nanbeige_tensors(cfg, seed)
+    tensors.update(edit or {})
+    cfg.update(config_edits or {})
+    if tokenizer is not None:
+        tokenizer = dict(tokenizer, **{"chat_template.jinja": NANBEIGE_CHAT_TEMPLATE})
     return write_folder(folder, cfg, tensors, n_shards, tokenizer)

@@ -48,7 +48,7 @@ def _all_choices(results) -> dict[str, int]:
     return total
 
 
-@pytest.mark.parametrize("family", ["huginn", "ouro", "iquest-loop"])
+@pytest.mark.parametrize("family", ["huginn", "ouro", "iquest-loop", "nanbeige"])
 def test_random_checkpoints_match_ar(family: str) -> None:
     """Six prompts, greedy and sampled (a seed per prompt), one at a time with a kept drafter and all together
     (generate_batch, max_batch 3): every output equals that prompt's AR decode.  ``explore=1`` makes the chooser

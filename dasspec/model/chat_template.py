@@ -81,10 +81,12 @@ class TemplateSandbox:
         self._buf = b""
 
     def render(self, template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-               special_tokens: Mapping[str, str]) -> str:
+               special_tokens: Mapping[str, str], template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """``template_kwargs``: the template's own variables (``enable_thinking``), under the messages, the
+        generation flag and the special tokens (which they cannot replace)."""
         request = json.dumps({"template": template, "messages": [dict(m) for m in messages],
                               "add_generation_prompt": add_generation_prompt, "special": dict(special_tokens),
-                              "max_chars": self.max_chars}).encode() + b"\n"
+                              "kwargs": dict(template_kwargs or {}), "max_chars": self.max_chars}).encode() + b"\n"
         with self._lock:
             proc = self._child()
             try:
@@ -172,8 +174,8 @@ def _child_main(memory_bytes: int) -> None:
     for line in sys.stdin.buffer:
         try:
             req = json.loads(line)
-            ctx = {"messages": req["messages"], "add_generation_prompt": req["add_generation_prompt"],
-                   **req["special"]}
+            ctx = {**req.get("kwargs", {}), "messages": req["messages"],
+                   "add_generation_prompt": req["add_generation_prompt"], **req["special"]}
             parts, size = [], 0
             for piece in compile_chat_template(req["template"]).generate(**ctx):
                 size += len(piece)

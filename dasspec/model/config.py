@@ -147,7 +147,7 @@ class LoopedConfig:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.n_heads * self.head_dim != self.n_embd:
+        if self.spec.square_heads and self.n_heads * self.head_dim != self.n_embd:
             raise ConfigError(f"n_heads*head_dim must equal n_embd, got {self.n_heads}*{self.head_dim}"
                               f" != {self.n_embd}")
         if self.qk_bias and self.n_kv_heads != self.n_heads:

@@ -70,10 +70,12 @@ class Tokenizer:
         return self._tok
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, **template_kwargs: Any) -> str:
         """The conversation as prompt text: ``chat_template`` (default: the checkpoint's, else
-        ``PLAIN_CHAT_TEMPLATE``) rendered with ``messages`` (dicts with ``role`` and ``content``).  Encode the
-        result with ``add_special_tokens=False``: the template already placed BOS where the model expects it."""
+        ``PLAIN_CHAT_TEMPLATE``) rendered with ``messages`` (dicts with ``role`` and ``content``) and, as Hugging
+        Face passes them, any ``template_kwargs`` (a template's own switches: ``enable_thinking=False`` for
+        Nanbeige's or Qwen3's).  Encode the result with ``add_special_tokens=False``: the template already placed
+        BOS where the model expects it."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
                              f"{type(messages).__name__}")
@@ -82,8 +84,8 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role' string and a 'content', got {m!r}")
         template = chat_template or self.chat_template or PLAIN_CHAT_TEMPLATE
         return compile_chat_template(template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            **self.special_tokens)
+            **{**template_kwargs, **self.special_tokens}, messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt)
 
 
 def _read_chat_template(folder: Path, meta: dict) -> str | None:

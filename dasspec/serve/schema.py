@@ -135,14 +135,25 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+TEMPLATE_KWARGS = 16          # at most this many chat_template_kwargs, each a short name and a scalar value
+TemplateValue = bool | int | float | str | None
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)    # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # the template's own switches, as vLLM / SGLang take them ({"enable_thinking": false} for Nanbeige or Qwen3)
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=TEMPLATE_KWARGS)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        for k, v in (self.chat_template_kwargs or {}).items():
+            if not (k.isidentifier() and len(k) <= 64) or k in ("messages", "add_generation_prompt"):
+                out.append(("chat_template_kwargs", f"{k[:64]!r} is not a template variable a request may set"))
+            elif isinstance(v, str) and len(v) > 1024:
+                out.append(("chat_template_kwargs", f"the value of {k!r} is longer than 1024 characters"))
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "only with logprobs: true"))
         if self.logprobs and self.stream:

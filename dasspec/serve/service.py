@@ -146,7 +146,8 @@ class Frontend:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
-            text = self.templates.render(self.chat_template, messages, True, self.tok.special_tokens)
+            text = self.templates.render(self.chat_template, messages, True, self.tok.special_tokens,
+                                         req.chat_template_kwargs)
         except TemplateLimit as err:             # the template's raise_exception, or a bound it exceeded
             raise APIError(400, f"'messages': {err}", param="messages") from None
         return self.tok.encode(text, add_special_tokens=False)  # the template placed BOS itself

@@ -9,6 +9,7 @@ method.  ``LoopedLM``, the loader and the methods ask the family; none of them s
     raven.py    Raven-Llama (Raven-Llama-3.2, Raven-TinyLlama) and Raven-OLMo
     ouro.py     ByteDance Ouro (Ouro-1.4B / 2.6B and their -Thinking variants)
     iquest.py   IQuest-Coder-V1-Loop (IQuestLab's 40B-Loop coder)
+    nanbeige.py Nanbeige4.2 (Nanbeige4.2-3B: 22 Llama layers looped twice)
 
 A new family is one new module here that subclasses ``Family`` and calls ``register`` (imported below).
 """
@@ -57,6 +58,7 @@ class Family:
     model_type: str = ""                # config.json's model_type for this family's checkpoints
     block: "type[nn.Module]"            # one layer: block(cfg) -> module(x, span, kv) -> x, with a ``style`` name
     rope_style: str = "half"            # "interleaved" (pairs 2j, 2j+1) or "half" (HF rotate_half)
+    square_heads: bool = True           # n_heads * head_dim == n_embd (False: head_dim is free, q / o not square)
 
     # --- the three primitives' specifics ---------------------------------------------------------------------
     injection: bool = True              # a core step reads adapter(cat[h, e]); False: h alone
@@ -155,8 +157,9 @@ def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None
     if not candidates:
         known = ", ".join(sorted({repr(f.model_type) for f in FAMILIES.values()}))
         raise ConfigError(f"unsupported model_type {model_type!r}: dasspec loads looped checkpoints of model_type "
-                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro)")
+                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro, "
+                          f"Nanbeige4.2)")
     return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
 
 
-from . import huginn, raven, ouro, iquest  # noqa: E402,F401  (each registers its families)
+from . import huginn, raven, ouro, iquest, nanbeige  # noqa: E402,F401  (each registers its families)

@@ -1,0 +1,227 @@
+"""dasspec against llama.cpp on the same Nanbeige4.2 weights (issue 53, "Peers"): a mid-size random Nanbeige (width
+512, 8 layers x 2 loops, the real 166,144-id vocabulary: ``benchmarks/nanbeige_files.py --preset mid``, then
+``python -m dasspec.testing build-real --scale full``), converted to GGUF by llama.cpp's own converter
+(``convert_hf_to_gguf.py --outtype f32`` and ``q8_0``).
+
+* llama.cpp: the ``llama-cpp-python`` package (a CPU build from the registry's source distribution, which vendors a
+  llama.cpp with the ``nanbeige`` architecture), in a worker process run with ``--llama-path`` on its PYTHONPATH,
+  greedy (``top_k=1``) on the same token ids, one prompt at a time (batch 1: its Python API has no batching).
+* upstream's HF remote code (``--hf-path``: transformers and ``modeling_nanbeige.py`` as the package ``hfmod``,
+  outside the repository), float32, eager attention, greedy through its own cache, batch 1.
+* dasspec: ``generate(..., "ar")`` and the default method (``auto``) at batch 1, ``generate_batch(...,
+  max_batch=8)`` with AR and ``auto`` at batch 8, float32, in this process.
+
+Sides alternate per round (llama.cpp f32, llama.cpp q8_0, dasspec ...), so drift of a shared machine hits all alike;
+tok/s is new tokens over wall time with the prefill, the fastest round reported, ratios per round (median [range]).
+Tokens: llama.cpp's float32 greedy against dasspec's AR (how many leading tokens agree, per prompt).
+
+    python benchmarks/nanbeige_peers.py --model /tmp/dasspec-big/nanbeige-mid \\
+        --gguf /tmp/dasspec-big/gguf/nanbeige-mid-f32.gguf --gguf-q8 /tmp/dasspec-big/gguf/nanbeige-mid-q8_0.gguf \\
+        --llama-path /work/ref/llamapy --out docs/performance/nanbeige-peers
+
+A benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = ("Question: A farmer has 12 cows and buys 7 more. How many cows does he have now?\nAnswer:",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The looped transformer reads the same layers twice, so",
+           "Write a short poem about the sea.",
+           "Translate to French: The weather is nice today.",
+           "List three prime numbers greater than 100:",
+           "Once upon a time in a small village,",
+           "import numpy as np\nx = np.arange(10)\n")
+
+
+def worker(gguf: str, threads: int) -> None:
+    """llama.cpp side: read {"ids": [...], "n": N} per line, answer {"tokens": [...], "seconds": s}."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False, seed=0)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        llm.reset()
+        t = time.perf_counter()
+        out = []
+        for tok in llm.generate(req["ids"], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= req["n"]:
+                break
+        print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
+
+
+def hf_worker(folder: str, threads: int) -> None:
+    """Upstream's HF remote code side (``modeling_nanbeige.py`` importable as ``hfmod``; transformers on the path),
+    float32, eager attention, greedy through its own DynamicCache, ``inv_freq`` recomputed after construction."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.cache_utils import DynamicCache
+
+    from hfmod.configuration_nanbeige import NanbeigeConfig
+    from hfmod.modeling_nanbeige import NanbeigeForCausalLM
+
+    torch.set_num_threads(threads)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    config = NanbeigeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "model_type")})
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = NanbeigeForCausalLM(config)
+    state = {}
+    index = Path(folder) / "model.safetensors.index.json"
+    shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+              else ["model.safetensors"])
+    for shard in shards:
+        state.update(load_file(Path(folder) / shard))
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+    for mod in model.modules():                    # the zero-buffer bug: inv_freq computed, never loaded
+        if hasattr(mod, "inv_freq"):
+            mod.inv_freq = 1.0 / (mod.base ** (torch.arange(0, mod.dim, 2, dtype=torch.int64).float() / mod.dim))
+    model = model.float().eval()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t = time.perf_counter()
+        out = []
+        with torch.inference_mode():
+            step = model(input_ids=torch.tensor([req["ids"]]), past_key_values=DynamicCache(), use_cache=True)
+            while len(out) < req["n"]:
+                out.append(int(step.logits[0, -1].argmax()))
+                if len(out) < req["n"]:
+                    step = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=step.past_key_values,
+                                 use_cache=True)
+        print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
+
+
+class Peer:
+    def __init__(self, target: str, path: str, threads: int, kind: str = "llama"):
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", target, "--kind", kind, "--threads",
+                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def run(self, ids: list[int], n: int) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model")
+    p.add_argument("--gguf")
+    p.add_argument("--gguf-q8")
+    p.add_argument("--llama-path", default="/work/ref/llamapy")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts (at most 8)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="runs/nanbeige-peers")
+    p.add_argument("--hf-path", default=None, help="PYTHONPATH holding transformers and upstream's "
+                   "modeling_nanbeige.py as the package hfmod (adds upstream's HF remote code as a side)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="llama", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        (hf_worker if args.kind == "hf" else worker)(args.worker, args.threads)
+        return
+
+    import torch
+    import dasspec
+
+    torch.set_num_threads(args.threads)
+    model = dasspec.load_model(args.model, device="cpu", dtype=torch.float32)
+    tok = model.tokenizer
+    prompts = [tok.encode(t) for t in PROMPTS[: args.prompts]]
+    n = args.tokens
+    peers = {"llama.cpp f32": Peer(args.gguf, args.llama_path, args.threads)} if args.gguf else {}
+    if args.gguf_q8:
+        peers["llama.cpp q8_0"] = Peer(args.gguf_q8, args.llama_path, args.threads)
+    if args.hf_path:
+        peers["upstream HF code f32"] = Peer(args.model, args.hf_path, args.threads, kind="hf")
+    auto = dasspec.build_drafter(model, "auto")                  # calibrated once, kept across requests
+    opts = dict(max_new_tokens=n, eos=False)
+
+    def dasspec_b1(method):
+        t = time.perf_counter()
+        outs = [dasspec.generate(model, ids, method, drafter=auto if method == "auto" else None, **opts).tokens
+                for ids in prompts]
+        return outs, time.perf_counter() - t
+
+    def dasspec_b8(method):
+        t = time.perf_counter()
+        outs = dasspec.generate_batch(model, prompts, method, max_batch=8,
+                                      drafter=auto if method == "auto" else None, **opts)
+        return [o.tokens for o in outs], time.perf_counter() - t
+
+    sides = {name: (lambda peer=peer: _peer_all(peer, prompts, n)) for name, peer in peers.items()}
+    sides.update({"dasspec AR B=1": lambda: dasspec_b1("ar"), "dasspec auto B=1": lambda: dasspec_b1("auto"),
+                  "dasspec AR B=8": lambda: dasspec_b8("ar"), "dasspec auto B=8": lambda: dasspec_b8("auto")})
+    rates: dict[str, list[float]] = {k: [] for k in sides}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            outs, seconds = sides[name]()
+            rates[name].append(len(prompts) * n / seconds)
+            tokens[name] = outs
+            print(f"round {r} {name}: {rates[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    for peer in peers.values():
+        peer.close()
+    ar = tokens["dasspec AR B=1"]
+    res = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "tokens": n,
+           "threads": args.threads, "rounds": args.rounds, "rates": rates,
+           "agree_with_dasspec_ar": {k: [agree(a, b) for a, b in zip(v, ar)] for k, v in tokens.items()},
+           "torch": torch.__version__}
+    ref = "llama.cpp f32" if "llama.cpp f32" in rates else "dasspec AR B=1"
+    base = rates[ref]
+    c = model.config
+    lines = [f"# Nanbeige (width {c.n_embd}, {c.n_heads} / {c.n_kv_heads} heads of {c.head_dim}, {c.n_core} layers x "
+             f"{c.mean_recurrence} loops, vocab {c.vocab_size:,}), random weights, float32 dasspec, "
+             f"{args.threads} threads, {len(prompts)} prompts x {n} greedy tokens, {args.rounds} rounds", "",
+             f"| side | tok/s (fastest round) | x {ref} per round: median [range] | leading tokens equal to "
+             "dasspec AR, per prompt |", "|---|---|---|---|"]
+    for k, v in rates.items():
+        per = [a / b for a, b in zip(v, base)]
+        lines.append(f"| {k} | {max(v):.1f} | {statistics.median(per):.2f} [{min(per):.2f}, {max(per):.2f}] | "
+                     f"{res['agree_with_dasspec_ar'][k]} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _peer_all(peer: Peer, prompts: list[list[int]], n: int):
+    t = time.perf_counter()
+    outs = [peer.run(ids, n)["tokens"] for ids in prompts]
+    return outs, time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
