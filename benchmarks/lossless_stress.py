@@ -72,7 +72,26 @@ def build_ouro(src: Path, out: Path, *, width: int, heads: int, intermediate: in
         return build_real_checkpoint(t, out, "full")
 
 
+def near_tie(model, eta: float) -> None:
+    """Replace the head by one shared row plus ``eta`` of the rows (an untied copy): the argmax is the same in exact
+    arithmetic, but the logits' spread is at the level of float32 rounding, so a token depends on every bit of its
+    row - a difference in a row's bits that the model's own margins would hide shows as changed tokens."""
+    import torch
+    with torch.no_grad():
+        w = model.lm_head.weight.detach().clone()
+        shared = w[0].clone()
+        w.mul_(eta).add_(shared)
+        model.lm_head.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
 def load(name: str, args: argparse.Namespace):
+    model = load_plain(name, args)
+    if args.near_tie:
+        near_tie(model, args.near_tie)
+    return model
+
+
+def load_plain(name: str, args: argparse.Namespace):
     import torch
     import dasspec
     src, models = Path(args.ouro_src), Path(args.models_dir)
@@ -219,7 +238,8 @@ def report(out: Path, cells: list[dict], info: dict, args: argparse.Namespace) -
              "each, eos off; reference: each prompt's own batch-1 AR (`dasspec.generate`) at one thread.  A cell: "
              "`generate_batch(..., max_batch=B)` of all the prompts (`mixed`: every method as requests of one "
              "Engine).  Entries: requests whose tokens differ from their reference / requests.", ""]
-    models = sorted({(c["model"], c["dtype"], c["mode"]) for c in cells}, key=lambda x: (MODELS.index(x[0]), x[2]))
+    models = sorted({(c["model"], c["dtype"], c["mode"]) for c in cells},
+                    key=lambda x: (MODELS.index(x[0].split("@")[0]), x[0], x[2]))
     cols = sorted({(c["threads"], c["B"]) for c in cells})
     lines += ["| model | dtype | decoding | method | " + " | ".join(f"{t} thr, B={b}" for t, b in cols) + " |",
               "|---|---|---|---|" + "---|" * len(cols)]
@@ -256,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=None, help="default 1000")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64")
     p.add_argument("--bf16-layers", type=int, default=4)
+    p.add_argument("--near-tie", type=float, default=0.0, help="ETA > 0: the head made a near tie (`near_tie`), "
+                   "so every bit of a row shows in its tokens; recorded as model@tieETA")
     p.add_argument("--ouro-src", default=str(ROOT.parent / "shared" / "checkpoints" / "ouro-1.4b"))
     p.add_argument("--models-dir", default="/tmp/dasspec-stress-models", help="where the random models are kept")
     p.add_argument("--data", default=os.environ.get("DASSPEC_DATA") or str(ROOT.parent / "shared" / "data"))
@@ -287,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         given = args.methods or (QUICK_BF16_METHODS if args.quick and model_name == "bf16-stack" else None)
         return [m.strip() for m in given.split(",")] if given else all_methods + ["mixed"]
 
-    plan = [(m, mode, method, B, t) for m in models for mode in modes for method in methods_of(m)
+    tag = f"@tie{args.near_tie:g}" if args.near_tie else ""
+    plan = [(m + tag, mode, method, B, t) for m in models for mode in modes for method in methods_of(m)
             for B in batches for t in threads]
     cells = read_jsonl(out / "cells.jsonl")
     done = {tuple(c[k] for k in CELL_KEY) for c in cells}
@@ -302,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in loaded:
             loaded.clear()                              # one model in memory at a time
             torch.set_num_threads(1)
-            model = load(name, args)
+            model = load(name.split("@")[0], args)
             loaded[name] = (model, make_prompts(model, texts, args.prompts, args.min_len, args.max_len))
         model, prompts = loaded[name]
         bar.set_description(f"{name} {mode} {method} B={B} t={t}")
