@@ -3,8 +3,9 @@ one thread and at two, alone and in batches of 1, 3 and 8 with every method (and
 with chunked and shared prefills, and preempted and resumed in a small pool - on a model whose shapes take every
 product and attention path the small fixtures of the other suites never reach:
 
-* weights above ``linear.PACK_MIN_ELEMENTS`` (2^18: the MLP's fc 2048 x 256, proj 256 x 1024, the embedding and the
-  untied head 2048 x 256) beside weights below it (Wqkv 768 x 256, the attention's proj 256 x 256, the adapter);
+* weights at or above ``linear.PACK_MIN_ELEMENTS`` (2^18: the MLP's fc 2048 x 256, proj 256 x 1024, the
+  embedding and the untied head 2048 x 256) beside weights below it (Wqkv 768 x 256, the attention's proj 256 x
+  256, the adapter);
 * prompts past ``attention.KERNEL_MAX_KEYS`` (128) keys beside short ones, chains ending on either side of it,
   Token Recycling's and Lookahead's trees, DAS-Wave's windows, prompt blocks and wide verification blocks (the GEMM
   attention path).
