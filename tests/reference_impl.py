@@ -28,8 +28,8 @@ HUGINN_SPECIAL_IDS = {"bos_token_id": 65504, "eos_token_id": 65505, "pad_token_i
 # Reference forward pass
 # =================================================================================================================
 
-def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder, by key name, in float32 (single file or index + shards)."""
+def load_state_dict(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, by key name, in ``dtype`` (single file or index + shards)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
@@ -38,12 +38,12 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(folder / name, "pt") as f:
             for key in f.keys():
-                out[key] = f.get_tensor(key).float()
+                out[key] = f.get_tensor(key).to(dtype)
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))      # float32, or float64 for a float64 reference
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight
 
@@ -97,11 +97,13 @@ class ReferenceModel:
     """Uncached full forward of one checkpoint folder, for ``family`` in huginn / raven-llama / raven-olmo
     (given by the test, not detected)."""
 
-    def __init__(self, folder: str | os.PathLike, family: str):
+    def __init__(self, folder: str | os.PathLike, family: str, dtype: torch.dtype = torch.float32):
+        """``dtype`` float64: the same math with float32's rounding out of the way (tests that must not depend on
+        one CPU's float32 kernels compare there)."""
         folder = Path(folder)
         c = json.loads((folder / "config.json").read_text())
-        self.family = family
-        self.sd = load_state_dict(folder)
+        self.folder, self.family, self.dtype = folder, family, dtype
+        self.sd = load_state_dict(folder, dtype)
         self.d = c["n_embd"]
         self.nh = c["n_heads"]
         self.nkv = c["num_key_value_heads"]
@@ -116,11 +118,11 @@ class ReferenceModel:
         if family == "huginn":
             table = self.sd.get("freqs_cis")
             if table is None:
-                table = huginn_freqs_cis(c["rope_base"], self.hd, c["block_size"])
+                table = huginn_freqs_cis(c["rope_base"], self.hd, c["block_size"]).to(dtype)
             self.freqs = torch.view_as_complex(table[0, :, 0].contiguous())        # [n_pos, hd/2] complex
             self.head = self.sd["transformer.wte.weight"]                           # tied
         else:
-            self.inv_freq = raven_inv_freq(c["rope_theta"], self.hd, c.get("rope_scaling"))
+            self.inv_freq = raven_inv_freq(c["rope_theta"], self.hd, c.get("rope_scaling")).to(dtype)
             self.head = self.sd["lm_head.weight"]
 
     # --- pieces -----------------------------------------------------------------------------------------
@@ -130,10 +132,10 @@ class ReferenceModel:
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [B, S, H, hd] at positions pos [S]."""
         if self.family == "huginn":
-            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], self.hd // 2, 2).contiguous())
+            xc = torch.view_as_complex(x.to(self.dtype).reshape(*x.shape[:-1], self.hd // 2, 2).contiguous())
             out = torch.view_as_real(xc * self.freqs[pos][None, :, None, :])
             return out.reshape(x.shape).to(x.dtype)
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]                      # [S, hd/2]
+        freqs = pos.to(self.dtype)[:, None] * self.inv_freq[None, :]               # [S, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
         return x * cos + rotate_half(x) * sin
@@ -161,7 +163,7 @@ class ReferenceModel:
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
         future = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
         scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.to(self.dtype), dim=-1).to(q.dtype)
         y = (probs @ v).transpose(1, 2).reshape(B, S, self.nh * self.hd)
         return y @ self.W(p + "attn.proj.weight").T
 
@@ -184,7 +186,8 @@ class ReferenceModel:
 
     # --- whole model ------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, num_steps: int, state0: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [B, S, V] at recurrence depth num_steps; state0 [B, S, d] (default: zeros)."""
+        """float32 (float64 for a float64 reference) logits [B, S, V] at recurrence depth num_steps; state0 [B, S,
+        d] (default: zeros)."""
         if ids.dim() == 1:
             ids = ids[None]
         B, S = ids.shape
@@ -194,7 +197,7 @@ class ReferenceModel:
             e = e * self.embed_scale
         for i in range(self.n_pre):
             e = self.block(e, f"transformer.prelude.{i}.", pos)
-        s = torch.zeros_like(e) if state0 is None else state0.expand_as(e).clone()
+        s = torch.zeros_like(e) if state0 is None else state0.to(e.dtype).expand_as(e).clone()
         for _ in range(num_steps):
             x = torch.cat([s, e], dim=-1) @ self.W("transformer.adapter.weight").T
             for j in range(self.n_core):
@@ -204,7 +207,7 @@ class ReferenceModel:
         x = rms_norm(s, ln_f, self.eps) if self.norm_after_loop else s
         for k in range(self.n_coda):
             x = self.block(x, f"transformer.coda.{k}.", pos)
-        return (rms_norm(x, ln_f, self.eps) @ self.head.T).float()
+        return (rms_norm(x, ln_f, self.eps) @ self.head.T).to(torch.promote_types(self.dtype, torch.float32))
 
     __call__ = forward
 

@@ -59,12 +59,18 @@ def test_long_prompt_positions(pairs, layout):
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_seeded_random_initial_state(pairs, layout):
+    """A random initial state at depth 8 is ill-conditioned (Huginn's logits move about 1e-4 from float32 rounding
+    alone), so a fixed float32 tolerance would encode one CPU's kernels: dasspec's float32 logits are compared with
+    the reference computed in float64 and must be within 4x the reference's own float32 error there (or TOL)."""
     model, ref = pairs[layout]
+    exact = ReferenceModel(ref.folder, ref.family, torch.float64)
     ids = ids_of(20, seed=3)
     s0 = model.initial_state(torch.arange(20), init_scale=1.0, seed=11)[None]
     for r in (2, 8):
-        err = max_err(model(ids, num_steps=r, init_scale=1.0, seed=11), ref(ids, r, state0=s0))
-        assert err <= TOL, f"{layout} depth {r}: {err:.2e}"
+        want = exact(ids, r, state0=s0)
+        own = max_err(ref(ids, r, state0=s0).double(), want)
+        err = max_err(model(ids, num_steps=r, init_scale=1.0, seed=11).double(), want)
+        assert err <= max(TOL, 4 * own), f"{layout} depth {r}: {err:.2e} (the reference's float32 error {own:.2e})"
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)

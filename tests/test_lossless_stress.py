@@ -1,0 +1,224 @@
+"""Lossless where users run (issue 51): every request's tokens equal its own batch-1 AR decode at ONE thread - at
+one thread and at two, alone and in batches of 1, 3 and 8 with every method (and ``auto``) mixed in one engine,
+with chunked and shared prefills, and preempted and resumed in a small pool - on a model whose shapes take every
+product and attention path the small fixtures of the other suites never reach:
+
+* weights at or above ``linear.PACK_MIN_ELEMENTS`` (2^18: the MLP's fc 2048 x 256, proj 256 x 1024, the
+  embedding and the untied head 2048 x 256) beside weights below it (Wqkv 768 x 256, the attention's proj 256 x
+  256, the adapter);
+* prompts past ``attention.KERNEL_MAX_KEYS`` (128) keys beside short ones, chains ending on either side of it,
+  Token Recycling's and Lookahead's trees, DAS-Wave's windows, prompt blocks and wide verification blocks (the GEMM
+  attention path).
+
+A near-tie head makes a token depend on every bit of its row: the head is one shared row plus 1e-5 of the random
+ones, so the logits' spread is at the level of float32 rounding and the argmax is decided there (in exact
+arithmetic the argmax is the random head's).  Any difference in a row's bits - a product or an attention that
+summed in another order because of the batch, the thread count or the verifier's shape - then changes tokens
+within a few positions, where a plain random model would carry it unseen.  Sampling is tested with top-k 2 so
+its choice set is decided at that level too (Gumbel noise over the whole vocabulary would hide it).
+
+Every comparison is exact (token ids equal).  ``tests/conftest.py`` pins one thread; the two-thread cases set two
+and the autouse fixture there restores one.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.engine.engine import Engine
+from dasspec.model import attention, linear
+from dasspec.testing import random_model
+
+NEW = 8                      # new tokens per request
+THREADS = (1, 2)
+NEAR_TIE = 1e-5              # the head's random part, against its shared row (the float32 rounding level)
+SAMPLED = dict(do_sample=True, temperature=0.7, top_k=2)
+# Every method (knobs small enough for R = 4) and auto; the wide drafters' trees and DAS-Wave's windows included.
+METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 4}),
+           ("mature-spec", {"draft_depth": 2, "block": 3}),
+           ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 2, "k": 1}),
+           ("pld", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}),
+           ("sam", {}), ("auto", {})]
+# Mixed lengths: three past KERNEL_MAX_KEYS (one a prompt of repeats, for the lookup drafters), one ending on it.
+LENGTHS = (150, 9, 133, 40, 200, 3, 127, 70, 24)
+
+
+def _model():
+    model = random_model("huginn", seed=5, vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64,
+                         intermediate_size=1024, mean_recurrence=4, tie_embeddings=False, block_size=512)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        shared = head[0].clone()
+        head.mul_(NEAR_TIE).add_(shared)
+    return model
+
+
+def _prompts(vocab: int, lengths=LENGTHS, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, L in enumerate(lengths):
+        if i % 2 == 0 and L > 20:      # repeats, so the lookup drafters draft and trees are verified
+            out.append(torch.randint(3, vocab, (L // 5,), generator=g).repeat(6)[:L].tolist())
+        else:
+            out.append(torch.randint(3, vocab, (L,), generator=g).tolist())
+    return out
+
+
+@contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(model, prompts, sampled: bool) -> list[list[int]]:
+    """Each prompt's own batch-1 AR decode at one thread (the prompt's index as its seed)."""
+    opts = SAMPLED if sampled else {}
+    with threads(1):
+        return [dasspec.generate(model, p, "ar", max_new_tokens=NEW, eos=False, seed=i, **opts).tokens
+                for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def case():
+    model = _model()
+    prompts = _prompts(model.config.vocab_size)
+    return model, prompts, {s: _reference(model, prompts, s) for s in (False, True)}
+
+
+def test_the_fixture_takes_every_path(case):
+    """The shapes are what the module's docstring says (a guard against a fixture that drifts to small shapes):
+    weights on both sides of the packing threshold, prompts on both sides of the kernel's key limit."""
+    model, prompts, _ = case
+    sizes = [p.numel() for p in model.parameters() if p.dim() == 2]
+    assert any(n >= linear.PACK_MIN_ELEMENTS for n in sizes) and any(n < linear.PACK_MIN_ELEMENTS for n in sizes)
+    assert model.lm_head.weight.numel() >= linear.PACK_MIN_ELEMENTS
+    assert any(len(p) > attention.KERNEL_MAX_KEYS for p in prompts)
+    assert any(len(p) + NEW < attention.KERNEL_MAX_KEYS for p in prompts)
+
+
+def _mismatches(outs: list[list[int]], refs: list[list[int]], labels) -> list:
+    return [(label, next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r))))
+            for o, r, label in zip(outs, refs, labels) if o != r]
+
+
+# AR alone at one thread is the reference itself: only its two-thread case can fail.
+ALONE = [(m, k, t) for m, k in METHODS for t in THREADS if (m, t) != ("ar", 1)]
+
+
+@pytest.mark.parametrize("method,knobs,n_threads", ALONE, ids=[f"{m}-{t}thr" for m, _, t in ALONE])
+def test_each_method_alone(case, method, knobs, n_threads):
+    """``dasspec.generate`` of two prompts (past the key limit; ending its decode past it), greedy, and of one
+    sampled: AR's tokens at one thread."""
+    model, prompts, refs = case
+    picks = [0, 6]
+    with threads(n_threads):
+        outs = [dasspec.generate(model, prompts[i], method, max_new_tokens=NEW, eos=False, seed=i, **knobs).tokens
+                for i in picks]
+        sampled = dasspec.generate(model, prompts[2], method, max_new_tokens=NEW, eos=False, seed=2, **SAMPLED,
+                                   **knobs).tokens
+    bad = _mismatches(outs + [sampled], [refs[False][i] for i in picks] + [refs[True][2]],
+                      [f"greedy prompt {i}" for i in picks] + ["sampled prompt 2"])
+    assert not bad, f"{method} at {n_threads} thread(s): (request, first differing position) {bad}"
+
+
+def _engine_run(engine: Engine, requests: list[tuple[int, str, dict]], sampled: bool, prompts, **add) -> list:
+    opts = SAMPLED if sampled else {}
+    with torch.inference_mode():
+        rids = [engine.add(prompts[j], method=m, knobs=k, max_new_tokens=NEW, eos=False, seed=j, **opts, **add)
+                for j, m, k in requests]
+        while engine.has_work:
+            engine.step()
+    return [engine.result(r).tokens for r in rids]
+
+
+@pytest.mark.parametrize("n_threads", THREADS, ids=lambda t: f"{t}thr")
+@pytest.mark.parametrize("sampled,B", [(False, 1), (False, 3), (False, 8), (True, 8)],
+                         ids=("greedy-1", "greedy-3", "greedy-8", "sampled-8"))
+def test_batches_of_every_method_mixed(case, B, sampled, n_threads):
+    """One engine, nine requests of mixed lengths, each with another method (every method and auto), at most B at
+    a time: each request's tokens are its own batch-1 AR decode at one thread."""
+    model, prompts, refs = case
+    requests = [(j % len(prompts), *METHODS[j % len(METHODS)]) for j in range(max(len(prompts), len(METHODS)))]
+    with threads(n_threads):
+        outs = _engine_run(Engine(model, "ar", max_batch=B), requests, sampled, prompts)
+    bad = _mismatches(outs, [refs[sampled][j] for j, _, _ in requests],
+                      [f"prompt {j} ({len(prompts[j])} tokens) by {m}" for j, m, _ in requests])
+    assert not bad, f"B={B}, {n_threads} thread(s): (request, first differing position) {bad}"
+
+
+@pytest.mark.parametrize("n_threads", THREADS, ids=lambda t: f"{t}thr")
+@pytest.mark.parametrize("method", ("das-wave", "auto"))
+def test_generate_batch(case, method, n_threads):
+    """``dasspec.generate_batch`` of every prompt at max_batch 8 (the public batched call), greedy."""
+    model, prompts, refs = case
+    knobs = dict(METHODS)[method]
+    with threads(n_threads):
+        outs = [o.tokens for o in dasspec.generate_batch(model, prompts, method, max_new_tokens=NEW, eos=False,
+                                                         max_batch=8, **knobs)]
+    bad = _mismatches(outs, refs[False], [f"prompt {j} ({len(p)} tokens)" for j, p in enumerate(prompts)])
+    assert not bad, f"{method}, {n_threads} thread(s): (request, first differing position) {bad}"
+
+
+@pytest.mark.parametrize("n_threads", THREADS, ids=lambda t: f"{t}thr")
+def test_chunked_and_shared_prefills(case, n_threads):
+    """Prompts that share their first 144 tokens (nine blocks of 16): prefilled in chunks under a small step
+    budget (depth slices), the shared blocks computed once in the engine, and through a ``PrefixCache`` built at
+    one thread in another engine - every answer its own batch-1 AR decode at one thread."""
+    model, _, _ = case
+    base = _prompts(model.config.vocab_size, lengths=(144, 30, 12, 60), seed=9)
+    prompts = [base[0] + tail for tail in base[1:]] + [base[0][:150]]
+    refs = _reference(model, prompts, False)
+    with threads(1):
+        pc = dasspec.PrefixCache(model, base[0], block_size=16)
+    methods = [METHODS[3], METHODS[6], METHODS[8], METHODS[0]]
+    requests = [(j, *methods[j]) for j in range(len(prompts))]
+    with threads(n_threads):
+        chunked = _engine_run(Engine(model, "ar", max_batch=4, block_size=16, max_step_tokens=24), requests, False,
+                              prompts)
+        cached = _engine_run(Engine(model, "ar", max_batch=2, block_size=16), requests, False, prompts,
+                             prefix_cache=pc)
+    labels = [f"prompt {j} by {m}" for j, m, _ in requests]
+    bad = _mismatches(chunked, refs, [f"chunked {x}" for x in labels])
+    bad += _mismatches(cached, refs, [f"prefix-cached {x}" for x in labels])
+    assert not bad, f"{n_threads} thread(s): (request, first differing position) {bad}"
+
+
+def _count_swaps(engine: Engine) -> list[int]:
+    """[swaps out] counted from every plan the engine's scheduler makes (real swaps of computed rows, not a
+    request rolled back in the step that admitted it)."""
+    swaps = [0]
+    schedule = engine.scheduler.schedule
+
+    def spy(events):
+        plan, ended = schedule(events)
+        swaps[0] += len(plan.swap_out)
+        return plan, ended
+
+    engine.scheduler.schedule = spy
+    return swaps
+
+
+@pytest.mark.parametrize("sampled,n_threads", [(False, 1), (False, 2), (True, 2)],
+                         ids=("greedy-1thr", "greedy-2thr", "sampled-2thr"))
+def test_preempted_and_resumed_in_a_small_pool(case, sampled, n_threads):
+    """A pool of 480 positions (30 blocks of 16) for eighteen requests, each prompt and each method twice: requests
+    are swapped out and back in (counted: real swaps, not roll-backs; 1-2 here), and every answer is its own
+    batch-1 AR decode at one thread."""
+    model, prompts, refs = case
+    requests = [(j % len(prompts), *METHODS[(j + j // len(prompts)) % len(METHODS)]) for j in range(2 * len(prompts))]
+    engine = Engine(model, "ar", max_batch=8, block_size=16, kv_budget=480)
+    swaps = _count_swaps(engine)
+    with threads(n_threads):
+        outs = _engine_run(engine, requests, sampled, prompts)
+    assert swaps[0] > 0, "nothing was swapped out: preemption went untested"
+    bad = _mismatches(outs, [refs[sampled][j] for j, _, _ in requests],
+                      [f"prompt {j} by {m}" for j, m, _ in requests])
+    assert not bad, f"{n_threads} thread(s): (request, first differing position) {bad}"
