@@ -3,10 +3,10 @@ one thread and at two, alone and in batches of 1, 3 and 8 with every method (and
 with chunked and shared prefills, and preempted and resumed in a small pool - on a model whose shapes take every
 product and attention path the small fixtures of the other suites never reach:
 
-* weights at or above ``linear.PACK_MIN_ELEMENTS`` (2^18: the MLP's fc 2048 x 256, proj 256 x 1024, the
+* weights at or above 2^18 elements (``PACK_THRESHOLD``, where products once switched from MKL to oneDNN: the MLP's fc 2048 x 256, proj 256 x 1024, the
   embedding and the untied head 2048 x 256) beside weights below it (Wqkv 768 x 256, the attention's proj 256 x
   256, the adapter);
-* prompts past ``attention.KERNEL_MAX_KEYS`` (128) keys beside short ones, chains ending on either side of it,
+* prompts past 128 keys (``KEY_LIMIT``, where causal rows once switched from the row kernel to SDPA) beside short ones, chains ending on either side of it,
   Token Recycling's and Lookahead's trees, DAS-Wave's windows, prompt blocks and wide verification blocks (the GEMM
   attention path).
 
@@ -30,10 +30,11 @@ import torch
 
 import dasspec
 from dasspec.engine.engine import Engine
-from dasspec.model import attention, linear
 from dasspec.testing import random_model
 
 NEW = 8                      # new tokens per request
+PACK_THRESHOLD = 1 << 18     # the shapes where the old kernels changed path: still covered on both sides
+KEY_LIMIT = 128
 THREADS = (1, 2)
 NEAR_TIE = 1e-5              # the head's random part, against its shared row (the float32 rounding level)
 SAMPLED = dict(do_sample=True, temperature=0.7, top_k=2)
@@ -43,7 +44,7 @@ METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 4}),
            ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 2, "k": 1}),
            ("pld", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}),
            ("sam", {}), ("auto", {})]
-# Mixed lengths: three past KERNEL_MAX_KEYS (one a prompt of repeats, for the lookup drafters), one ending on it.
+# Mixed lengths: three past KEY_LIMIT (one a prompt of repeats, for the lookup drafters), one ending on it.
 LENGTHS = (150, 9, 133, 40, 200, 3, 127, 70, 24)
 
 
@@ -98,10 +99,10 @@ def test_the_fixture_takes_every_path(case):
     weights on both sides of the packing threshold, prompts on both sides of the kernel's key limit."""
     model, prompts, _ = case
     sizes = [p.numel() for p in model.parameters() if p.dim() == 2]
-    assert any(n >= linear.PACK_MIN_ELEMENTS for n in sizes) and any(n < linear.PACK_MIN_ELEMENTS for n in sizes)
-    assert model.lm_head.weight.numel() >= linear.PACK_MIN_ELEMENTS
-    assert any(len(p) > attention.KERNEL_MAX_KEYS for p in prompts)
-    assert any(len(p) + NEW < attention.KERNEL_MAX_KEYS for p in prompts)
+    assert any(n >= PACK_THRESHOLD for n in sizes) and any(n < PACK_THRESHOLD for n in sizes)
+    assert model.lm_head.weight.numel() >= PACK_THRESHOLD
+    assert any(len(p) > KEY_LIMIT for p in prompts)
+    assert any(len(p) + NEW < KEY_LIMIT for p in prompts)
 
 
 def _mismatches(outs: list[list[int]], refs: list[list[int]], labels) -> list:
