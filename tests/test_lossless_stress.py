@@ -210,16 +210,23 @@ def _count_swaps(engine: Engine) -> list[int]:
 @pytest.mark.parametrize("sampled,n_threads", [(False, 1), (False, 2), (True, 2)],
                          ids=("greedy-1thr", "greedy-2thr", "sampled-2thr"))
 def test_preempted_and_resumed_in_a_small_pool(case, sampled, n_threads):
-    """A pool of 480 positions (30 blocks of 16) for eighteen requests, each prompt and each method twice: requests
-    are swapped out and back in (counted: real swaps, not roll-backs; 1-2 here), and every answer is its own
-    batch-1 AR decode at one thread."""
+    """A pool of 352 positions (22 blocks of 16) for eighteen requests, each prompt and each method twice: requests
+    are swapped out and back in (counted: real swaps, not roll-backs; 1-5 here), and every answer is its own
+    batch-1 AR decode at one thread.  Which pool size swaps is not monotonic (a tighter pool admits fewer requests at
+    once) and auto's choices follow its measured timings, so where one pool happens to swap nothing the next is
+    tried; every run's answers are checked."""
     model, prompts, refs = case
     requests = [(j % len(prompts), *METHODS[(j + j // len(prompts)) % len(METHODS)]) for j in range(2 * len(prompts))]
-    engine = Engine(model, "ar", max_batch=8, block_size=16, kv_budget=480)
-    swaps = _count_swaps(engine)
-    with threads(n_threads):
-        outs = _engine_run(engine, requests, sampled, prompts)
-    assert swaps[0] > 0, "nothing was swapped out: preemption went untested"
-    bad = _mismatches(outs, [refs[sampled][j] for j, _, _ in requests],
-                      [f"prompt {j} by {m}" for j, m, _ in requests])
+    bad, swapped = [], 0
+    for pool in (352, 480, 320):
+        engine = Engine(model, "ar", max_batch=8, block_size=16, kv_budget=pool)
+        swaps = _count_swaps(engine)
+        with threads(n_threads):
+            outs = _engine_run(engine, requests, sampled, prompts)
+        bad += _mismatches(outs, [refs[sampled][j] for j, _, _ in requests],
+                           [f"pool {pool}: prompt {j} by {m}" for j, m, _ in requests])
+        swapped += swaps[0]
+        if swapped:
+            break
+    assert swapped > 0, "nothing was swapped out: preemption went untested"
     assert not bad, f"{n_threads} thread(s): (request, first differing position) {bad}"

@@ -201,10 +201,13 @@ def test_a_prefix_cache_carries_blocks_across_engines(model):
 
 
 
-def test_a_prefix_cache_is_refused_under_another_runtime_or_thread_count(model):
-    """Rows computed with static shapes, or at another torch thread count, may round differently from the rows a
-    request computes itself: such a request is refused with the difference named; one built for the request's
-    runtime serves it (its answer is its own AR decode)."""
+def test_a_prefix_cache_is_refused_under_another_runtime_or_thread_count(model, monkeypatch):
+    """Rows computed with static shapes, or at another torch thread count where torch's kernels compute them, may
+    round differently from the rows a request computes itself: such a request is refused with the difference named;
+    one built for the request's runtime serves it (its answer is its own AR decode).  Where dasspec's kernels compute
+    every row (eager float32 on a CPU), the thread count changes no bit and the cache serves at any thread count."""
+    from dasspec.model import decode_kernel
+
     prefix, (prompt, *_) = _prompts(model.config.vocab_size, 40, 1)
     pc = dasspec.PrefixCache(model, prefix, block_size=B)
     eng = Engine(model, "ar", block_size=B, max_batch=1, runtime=dasspec.Runtime(static_shapes=True))
@@ -213,6 +216,16 @@ def test_a_prefix_cache_is_refused_under_another_runtime_or_thread_count(model):
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
+        assert decode_kernel.thread_invariant(model.device, model.dtype) == decode_kernel.available()
+        if decode_kernel.available():
+            other = Engine(model, "ar", block_size=B, max_batch=1)
+            rid = other.add(prompt, max_new_tokens=6, eos=False, prefix_cache=pc)
+            with torch.inference_mode():
+                while other.has_work:
+                    other.step()
+            assert other._table[rid].stats.cached_tokens == 40
+            assert other.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
+        monkeypatch.setattr(decode_kernel, "thread_invariant", lambda *a, **k: False)
         with pytest.raises(ValueError, match=f"{threads + 1} torch threads \\(cache: {threads}\\)"):
             Engine(model, "ar", block_size=B, max_batch=1).add(prompt, max_new_tokens=3, prefix_cache=pc)
     finally:

@@ -10,8 +10,8 @@ full blocks; a request that starts with them gets copies of their rows in its en
 sharing too) and prefills only the rest.  The rows are computed exactly as a request computes its own prompt blocks
 (one attention segment per block), so they are the rows it would have computed: the request's tokens are its own
 AR decode.  The cache is tied to the model, depth R, ``init_scale``, ``state_seed``, block size, exit rule, runtime
-(static shapes, compiled) and torch thread count it was built with - each can change how a row rounds; a request
-that differs in any of them is refused with a message saying which.
+(static shapes, compiled) and, where torch's kernels compute the rows, the thread count it was built with - each can
+change how a row rounds; a request that differs in any of them is refused with a message saying which.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from ..model import decode_kernel
 from ..model.cache import PagedCache
 from ..model.looped import LoopedLM
 from .blocks import BLOCK_SIZE, block_keys, prefix_salt
@@ -60,7 +61,7 @@ class PrefixCache:
         self.model, self.init_scale, self.state_seed, self.B = model, float(init_scale), int(state_seed), block_size
         self.tokens = tokens
         self.runtime = runtime or DEFAULT
-        self.threads = torch.get_num_threads()      # a product's kernel (and rounding) can depend on it
+        self.threads = torch.get_num_threads()      # torch's kernels (not ours) may round by thread count
         self.engine = Engine(model, "ar", num_steps=self.R, runtime=self.runtime, max_batch=1,
                              kv_budget=m + 2 * block_size, block_size=block_size, max_step_tokens=max(m, block_size))
         rid = self.engine.add(tokens, max_new_tokens=1, eos=False, init_scale=init_scale, state_seed=state_seed)
@@ -101,7 +102,8 @@ class PrefixCache:
             diffs.append("an early-exit target (the cache holds the last step's coda rows)")
         if _execution(runtime or DEFAULT) != _execution(self.runtime):
             diffs.append(f"runtime {_execution(runtime or DEFAULT)} (cache: {_execution(self.runtime)})")
-        if torch.get_num_threads() != self.threads:
+        if torch.get_num_threads() != self.threads and not decode_kernel.thread_invariant(
+                model.device, model.dtype, self.runtime.static_shapes or self.runtime.compile):
             diffs.append(f"{torch.get_num_threads()} torch threads (cache: {self.threads})")
         if diffs:
             raise ValueError("this prefix cache was built for other settings than the request's: "

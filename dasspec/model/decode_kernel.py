@@ -149,6 +149,13 @@ def exactness(device: "torch.device | str", dtype: torch.dtype) -> str:
     return GUARANTEE_OTHER.format(dtype=str(dtype).removeprefix("torch."), device=device.type)
 
 
+def thread_invariant(device: "torch.device | str", dtype: torch.dtype, static_shapes: bool = False) -> bool:
+    """Whether a row's bits on ``device`` in ``dtype`` are the same at every torch thread count: eager CPU rows in
+    float32 or bfloat16 through these kernels (threads split rows and outputs, never a sum)."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and not static_shapes
+            and available())
+
+
 def isa() -> str | None:
     """The instruction set the kernels run on ("avx512", "avx2", "portable"), or None without kernels."""
     return _module.isa() if available() else None
