@@ -68,8 +68,10 @@ def test_detection_by_model_type():
         detect_family(cfg, ["transformer.core_block.0.attn.Wqkv.weight"])
     with pytest.raises(ConfigError, match="unknown dasspec_family 'huginn' for model_type 'ouro'"):
         detect_family(dict(cfg, dasspec_family="huginn"))
-    with pytest.raises(ConfigError, match=r"unsupported model_type 'qwen2'.*'huginn_raven', .*'ouro'"):
+    with pytest.raises(ConfigError, match=r"unsupported model_type 'qwen2'.*'huginn_raven', .*'ouro'") as err:
         detect_family(dict(cfg, model_type="qwen2"))
+    for name in ("Huginn-0125", "Raven-Llama", "Ouro", "IQuest-Coder-V1-Loop", "Nanbeige4.2"):     # every family
+        assert name in str(err.value), name
 
 
 @pytest.mark.parametrize("method,knob,values", [

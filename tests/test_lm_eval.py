@@ -8,7 +8,11 @@ tasks shipped in ``dasspec/eval/lm_eval_tasks``, ``dasspec eval``, and ``local-c
   default (``auto``), each output the text of ``dasspec.generate(method="ar")`` with the task's stop string and
   cap;
 * the in-process model (ar, das-wave) and ``local-completions`` against the server give the same samples and
-  scores on a generate_until task and a log-likelihood (multiple-choice) task.
+  scores on a generate_until task and a log-likelihood (multiple-choice) task;
+* on the two-loop families (tiny random Nanbeige4.2 and IQuest-Loop folders with a tokenizer): scores equal each
+  sequence's own forward at the default and a deeper loop count, AR's cached greedy continuation is the scoring
+  forward's greedy one, and das-wave, self-spec and auto (with a shared few-shot prefix too) give AR's
+  generate_until samples, greedy and sampled.
 
 Needs lm-eval (the ``eval`` extra; scripts/setup.sh installs it) and the evaluation data ($DASSPEC_DATA).
 """
@@ -30,6 +34,8 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip i
 import dasspec  # noqa: E402
 from dasspec.eval.lm_eval_model import DasspecLM, task_manager  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
+from iquest_reference import write_iquest_checkpoint  # noqa: E402
+from reference_impl import write_nanbeige_checkpoint, write_tokenizer  # noqa: E402
 
 BUNDLED = Path(dasspec.__file__).parent / "assets" / "dasspec-tiny"
 TOL = dict(rel=1e-5, abs=2e-5)
@@ -114,6 +120,68 @@ def test_generate_until_same_outputs_for_ar_das_wave_and_the_default(model, eval
         assert resps == [[ref.text]]
         stopped += ref.stop_reason == "stop_string"
     assert stopped >= 1                                   # the stop string is exercised
+
+
+# --- the other looped families -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["nanbeige", "iquest-loop"])
+def looped(request, tmp_path_factory):
+    """A tiny random checkpoint of a two-loop family, in upstream's layout with a tokenizer (IQuest: loop 2's
+    window of 8 positions, so the few-shot prompts cross it many times)."""
+    root = tmp_path_factory.mktemp(request.param) / "model"
+    if request.param == "nanbeige":
+        folder = write_nanbeige_checkpoint(root, vocab_size=320, seed=5, tokenizer=write_tokenizer("nanbeige"))
+    else:
+        folder = write_iquest_checkpoint(root, vocab_size=320, seed=3, tokenizer=write_tokenizer("ouro"))
+    model = dasspec.load_model(folder, device="cpu")
+    assert model.config.family == request.param and model.R == 2
+    return model
+
+
+def test_looped_families_score_and_generate_through_lm_eval(looped, eval_data):
+    model, tok = looped, looped.tokenizer
+    context = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
+    ctx = tok.encode(context, add_special_tokens=False)
+    assert len(ctx) > 2 * max(model.config.loop_window, 1)       # IQuest: scored rows past loop 2's window
+    pairs = [(context, " 7 apples."), ("def add(a, b):", "\n    return a + b")]
+    for num_steps in (None, 3):
+        lm = DasspecLM(model=model, method="das-wave", num_steps=num_steps, batch_size=2)
+        got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
+        for (c, x), (lp, is_greedy) in zip(pairs, got):
+            whole = tok.encode(c + x, add_special_tokens=False)
+            n = len(whole) - len(tok.encode(c, add_special_tokens=False))
+            ref = forward(model, whole, num_steps=num_steps)          # alone: no padding beside a longer one
+            positions = range(len(whole) - n, len(whole))
+            assert lp == pytest.approx(sum(ref[t - 1, whole[t]].item() for t in positions), **TOL)
+            assert is_greedy == all(ref[t - 1].argmax().item() == whole[t] for t in positions)
+        # the cached decode's own continuation is the uncached scoring forward's greedy one; one token changed is not
+        greedy = dasspec.generate(model, ctx, method="ar", max_new_tokens=16, num_steps=num_steps).tokens
+        other = greedy[:-1] + [(greedy[-1] + 1) % model.config.vocab_size]
+        assert [g for _lp, g in lm._loglikelihood_tokens([(None, ctx, greedy), (None, ctx, other)])] == [True, False]
+
+    eval_data("gsm8k/test.jsonl")
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only: indexing lm-eval's own takes ~10 s
+    cap, until = 12, ["\n"]
+    runs = {}
+    for name, method, extra in (("ar", "ar", {}), ("das-wave", "das-wave", {}), ("self-spec", "self-spec", {}),
+                                ("auto", None, {}), ("auto+prefix", None, {"prefix_cache": True}),
+                                ("ar sampled", "ar", {"t": 0.8}), ("das-wave sampled", "das-wave", {"t": 0.8})):
+        t = extra.pop("t", None)
+        lm = DasspecLM(model=model, batch_size=2, **({} if method is None else {"method": method}), **extra)
+        gen = {"max_gen_toks": cap, "until": until, **({"do_sample": True, "temperature": t} if t else {})}
+        runs[name] = samples(lm_eval.simple_evaluate(model=lm, tasks=[GSM8K], task_manager=tm, limit=2,
+                                                     num_fewshot=2, gen_kwargs=gen, bootstrap_iters=0), GSM8K)
+    for name in ("das-wave", "self-spec", "auto", "auto+prefix"):
+        assert runs[name] == runs["ar"], name
+    assert runs["das-wave sampled"] == runs["ar sampled"]
+    assert runs["ar sampled"] != runs["ar"]               # the sampled runs sample
+    for _doc, args, resps, _f in runs["ar"]:
+        prompt, _gen = args[0]
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert len(ids) > 4 * max(model.config.loop_window, 1)       # (lm-eval's model cuts to the context)
+        ref = dasspec.generate(model, ids[-(model.config.block_size - cap):], method="ar", max_new_tokens=cap,
+                               stop=until)
+        assert resps == [[ref.text]]
 
 
 # --- the server ---------------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None
     if not candidates:
         known = ", ".join(sorted({repr(f.model_type) for f in FAMILIES.values()}))
         raise ConfigError(f"unsupported model_type {model_type!r}: dasspec loads looped checkpoints of model_type "
-                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro, "
+                          f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro, IQuest-Coder-V1-Loop, "
                           f"Nanbeige4.2)")
     return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
 
