@@ -41,6 +41,36 @@ class Slot:
         return tensor if self.start is None else tensor[self.start: self.start + self.shape[0]]
 
 
+def llama_tensor_map(cfg: "LoopedConfig", params: dict[str, tuple[int, ...]],
+                     norms: tuple[str, ...]) -> dict[str, Slot]:
+    """The upstream Llama-style names of a looped checkpoint whose layers all sit in the core block
+    (``model.layers.N``): the embedding, the final norm, an untied head, each layer's q/k/v and gate/up into rows of
+    the fused weights, and its norms ``norms[k]`` into ``norm_{k + 1}`` (Ouro, IQuest-Loop, Nanbeige4.2)."""
+    d, hd, inter = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+
+    def whole(name: str) -> Slot:
+        return Slot(name, params[name])
+
+    out = {"model.embed_tokens.weight": whole("transformer.wte.weight"),
+           "model.norm.weight": whole("transformer.ln_f.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = whole("lm_head.weight")
+    for i in range(cfg.n_core):
+        src, dst = f"model.layers.{i}.", f"transformer.core_block.{i}."
+        qkv, fc = dst + "attn.Wqkv.weight", dst + "mlp.fc.weight"
+        out[src + "self_attn.q_proj.weight"] = Slot(qkv, (q, d), 0)
+        out[src + "self_attn.k_proj.weight"] = Slot(qkv, (kv, d), q)
+        out[src + "self_attn.v_proj.weight"] = Slot(qkv, (kv, d), q + kv)
+        out[src + "self_attn.o_proj.weight"] = whole(dst + "attn.proj.weight")
+        out[src + "mlp.gate_proj.weight"] = Slot(fc, (inter, d), 0)
+        out[src + "mlp.up_proj.weight"] = Slot(fc, (inter, d), inter)
+        out[src + "mlp.down_proj.weight"] = whole(dst + "mlp.proj.weight")
+        for k, norm in enumerate(norms, 1):
+            out[f"{src}{norm}.weight"] = whole(f"{dst}norm_{k}.weight")
+    return out
+
+
 @dataclass(frozen=True)
 class LayerGroup:
     """A stack of layers as the checkpoint names it: tensors ``{prefix}.{i}.*``, counted by config field

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
 from ..layers import NormedBlock
-from . import Family, LayerGroup, Slot, register
+from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
 # config.json keys that do not change the computation (bookkeeping, training-only settings, HF defaults).
 _INERT = frozenset({
@@ -280,30 +280,11 @@ class IQuestLoop(Family):
         }
 
     def tensor_map(self, cfg: LoopedConfig, params: dict[str, tuple[int, ...]]) -> dict[str, Slot]:
-        d, hd, inter = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-
-        def whole(name: str) -> Slot:
-            return Slot(name, params[name])
-
-        out = {"model.embed_tokens.weight": whole("transformer.wte.weight"),
-               "model.norm.weight": whole("transformer.ln_f.weight")}
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = whole("lm_head.weight")
+        out = llama_tensor_map(cfg, params, ("input_layernorm", "post_attention_layernorm"))
         for i in range(cfg.n_core):
-            src, dst = f"model.layers.{i}.", f"transformer.core_block.{i}."
-            qkv, fc = dst + "attn.Wqkv.weight", dst + "mlp.fc.weight"
-            out[src + "self_attn.q_proj.weight"] = Slot(qkv, (q, d), 0)
-            out[src + "self_attn.k_proj.weight"] = Slot(qkv, (kv, d), q)
-            out[src + "self_attn.v_proj.weight"] = Slot(qkv, (kv, d), q + kv)
-            out[src + "self_attn.o_proj.weight"] = whole(dst + "attn.proj.weight")
-            out[src + "mlp.gate_proj.weight"] = Slot(fc, (inter, d), 0)
-            out[src + "mlp.up_proj.weight"] = Slot(fc, (inter, d), inter)
-            out[src + "mlp.down_proj.weight"] = whole(dst + "mlp.proj.weight")
-            out[src + "input_layernorm.weight"] = whole(dst + "norm_1.weight")
-            out[src + "post_attention_layernorm.weight"] = whole(dst + "norm_2.weight")
-            out[f"model.gate_projections.{i}.weight"] = whole(dst + "gate.weight")
-            out[f"model.gate_projections.{i}.bias"] = whole(dst + "gate.bias")
+            dst = f"transformer.core_block.{i}."
+            out[f"model.gate_projections.{i}.weight"] = Slot(dst + "gate.weight", params[dst + "gate.weight"])
+            out[f"model.gate_projections.{i}.bias"] = Slot(dst + "gate.bias", params[dst + "gate.bias"])
         return out
 
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:

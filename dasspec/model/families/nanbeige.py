@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, json_type, real
-from . import Family, LayerGroup, Slot, register
+from . import Family, LayerGroup, Slot, llama_tensor_map, register
 from .raven import PreNormBlock
 
 # Options of NanbeigeConfig that change the computation, with the value that leaves each off (upstream's default).
@@ -196,29 +196,7 @@ class Nanbeige(Family):
         }
 
     def tensor_map(self, cfg: LoopedConfig, params: dict[str, tuple[int, ...]]) -> dict[str, Slot]:
-        d, hd, inter = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-
-        def whole(name: str) -> Slot:
-            return Slot(name, params[name])
-
-        out = {"model.embed_tokens.weight": whole("transformer.wte.weight"),
-               "model.norm.weight": whole("transformer.ln_f.weight")}
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = whole("lm_head.weight")
-        for i in range(cfg.n_core):
-            src, dst = f"model.layers.{i}.", f"transformer.core_block.{i}."
-            qkv, fc = dst + "attn.Wqkv.weight", dst + "mlp.fc.weight"
-            out[src + "self_attn.q_proj.weight"] = Slot(qkv, (q, d), 0)
-            out[src + "self_attn.k_proj.weight"] = Slot(qkv, (kv, d), q)
-            out[src + "self_attn.v_proj.weight"] = Slot(qkv, (kv, d), q + kv)
-            out[src + "self_attn.o_proj.weight"] = whole(dst + "attn.proj.weight")
-            out[src + "mlp.gate_proj.weight"] = Slot(fc, (inter, d), 0)
-            out[src + "mlp.up_proj.weight"] = Slot(fc, (inter, d), inter)
-            out[src + "mlp.down_proj.weight"] = whole(dst + "mlp.proj.weight")
-            out[src + "input_layernorm.weight"] = whole(dst + "norm_1.weight")
-            out[src + "post_attention_layernorm.weight"] = whole(dst + "norm_2.weight")
-        return out
+        return llama_tensor_map(cfg, params, ("input_layernorm", "post_attention_layernorm"))
 
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
         """Loop 1 reads the token embeddings, not an initial state."""

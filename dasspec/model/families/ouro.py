@@ -24,7 +24,7 @@ from ..attention import LayerKV, Span, row_plan
 from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
 from .. import decode_kernel
 from ..layers import NormedBlock, RMSNorm
-from . import Family, LayerGroup, Slot, register
+from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
 # The checkpoint's four norms of a layer, in the order of the block's norm_1..norm_4.
 NORMS = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
@@ -200,30 +200,10 @@ class Ouro(Family):
         }
 
     def tensor_map(self, cfg: LoopedConfig, params: dict[str, tuple[int, ...]]) -> dict[str, Slot]:
-        d, hd, inter = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-
-        def whole(name: str) -> Slot:
-            return Slot(name, params[name])
-
-        out = {"model.embed_tokens.weight": whole("transformer.wte.weight"),
-               "model.norm.weight": whole("transformer.ln_f.weight"),
-               "model.early_exit_gate.weight": whole("transformer.exit_gate.weight"),
-               "model.early_exit_gate.bias": whole("transformer.exit_gate.bias")}
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = whole("lm_head.weight")
-        for i in range(cfg.n_core):
-            src, dst = f"model.layers.{i}.", f"transformer.core_block.{i}."
-            qkv, fc = dst + "attn.Wqkv.weight", dst + "mlp.fc.weight"
-            out[src + "self_attn.q_proj.weight"] = Slot(qkv, (q, d), 0)
-            out[src + "self_attn.k_proj.weight"] = Slot(qkv, (kv, d), q)
-            out[src + "self_attn.v_proj.weight"] = Slot(qkv, (kv, d), q + kv)
-            out[src + "self_attn.o_proj.weight"] = whole(dst + "attn.proj.weight")
-            out[src + "mlp.gate_proj.weight"] = Slot(fc, (inter, d), 0)
-            out[src + "mlp.up_proj.weight"] = Slot(fc, (inter, d), inter)
-            out[src + "mlp.down_proj.weight"] = whole(dst + "mlp.proj.weight")
-            for k, norm in enumerate(NORMS, 1):
-                out[f"{src}{norm}.weight"] = whole(f"{dst}norm_{k}.weight")
+        out = llama_tensor_map(cfg, params, NORMS)
+        for name in ("weight", "bias"):
+            out[f"model.early_exit_gate.{name}"] = Slot(f"transformer.exit_gate.{name}",
+                                                        params[f"transformer.exit_gate.{name}"])
         return out
 
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
