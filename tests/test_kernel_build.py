@@ -40,3 +40,24 @@ def test_a_process_without_kernels_says_so_once_and_keeps_working(tmp_path):
     info = subprocess.run([sys.executable, "-m", "dasspec.cli", "kernels", "info"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert info.returncode == 0 and "not available" in info.stdout and "torch's kernels" in info.stdout
+
+
+def test_two_checkouts_of_the_same_sources_compile_the_same_paths(tmp_path, monkeypatch):
+    """torch rebuilds an extension whose source paths changed: a second checkout (a worktree, another venv) of the
+    same sources must hand the compiler the same paths - copies beside the build - or the two rebuild in turn."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda name, sources, **kw: calls.append((sources, kw["extra_include_paths"])))
+    monkeypatch.setenv("DASSPEC_KERNEL_DIR", str(tmp_path / "kernels"))
+    decode_kernel._build()
+    other = tmp_path / "other-checkout" / "csrc"
+    shutil.copytree(decode_kernel.CSRC, other)
+    monkeypatch.setattr(decode_kernel, "CSRC", other)
+    decode_kernel._build()
+    assert calls[0] == calls[1]
+    folder = tmp_path / "kernels" / decode_kernel.build_tag()
+    for path in calls[0][0] + calls[0][1]:
+        assert path.startswith(str(folder)), path
+    for name in decode_kernel.SOURCES + decode_kernel.HEADERS:
+        assert (folder / "src" / name).read_bytes() == (other / name).read_bytes()

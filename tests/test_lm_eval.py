@@ -96,7 +96,7 @@ def samples(result, task):
 
 def test_generate_until_same_outputs_for_ar_das_wave_and_the_default(model, eval_data):
     eval_data("gsm8k/test.jsonl")
-    tm = task_manager()
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only (indexing lm-eval's own takes ~10 s)
     # the bundled model ends its answers with EOS before the task's "Question:"; a stop at the end of the first
     # line (lm-eval's gen_kwargs override the task's) exercises the stop strings, and one at "$" only some answers
     cap, until = 40, ["\n", "$"]
@@ -207,7 +207,7 @@ def close(a, b) -> bool:
 @pytest.mark.parametrize("task", [MC, GSM8K])        # a log-likelihood task, a generate_until task
 def test_in_process_and_local_completions_agree(model, server, eval_data, task):
     eval_data("gsm8k/test.jsonl" if task == GSM8K else "mbpp/mbpp.jsonl")
-    tm = task_manager()
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only (indexing lm-eval's own takes ~10 s)
     options = dict(tasks=[task], task_manager=tm, limit=2, num_fewshot=2 if task == GSM8K else None,
                    gen_kwargs={"max_gen_toks": 32} if task == GSM8K else None, bootstrap_iters=0)
     runs = {m: lm_eval.simple_evaluate(model=DasspecLM(model=model, method=m, batch_size=4), **options)

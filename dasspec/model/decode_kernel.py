@@ -87,8 +87,24 @@ def _build(verbose: bool = False):
     if not any(f.suffix == ".so" for f in folder.iterdir()):
         print("dasspec: compiling the CPU kernels (once per machine, source and torch version; "
               "`dasspec kernels build` does it ahead of time)", file=sys.stderr, flush=True)
-    return load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(CSRC)], build_directory=str(folder), verbose=verbose)
+    src = _sources_in(folder / "src")
+    return load(name, [str(src / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(src)], build_directory=str(folder), verbose=verbose)
+
+
+def _sources_in(dst: Path) -> Path:
+    """The sources copied beside their build (the tag names their contents), so that every checkout or install of
+    the same sources compiles the same paths: torch rebuilds an extension whose source paths changed, and two
+    checkouts on one machine would otherwise rebuild it in turn."""
+    dst.mkdir(exist_ok=True)
+    for name in SOURCES + HEADERS:
+        data = (CSRC / name).read_bytes()
+        target = dst / name
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = target.with_name(f".{name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)                  # atomic: a process building beside this one reads whole files
+    return dst
 
 
 def _load():
