@@ -136,11 +136,12 @@ DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
 // bfloat16 rows are widened exactly and summed in float32 like float32 rows; the output is rounded once (to nearest
 // even) after the bias.
 // pf > 0: the rows pf elements further on (the next chunk's) are fetched into the L2 cache meanwhile, one line per
-// row and k-step - a weight that comes from memory then arrives while this tile computes (only a fetch: no bit of
-// the arithmetic depends on it).
+// row on every pf_period-th k-step from pf_phase - a weight that comes from memory then arrives while this chunk
+// computes (only a fetch: no bit of the arithmetic depends on it).
 template <int MR, int NR, typename T>
 DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out,
-                              int64_t ldo, int mr, int nr, const T* bias, int64_t pf) {
+                              int64_t ldo, int mr, int nr, const T* bias, int64_t pf, int64_t pf_period,
+                              int64_t pf_phase) {
   const T* xr[MR];
   const T* wr[NR];
   for (int m = 0; m < MR; ++m) xr[m] = x + std::min(m, mr - 1) * ldx;
@@ -149,7 +150,7 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   for (int i = 0; i < MR * NR; ++i) acc[i] = acc_zero();
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
-    if (pf)
+    if (pf && (k / LANES) % pf_period == pf_phase)
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
     Acc xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
@@ -184,35 +185,37 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
 
 template <int MR, typename T>
 inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t n0, int64_t n1,
-                      int64_t K, T* out, int64_t ldo, const T* bias, int64_t pf) {
+                      int64_t K, T* out, int64_t ldo, const T* bias, int64_t pf, int64_t pf_period,
+                      int64_t pf_phase) {
   constexpr int NR = NR_OF[MR];
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-    gemm_tile<MR, NR, T>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr, pf);
+    gemm_tile<MR, NR, T>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr, pf,
+                         pf_period, pf_phase);
   }
 }
 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
-// than MG (a decode step) stream the weight in chunks of 16 rows.  The first block of x rows fetches the next
-// chunk's weight rows while it computes (a few rows at a time leave the memory idle otherwise: a weight read from
-// memory, not a cache, took about twice as long at 8 rows of x as at one).
+// than MG (a decode step) stream the weight in chunks of 16 rows.  While a chunk computes, the next chunk's weight
+// rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x rows (a few rows at a time left
+// the memory idle: a weight read from memory, not a cache, took about twice as long at 8 rows of x as at one).
 template <typename T>
 inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,
                        int64_t n1, int64_t K, T* out, int64_t ldo, const T* bias) {
   const int64_t NC = m1 - m0 < MG ? 16 : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
+  const int64_t blocks = (m1 - m0 + MG - 1) / MG;      // the fetches of a chunk spread over its blocks of x rows
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
     const int64_t pf = c1 < n1 ? NC * ldw : 0;
     int64_t m = m0;
-    for (; m + MG <= m1; m += MG) {
-      gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, m == m0 ? pf : 0);
-    }
-    const int64_t left_pf = m == m0 ? pf : 0;
+    for (; m + MG <= m1; m += MG)
+      gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, (m - m0) / MG);
+    const int64_t phase = (m - m0) / MG;
     switch (m1 - m) {
-      case 3: gemm_rows<3, T>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, left_pf); break;
-      case 2: gemm_rows<2, T>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, left_pf); break;
-      case 1: gemm_rows<1, T>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, left_pf); break;
+      case 3: gemm_rows<3, T>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
+      case 2: gemm_rows<2, T>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
+      case 1: gemm_rows<1, T>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
       default: break;
     }
   }
