@@ -197,7 +197,7 @@ inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
-// than MG (a decode step) stream the weight in chunks of 16 rows.  While a chunk computes, the next chunk's weight
+// than MG (a decode step) stream the weight in chunks of 16 rows.  While a chunk computes, a later chunk's weight
 // rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x rows (a few rows at a time left
 // the memory idle: a weight read from memory, not a cache, took about twice as long at 8 rows of x as at one).
 template <typename T>
@@ -207,7 +207,7 @@ inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T*
   const int64_t blocks = (m1 - m0 + MG - 1) / MG;      // the fetches of a chunk spread over its blocks of x rows
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
-    const int64_t pf = c1 < n1 ? NC * ldw : 0;
+    const int64_t pf = c1 < n1 ? (NC * K < 16384 ? 2 : 1) * NC * ldw : 0;    // up to 128 KB ahead
     int64_t m = m0;
     for (; m + MG <= m1; m += MG)
       gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, (m - m0) / MG);
