@@ -135,7 +135,7 @@ DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
 // accumulators; rows past mr / nr repeat the last one (computed, not stored).
 // bfloat16 rows are widened exactly and summed in float32 like float32 rows; the output is rounded once (to nearest
 // even) after the bias.
-// pf > 0: the rows pf elements further on (the next chunk's) are fetched into the L2 cache meanwhile, one line per
+// pf > 0: the rows pf elements further on (a later chunk's) are fetched into the L2 cache meanwhile, one line per
 // row on every pf_period-th k-step from pf_phase - a weight that comes from memory then arrives while this chunk
 // computes (only a fetch: no bit of the arithmetic depends on it).
 template <int MR, int NR, typename T>
@@ -149,8 +149,8 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   Acc acc[MR * NR];
   for (int i = 0; i < MR * NR; ++i) acc[i] = acc_zero();
   int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) {
-    if (pf && (k / LANES) % pf_period == pf_phase)
+  for (int64_t turn = 0; k + LANES <= K; k += LANES, turn = turn + 1 == pf_period ? 0 : turn + 1) {
+    if (pf && turn == pf_phase)
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
     Acc xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
