@@ -233,7 +233,7 @@ def report(out: Path, cells: list[dict], info: dict, args: argparse.Namespace) -
             w.writerow([c[k] if k not in ("first_diff", "differing") else json.dumps(c[k]) for k in COLUMNS])
     lines = [f"# Lossless under stress ({time.strftime('%Y-%m-%d')})", "",
              f"CPU: {info['cpu']}, {info['cores']} cores, SIMD flags {' '.join(info['simd'])}; torch {info['torch']}; "
-             f"CPU kernels built: {info['kernels_built']} (ISA path {info.get('isa')}); code {info['commit']}.", "",
+             f"CPU kernels built: {info['kernels_built']} (ISA path {info['isa']}); code {info['commit']}.", "",
              f"Prompts: {args.prompts} per model, {args.min_len}-{args.max_len} tokens, {args.new_tokens} new tokens "
              "each, eos off; reference: each prompt's own batch-1 AR (`dasspec.generate`) at one thread.  A cell: "
              "`generate_batch(..., max_batch=B)` of all the prompts (`mixed`: every method as requests of one "

@@ -56,6 +56,23 @@ def instance(kind: str, args: tuple) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
+def _scores_are_the_forwards(model, pairs, num_steps) -> list:
+    """DasspecLM's (das-wave) log-likelihood of each (context, continuation) is the sum over the continuation of a
+    plain forward's log-probabilities of that sequence alone (no padding beside a longer one), and its is-greedy flag
+    the forward's argmax; returns lm-eval's answers."""
+    tok = model.tokenizer
+    lm = DasspecLM(model=model, method="das-wave", num_steps=num_steps, batch_size=2)
+    got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
+    for (c, x), (lp, is_greedy) in zip(pairs, got):
+        whole = tok.encode(c + x, add_special_tokens=False)
+        n = len(whole) - len(tok.encode(c, add_special_tokens=False))
+        ref = forward(model, whole, num_steps=num_steps)
+        positions = range(len(whole) - n, len(whole))
+        assert lp == pytest.approx(sum(ref[t - 1, whole[t]].item() for t in positions), **TOL)
+        assert is_greedy == all(ref[t - 1].argmax().item() == whole[t] for t in positions)
+    return got
+
+
 def test_loglikelihood_is_the_full_depth_forward(model):
     tok = model.tokenizer
     context = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
@@ -63,15 +80,7 @@ def test_loglikelihood_is_the_full_depth_forward(model):
     greedy = dasspec.generate(model, ctx, method="ar", max_new_tokens=4).text
     pairs = [(context, greedy), (context, " He has 7 apples."), ("def add(a, b):", "\n    return a + b")]
     for num_steps in (None, 8):
-        lm = DasspecLM(model=model, method="das-wave", num_steps=num_steps, batch_size=2)
-        got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
-        for (c, x), (lp, is_greedy) in zip(pairs, got):
-            whole = tok.encode(c + x, add_special_tokens=False)
-            n = len(whole) - len(tok.encode(c, add_special_tokens=False))
-            ref = forward(model, whole, num_steps=num_steps)
-            positions = range(len(whole) - n, len(whole))
-            assert lp == pytest.approx(sum(ref[t - 1, whole[t]].item() for t in positions), **TOL)
-            assert is_greedy == all(ref[t - 1].argmax().item() == whole[t] for t in positions)
+        got = _scores_are_the_forwards(model, pairs, num_steps)
         assert got[0][1] is True and got[1][1] is False             # AR's own continuation is the greedy one
 
 
@@ -96,7 +105,7 @@ def samples(result, task):
 
 def test_generate_until_same_outputs_for_ar_das_wave_and_the_default(model, eval_data):
     eval_data("gsm8k/test.jsonl")
-    tm = task_manager(include_defaults=False)         # dasspec's tasks only (indexing lm-eval's own takes ~10 s)
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only: indexing lm-eval's own is slow
     # the bundled model ends its answers with EOS before the task's "Question:"; a stop at the end of the first
     # line (lm-eval's gen_kwargs override the task's) exercises the stop strings, and one at "$" only some answers
     cap, until = 40, ["\n", "$"]
@@ -145,22 +154,15 @@ def test_looped_families_score_and_generate_through_lm_eval(looped, eval_data):
     assert len(ctx) > 2 * max(model.config.loop_window, 1)       # IQuest: scored rows past loop 2's window
     pairs = [(context, " 7 apples."), ("def add(a, b):", "\n    return a + b")]
     for num_steps in (None, 3):
+        _scores_are_the_forwards(model, pairs, num_steps)
         lm = DasspecLM(model=model, method="das-wave", num_steps=num_steps, batch_size=2)
-        got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
-        for (c, x), (lp, is_greedy) in zip(pairs, got):
-            whole = tok.encode(c + x, add_special_tokens=False)
-            n = len(whole) - len(tok.encode(c, add_special_tokens=False))
-            ref = forward(model, whole, num_steps=num_steps)          # alone: no padding beside a longer one
-            positions = range(len(whole) - n, len(whole))
-            assert lp == pytest.approx(sum(ref[t - 1, whole[t]].item() for t in positions), **TOL)
-            assert is_greedy == all(ref[t - 1].argmax().item() == whole[t] for t in positions)
         # the cached decode's own continuation is the uncached scoring forward's greedy one; one token changed is not
         greedy = dasspec.generate(model, ctx, method="ar", max_new_tokens=16, num_steps=num_steps).tokens
         other = greedy[:-1] + [(greedy[-1] + 1) % model.config.vocab_size]
         assert [g for _lp, g in lm._loglikelihood_tokens([(None, ctx, greedy), (None, ctx, other)])] == [True, False]
 
     eval_data("gsm8k/test.jsonl")
-    tm = task_manager(include_defaults=False)         # dasspec's tasks only: indexing lm-eval's own takes ~10 s
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only: indexing lm-eval's own is slow
     cap, until = 12, ["\n"]
     runs = {}
     for name, method, extra in (("ar", "ar", {}), ("das-wave", "das-wave", {}), ("self-spec", "self-spec", {}),
@@ -207,7 +209,7 @@ def close(a, b) -> bool:
 @pytest.mark.parametrize("task", [MC, GSM8K])        # a log-likelihood task, a generate_until task
 def test_in_process_and_local_completions_agree(model, server, eval_data, task):
     eval_data("gsm8k/test.jsonl" if task == GSM8K else "mbpp/mbpp.jsonl")
-    tm = task_manager(include_defaults=False)         # dasspec's tasks only (indexing lm-eval's own takes ~10 s)
+    tm = task_manager(include_defaults=False)         # dasspec's tasks only: indexing lm-eval's own is slow
     options = dict(tasks=[task], task_manager=tm, limit=2, num_fewshot=2 if task == GSM8K else None,
                    gen_kwargs={"max_gen_toks": 32} if task == GSM8K else None, bootstrap_iters=0)
     runs = {m: lm_eval.simple_evaluate(model=DasspecLM(model=model, method=m, batch_size=4), **options)

@@ -3,10 +3,11 @@ one thread and at two, alone and in batches of 1, 3 and 8 with every method (and
 with chunked and shared prefills, and preempted and resumed in a small pool - on a model whose shapes take every
 product and attention path the small fixtures of the other suites never reach:
 
-* weights at or above 2^18 elements (``PACK_THRESHOLD``, where products once switched from MKL to oneDNN: the MLP's fc 2048 x 256, proj 256 x 1024, the
-  embedding and the untied head 2048 x 256) beside weights below it (Wqkv 768 x 256, the attention's proj 256 x
-  256, the adapter);
-* prompts past 128 keys (``KEY_LIMIT``, where causal rows once switched from the row kernel to SDPA) beside short ones, chains ending on either side of it,
+* weights at or above 2^18 elements (``PACK_THRESHOLD``, where products once switched from MKL to oneDNN: the
+  MLP's fc 2048 x 256, proj 256 x 1024, the embedding and the untied head 2048 x 256) beside weights below it (Wqkv
+  768 x 256, the attention's proj 256 x 256, the adapter);
+* prompts past 128 keys (``KEY_LIMIT``, where causal rows once switched from the row kernel to SDPA) beside short
+  ones, chains ending on either side of it,
   Token Recycling's and Lookahead's trees, DAS-Wave's windows, prompt blocks and wide verification blocks (the GEMM
   attention path).
 
@@ -211,7 +212,7 @@ def _count_swaps(engine: Engine) -> list[int]:
                          ids=("greedy-1thr", "greedy-2thr", "sampled-2thr"))
 def test_preempted_and_resumed_in_a_small_pool(case, sampled, n_threads):
     """A pool of 352 positions (22 blocks of 16) for eighteen requests, each prompt and each method twice: requests
-    are swapped out and back in (counted: real swaps, not roll-backs; 1-5 here), and every answer is its own
+    are swapped out and back in (counted: real swaps, not roll-backs), and every answer is its own
     batch-1 AR decode at one thread.  Which pool size swaps is not monotonic (a tighter pool admits fewer requests at
     once) and auto's choices follow its measured timings, so where one pool happens to swap nothing the next is
     tried; every run's answers are checked."""

@@ -218,25 +218,22 @@ def test_a_prefix_cache_is_refused_under_another_runtime_or_thread_count(model, 
     try:
         assert decode_kernel.thread_invariant(model.device, model.dtype) == decode_kernel.available()
         if decode_kernel.available():
-            other = Engine(model, "ar", block_size=B, max_batch=1)
-            rid = other.add(prompt, max_new_tokens=6, eos=False, prefix_cache=pc)
-            with torch.inference_mode():
-                while other.has_work:
-                    other.step()
-            assert other._table[rid].stats.cached_tokens == 40
-            assert other.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
+            _serves(Engine(model, "ar", block_size=B, max_batch=1), pc, model, prompt)
         monkeypatch.setattr(decode_kernel, "thread_invariant", lambda *a, **k: False)
         with pytest.raises(ValueError, match=f"{threads + 1} torch threads \\(cache: {threads}\\)"):
             Engine(model, "ar", block_size=B, max_batch=1).add(prompt, max_new_tokens=3, prefix_cache=pc)
     finally:
         torch.set_num_threads(threads)
-    static = dasspec.PrefixCache(model, prefix, block_size=B, runtime=dasspec.Runtime(static_shapes=True))
-    rid = eng.add(prompt, max_new_tokens=6, eos=False, prefix_cache=static)
-    with torch.inference_mode():
-        while eng.has_work:
-            eng.step()
-    assert eng._table[rid].stats.cached_tokens == 40
-    assert eng.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
+    _serves(eng, dasspec.PrefixCache(model, prefix, block_size=B, runtime=dasspec.Runtime(static_shapes=True)), model,
+            prompt)
+
+
+def _serves(engine: Engine, pc, model, prompt: list[int]) -> None:
+    """``engine`` takes ``pc``'s 40 cached tokens for ``prompt`` and answers its own AR decode."""
+    rid = engine.add(prompt, max_new_tokens=6, eos=False, prefix_cache=pc)
+    _drain_engine(engine)
+    assert engine._table[rid].stats.cached_tokens == 40
+    assert engine.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
 
 
 def test_blocks_copied_from_a_prefix_cache_are_keyed_only_once_they_hold_the_rows(model, monkeypatch):

@@ -198,8 +198,8 @@ inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
 // than MG (a decode step) stream the weight in chunks of 16 rows.  While a chunk computes, a later chunk's weight
-// rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x rows (a few rows at a time left
-// the memory idle: a weight read from memory, not a cache, took about twice as long at 8 rows of x as at one).
+// rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x rows (a block reads four weight
+// rows at a time: a weight coming from memory, not a cache, would otherwise leave the memory idle between blocks).
 template <typename T>
 inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,
                        int64_t n1, int64_t K, T* out, int64_t ldo, const T* bias) {
@@ -209,13 +209,17 @@ inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T*
     const int64_t c1 = std::min(n1, c0 + NC);
     const int64_t pf = c1 < n1 ? (NC * K < 16384 ? 2 : 1) * NC * ldw : 0;    // up to 128 KB ahead
     int64_t m = m0;
-    for (; m + MG <= m1; m += MG)
-      gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, (m - m0) / MG);
+    for (; m + MG <= m1; m += MG) {
+      const int64_t phase = (m - m0) / MG;
+      gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase);
+    }
+    const T* xm = x + m * ldx;
+    T* om = out + m * ldo;
     const int64_t phase = (m - m0) / MG;
     switch (m1 - m) {
-      case 3: gemm_rows<3, T>(x + m * ldx, ldx, 3, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
-      case 2: gemm_rows<2, T>(x + m * ldx, ldx, 2, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
-      case 1: gemm_rows<1, T>(x + m * ldx, ldx, 1, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase); break;
+      case 3: gemm_rows<3, T>(xm, ldx, 3, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
+      case 2: gemm_rows<2, T>(xm, ldx, 2, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
+      case 1: gemm_rows<1, T>(xm, ldx, 1, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
       default: break;
     }
   }

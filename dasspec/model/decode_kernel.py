@@ -160,8 +160,10 @@ def exactness(device: "torch.device | str", dtype: torch.dtype) -> str:
     """What a model on ``device`` in ``dtype`` promises about each request's tokens against its own AR decode (the
     server's ``/health``, ``dasspec kernels info``)."""
     device = torch.device(device)
+    if thread_invariant(device, dtype):
+        return GUARANTEE_KERNELS
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return guarantee()
+        return GUARANTEE_TORCH
     return GUARANTEE_OTHER.format(dtype=str(dtype).removeprefix("torch."), device=device.type)
 
 
