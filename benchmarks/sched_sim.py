@@ -52,7 +52,7 @@ from dasspec.engine.blocks import BlockPool, prefix_salt  # noqa: E402
 from dasspec.engine.engine import MAX_STEP_TOKENS  # noqa: E402
 from dasspec.engine.request import rows_needed  # noqa: E402
 from dasspec.engine.scheduler import Entry, RequestOutput, Scheduler, StepOutput, StepPlan  # noqa: E402
-from dasspec.engine.stats import GenerationStats  # noqa: E402
+from dasspec.engine.contract import DrafterKey  # noqa: E402
 from dasspec.engine.stopping import StopRule  # noqa: E402
 from dasspec.model.cache import bytes_per_token  # noqa: E402
 from dasspec.model.config import LoopedConfig  # noqa: E402
@@ -313,9 +313,8 @@ class FakeExecutor:
 def entry(r: Req, drafter: SimDrafter, fam: Family, salt: bytes, max_new: int) -> Entry:
     """As ``Engine.add`` builds it."""
     rule = StopRule(max_new, [EOS], prompt=r.prompt)
-    opts = dict(init_scale=1.0, state_seed=0, choose=None, exit=None)
-    return Entry(r.id, list(r.prompt), rule, drafter, opts, rows_needed(fam.context, len(r.prompt), max_new,
-                 drafter.width), salt, None, None, GenerationStats(method=drafter.name, prompt_tokens=len(r.prompt)))
+    return Entry(r.id, list(r.prompt), rule, drafter, DrafterKey(drafter.name),
+                 rows_needed(fam.context, len(r.prompt), max_new, drafter.width), salt, None)
 
 
 def plan_summary(plan: StepPlan) -> tuple:
@@ -360,7 +359,7 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
             clock = pending[0].arrival
             continue
         t = time.perf_counter()
-        plan, ended = sched.schedule([])
+        plan, ended = sched.schedule()
         cpu += time.perf_counter() - t
         assert not ended
         if not plan.work and not plan.swap_out and not plan.swap_in:
@@ -381,6 +380,7 @@ def run_after(fam: Family, trace: list[Req], drafter: SimDrafter, B: int, max_ba
         clock += dt
         t = time.perf_counter()
         _, done = sched.update(plan, out)
+        done += sched.stopped()
         cpu += time.perf_counter() - t
         for e in running:
             if e.generated and e.id not in first:

@@ -314,7 +314,9 @@ class Stepper:
 
     @property
     def stats(self):
-        return self.entry.stats
+        """Its statistics so far (the output processor's; a finished request's are its result's)."""
+        out = self.engine.output
+        return out.results[self.rid].stats if self.rid in out.results else out.stats(self.rid)
 
     @property
     def n(self) -> int:

@@ -227,8 +227,10 @@ def test_speculation_policy_changes_speed_never_tokens():
 
 def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     """A request cancelled (or out of time) while DAS-Wave refines its window stops at the next round - the
-    other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps."""
-    from dasspec.engine.scheduler import Entry
+    other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps.  The
+    executor asks its own request state (``Request.stopping``: the cancel that reached it, the deadline the plan
+    carried) before every round."""
+    from dasspec.engine.request import Request
 
     model = random_model("huginn", seed=3, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     engine = Engine(model, "das-wave", {"gamma": 8, "rounds": 10, "w_init": 8, "k": 1}, max_batch=2)
@@ -236,18 +238,17 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     b = engine.add([8, 9, 4], max_new_tokens=30, eos=False)
     engine.step()                                        # both prefilled
     asked = {}
-    real = Entry.stopping
+    real = Request.stopping
 
-    def stopping(e):
-        asked[id(e)] = asked.get(id(e), 0) + 1
-        # asked at the step's start, then before every round: a's client hangs up during its 4th round
-        if e.prompt == [5, 6, 7] and asked[id(e)] > 5:
-            e.cancelled = True
-        return real(e)
+    def stopping(req):
+        asked[req.rid] = asked.get(req.rid, 0) + 1
+        if req.rid == a and asked[a] == 5:               # asked before every round: a's client hangs up in round 5
+            engine.cancel(a)                             # (the server's worker would, from its thread)
+        return real(req)
 
-    monkeypatch.setattr(Entry, "stopping", stopping)
+    monkeypatch.setattr(Request, "stopping", stopping)
     events = engine.step()
-    monkeypatch.setattr(Entry, "stopping", real)
+    monkeypatch.setattr(Request, "stopping", real)
     assert [(e.id, e.reason) for e in events if e.finished] == [(a, "cancelled")]
     res_a = engine.result(a)
     assert res_a.stats.draft_passes == 4 and res_a.stats.verify_events == 0       # 4 rounds, never verified

@@ -66,8 +66,8 @@ def _record_plans(engine: Engine) -> list:
     """Every plan the engine's scheduler makes from now on."""
     plans, schedule = [], engine.scheduler.schedule
 
-    def spy(events):
-        plan, ended = schedule(events)
+    def spy():
+        plan, ended = schedule()
         plans.append(plan)
         return plan, ended
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dasspec.model import decode_kernel
 
@@ -61,3 +62,13 @@ def test_two_checkouts_of_the_same_sources_compile_the_same_paths(tmp_path, monk
         assert path.startswith(str(folder)), path
     for name in decode_kernel.SOURCES + decode_kernel.HEADERS:
         assert (folder / "src" / name).read_bytes() == (other / name).read_bytes()
+
+
+def test_each_torch_installation_gets_a_build_of_its_own(monkeypatch):
+    """Two environments (two venvs of one checkout, or two checkouts) compile with different torch header paths:
+    sharing one build folder made each rebuild it in turn, holding the others on its lock."""
+    from dasspec.model import decode_kernel
+
+    here = decode_kernel.build_tag()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    assert decode_kernel.build_tag() != here

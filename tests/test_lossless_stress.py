@@ -199,8 +199,8 @@ def _count_swaps(engine: Engine) -> list[int]:
     swaps = [0]
     schedule = engine.scheduler.schedule
 
-    def spy(events):
-        plan, ended = schedule(events)
+    def spy():
+        plan, ended = schedule()
         swaps[0] += len(plan.swap_out)
         return plan, ended
 

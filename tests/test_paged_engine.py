@@ -45,8 +45,8 @@ def _record_plans(engine: Engine) -> list:
     plans = []
     schedule = engine.scheduler.schedule
 
-    def spy(events):
-        plan, ended = schedule(events)
+    def spy():
+        plan, ended = schedule()
         plans.append(plan)
         return plan, ended
 
@@ -107,8 +107,8 @@ def test_the_step_budget_decides_when_prompt_blocks_run_not_where_they_are_cut(m
     plans = []
     real = sched.Scheduler.schedule
 
-    def spy(self, events):
-        plan, ended = real(self, events)
+    def spy(self):
+        plan, ended = real(self)
         plans.append(plan)
         return plan, ended
 

@@ -81,7 +81,7 @@ def _shared_run(model, first, later, **kw_later):
 def test_shared_blocks_hold_the_rows_a_request_computes_alone(model):
     prefix, (p1, p2, *_) = _prompts(model.config.vocab_size, 20, 3)
     rows, entry, eng = _shared_run(model, p1, p2)
-    assert entry.stats.cached_tokens == 16 and eng.scheduler.shared_rows == 16   # 2 full blocks of the 20
+    assert entry.cached == 16 and eng.scheduler.shared_rows == 16   # 2 full blocks of the 20
     alone = _alone_rows(model, p2)
     assert len(rows) == len(alone)
     for got, own in zip(rows, alone):
@@ -95,12 +95,12 @@ def test_only_blocks_whose_whole_prefix_matches_are_shared(model):
     V = model.config.vocab_size
     first_differs = [(p1[0] + 1) % V] + p1[1:]
     rows, entry, _ = _shared_run(model, p1, first_differs)
-    assert entry.stats.cached_tokens == 0
+    assert entry.cached == 0
     for got, own in zip(rows, _alone_rows(model, first_differs)):
         assert torch.equal(got, own)
     second_differs = p1[:10] + [(p1[10] + 1) % V] + p1[11:]
     _, entry, _ = _shared_run(model, p1, second_differs)
-    assert entry.stats.cached_tokens == B
+    assert entry.cached == B
     assert common_prefix([p1, second_differs, p1]) == 10 and common_prefix([p1]) == len(p1)
     # Block 0 of W is cached (from Y) and a block with W's block-1 tokens is cached too (from Z, after another
     # block 0): W shares block 0 only - the second block's rows depend on what came before it.
@@ -117,7 +117,7 @@ def test_only_blocks_whose_whole_prefix_matches_are_shared(model):
         w = eng.add(W, max_new_tokens=6, eos=False)
         while not eng._table[w].generated:
             eng.step()
-    assert eng._table[w].stats.cached_tokens == B
+    assert eng._table[w].cached == B
     assert all(torch.equal(x, y) for x, y in zip(eng.executor.requests[w].cache.save(), _alone_rows(model, W)))
 
 
@@ -132,7 +132,7 @@ def test_requests_whose_rows_differ_share_nothing(model, change):
         assert prefix_salt(4, 1.0, 0, None, model.dtype, B) != prefix_salt(6, 1.0, 0, None, model.dtype, B)
         return
     rows, entry, _ = _shared_run(model, p1, p2, **change)
-    assert entry.stats.cached_tokens == 0
+    assert entry.cached == 0
     for got, own in zip(rows, _alone_rows(model, p2, **change)):
         assert torch.equal(got, own)
 
@@ -183,8 +183,7 @@ def test_a_prefix_cache_carries_blocks_across_engines(model):
     rows = eng.executor.requests[rid].cache.save()
     alone = _alone_rows(model, prompt)
     assert all(torch.equal(a, b) for a, b in zip(rows, alone))
-    stats = eng._table[rid].stats
-    assert stats.cached_tokens == 40 and stats.prefill_updates == R * (P - 40)
+    assert eng._table[rid].cached == 40 and eng.output.stats(rid).prefill_updates == R * (P - 40)
     ok = dict(max_new_tokens=3)
     for change, word in ((dict(init_scale=1.5), "init_scale"), (dict(state_seed=2), "state_seed 2")):
         with pytest.raises(ValueError, match=word):
@@ -232,7 +231,7 @@ def _serves(engine: Engine, pc, model, prompt: list[int]) -> None:
     """``engine`` takes ``pc``'s 40 cached tokens for ``prompt`` and answers its own AR decode."""
     rid = engine.add(prompt, max_new_tokens=6, eos=False, prefix_cache=pc)
     _drain_engine(engine)
-    assert engine._table[rid].stats.cached_tokens == 40
+    assert engine._table[rid].cached == 40
     assert engine.result(rid).tokens == dasspec.generate(model, prompt, "ar", max_new_tokens=6, eos=False).tokens
 
 

@@ -108,8 +108,8 @@ def test_the_fake_executor_answers_as_the_real_one():
     real: list = []
     schedule = engine.scheduler.schedule
 
-    def recorded(events):
-        plan, ended = schedule(events)
+    def recorded():
+        plan, ended = schedule()
         real.append(sim.plan_summary(plan))
         return plan, ended
 

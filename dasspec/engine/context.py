@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .contract import Phase
+
 if TYPE_CHECKING:
     from ..model.config import LoopedConfig
     from .request import Request, TokenChoice
@@ -122,9 +124,8 @@ class DraftContext:
 
     def count(self, passes: int, updates: int) -> None:
         """Core passes and position-updates spent drafting."""
-        self._req.stats.count("draft", passes, updates)
+        self._req.counts.count(Phase.DRAFT, passes, updates)
 
     def count_choice(self, name: str) -> None:
         """A step drafted by ``name`` (method auto's choice, in ``stats.choices``)."""
-        choices = self._req.stats.choices
-        choices[name] = choices.get(name, 0) + 1
+        self._req.counts.choose(name)

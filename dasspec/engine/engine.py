@@ -31,24 +31,26 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import torch
 
+from ..model.cache import bytes_per_token
 from ..model.looped import LoopedLM
 from .blocks import BLOCK_SIZE, BlockPool, prefix_salt
+from .contract import Status, StepPlan, StopReason
 from .draft import Drafter
 from .drafters import BuildDrafter, DrafterCache, MethodName
 from .executor import Executor
-from .memory import reset_peak_memory
+from .memory import available_memory, reset_peak_memory
 from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
+from .output import OutputProcessor, StepEvent
 from .policy import SpeculationPolicy
-from .request import greedy, pool_share, rows_needed
+from .request import pool_share, rows_needed
 from .runtime import DEFAULT, Runtime
 from .scheduler import Entry, Scheduler
-from .stats import GenerationStats
 from .stopping import Criterion, StopRule
+
+__all__ = ["Engine", "StepEvent", "default_kv_budget"]
 
 MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance.md, "Head-of-line")
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
@@ -58,27 +60,12 @@ def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block
     """``max_batch`` requests of the whole context (``pool_share`` each), or as many positions as ``MEMORY_SHARE``
     of the free memory holds, whichever is less (a larger request is then refused with a message naming
     kv_budget)."""
-    from ..model.cache import bytes_per_token
-    from .memory import available_memory
-
     ctx = model.config.block_size
     want = max_batch * pool_share(ctx, 0, ctx, width, block_size)
     free = available_memory(model.device)
     if free is None:
         return want
     return max(1, min(want, int(MEMORY_SHARE * free // bytes_per_token(model.config, R, model.dtype))))
-
-
-@dataclass
-class StepEvent:
-    """What one step did for one request: ``tokens`` committed (after the stop rule), and whether it finished
-    (``reason``: eos, stop_string, max_new_tokens, stopping_criteria, cancelled, timeout, error)."""
-
-    id: int
-    tokens: list[int]
-    finished: bool = False
-    reason: str | None = None
-    started: bool = False          # admitted this step (it has a batch slot and its first blocks)
 
 
 def _methods() -> tuple[BuildDrafter, MethodName]:
@@ -94,10 +81,13 @@ class Engine:
                  num_steps: int | None = None, runtime: Runtime | None = None, max_batch: int = 8,
                  kv_budget: int | None = None, block_size: int = BLOCK_SIZE, max_step_tokens: int = MAX_STEP_TOKENS,
                  policy: SpeculationPolicy | None = None, tokenizer=None, drafter: Drafter | None = None,
-                 drafters: DrafterCache | None = None, closed: bool = False):
+                 drafters: DrafterCache | None = None, closed: bool = False, executor: str = "local"):
         """``closed``: every request is added before the first step and the caller takes the results together
         (generate_batch) - drafters that weigh speed then plan for the batch's end (``DraftContext.closed``); a
-        server leaves it False."""
+        server leaves it False.  ``executor``: "local" (in this process) or "process" (the model, its cache and
+        the drafters in a child process fed by plans: ``remote.py``; call ``close`` when done)."""
+        if executor not in ("local", "process"):
+            raise ValueError(f"executor must be 'local' or 'process', got {executor!r}")
         for name, v in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -123,13 +113,24 @@ class Engine:
             kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size)
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
-        self.pool = BlockPool(model, self.R, kv_budget, block_size)
-        self.runtime.prepare_cache(self.pool.tensors())
+        self._prefix_caches: dict[int, object] = {}         # by key: what a plan's prefix-cache copies name
+        self.remote = executor == "process"
+        if self.remote:                                      # the books here, the rows in the executor's process
+            from .remote import RemoteExecutor                # lazy: spawning needs torch.multiprocessing
+            self.pool = BlockPool.accounting(kv_budget, block_size, bytes_per_token(model.config, self.R, model.dtype))
+            self.executor = RemoteExecutor(model, self.R, kv_budget, block_size, self.runtime)
+        else:
+            self.pool = BlockPool(model, self.R, kv_budget, block_size)
+            self.runtime.prepare_cache(self.pool.tensors())
+            self.executor = Executor(model, self.R, self.pool, self.runtime, self.drafters, self._prefix_caches)
         self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R, closed=closed)
-        self.executor = Executor(model, self.R, self.pool, self.runtime)
+        self.output = OutputProcessor(model.device, self.runtime.track_memory, self.pool.bytes_per_block)
         self._ids = itertools.count()
         self._table: dict[int, Entry] = {}
-        self._results: dict[int, GenerationResult] = {}
+        self._results = self.output.results
+        self._release: list[int] = []          # ended since the last plan: the executor drops their state
+        self.host_seconds = 0.0                # time in the engine's own work (planning, applying, outputs)
+        self.execute_seconds = 0.0             # time waiting for the executor (in process: running it)
         self._events: list[StepEvent] = []     # this step's events so far (kept if the step raises: take_events)
 
     # --- requests -----------------------------------------------------------------------------------------
@@ -195,13 +196,22 @@ class Engine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         salt = prefix_salt(self.R, init_scale, state_seed, exit, self.model.dtype, self.pool.B)
-        e = Entry(next(self._ids), ids, rule, drafter,
-                  dict(init_scale=float(init_scale), state_seed=int(state_seed), choose=sampling or greedy, exit=exit),
+        key = self.drafters.key_of(drafter)
+        if self.remote and (key.handle is not None or prefix_cache is not None):
+            raise ValueError("an engine whose executor runs in another process builds its drafters from a method and "
+                             "knobs and holds no prefix cache: pass method= and knobs=, not a drafter object or "
+                             "prefix_cache")
+        prefix_key = None
+        if prefix_cache is not None:
+            prefix_key = id(prefix_cache)
+            self._prefix_caches[prefix_key] = prefix_cache
+        e = Entry(next(self._ids), ids, rule, drafter, key,
                   rows_needed(ctx, P, rule.max_new_tokens, drafter.width), salt,
-                  None if timeout is None else time.monotonic() + timeout, [] if trace else None,
-                  GenerationStats(method=drafter.name, prompt_tokens=P), streamer=streamer, prefix_cache=prefix_cache,
-                  decode_text=tok.decode if tok is not None else None)
+                  None if timeout is None else time.monotonic() + timeout, init_scale=float(init_scale),
+                  state_seed=int(state_seed), sampling=sampling, exit=exit, trace=trace, prefix_cache=prefix_cache,
+                  prefix_key=prefix_key)
         self.scheduler.add(e)
+        self.output.add(e, drafter.name, streamer, tok.decode if tok is not None else None)
         self._table[e.id] = e
         return e.id
 
@@ -211,6 +221,7 @@ class Engine:
         if e is None:
             raise KeyError(f"no request {rid}")
         e.cancelled = True
+        self.executor.cancel(rid)
 
     def result(self, rid: int) -> GenerationResult:
         """The finished request's result (and its row leaves the table)."""
@@ -240,28 +251,45 @@ class Engine:
         """Plan, execute, apply: the events of this step.  If the step raises, the events it had made are kept for
         ``take_events``; call ``abort_running`` to end the requests whose states the failure left untrusted."""
         events = self._events
-        plan, ended = self.scheduler.schedule(events)
+        t0 = time.perf_counter()
+        plan, ended = self.scheduler.schedule()
         for e in ended:
             events.append(self._finish(e))
-        started = {s.id for s in plan.start}
-        events += [StepEvent(rid, [], started=True) for rid in started]
+        events += self.output.started([self._table[s.id] for s in plan.start])
         progress = plan.rows or plan.swap_in or any(w.prefill is None and w.room for w in plan.work)
         if not progress and not plan.start and not ended and self.has_work:
             raise RuntimeError("the engine planned a step that moves no request (a scheduler bug): "
                                f"running {[(e.id, e.computed, len(e.generated)) for e in self.scheduler.running]}, "
                                f"waiting {len(self.scheduler.waiting)}")
-        if not plan.work and not plan.swap_out and not plan.swap_in:
-            return self.take_events()
-        out = self.executor.execute(plan)
-        kept, finished = self.scheduler.update(plan, out)
-        done = {e.id for e in finished}
-        for e, tokens in kept:
-            if e.id not in done and tokens:
-                events.append(StepEvent(e.id, tokens))
-                e.sent = len(e.generated)
-        for e in finished:
-            events.append(self._finish(e))
+        plan.release, self._release = self._release, []
+        if not plan.empty:
+            t1 = time.perf_counter()
+            out = self.executor.execute(plan)
+            t2 = time.perf_counter()
+            self.execute_seconds += t2 - t1
+            t0 += t2 - t1
+            self.output.measured(out)
+            committed, finished = self.scheduler.update(plan, out)
+            events += self.output.committed(committed, finished)
+            finished += self.scheduler.stopped()
+            for e in finished:
+                events.append(self._finish(e))
+        if self._release and not self.has_work:      # nothing more to run: the executor drops their state now
+            self.executor.execute(StepPlan(self.scheduler.steps, release=self._release))
+            self._release = []
+        self.host_seconds += time.perf_counter() - t0
         return self.take_events()
+
+    def close(self) -> None:
+        """End the executor's process (``executor="process"``); nothing to do in process."""
+        if self.remote:
+            self.executor.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def take_events(self) -> list[StepEvent]:
         """The events made since the last ones returned (after a step raised: what it had done before)."""
@@ -273,37 +301,21 @@ class Engine:
         while self.has_work:
             yield from self.step()
 
-    def abort_running(self, reason: str = "error") -> list[int]:
+    def abort_running(self, reason: StopReason = StopReason.ERROR) -> list[int]:
         """End every running (and swapped-out) request now - after a step failed, their states cannot be trusted;
         returns their ids.  Their blocks go back to the pool; requests not yet started stay queued."""
         ids = []
-        for e in self.scheduler.running + [x for x in self.scheduler.waiting if x.status == "swapped"]:
+        for e in self.scheduler.running + [x for x in self.scheduler.waiting if x.status is Status.SWAPPED]:
             self.scheduler._end(e, reason)
             self._events.append(self._finish(e))
             ids.append(e.id)
         return ids
 
     def _finish(self, e: Entry) -> StepEvent:
-        """A request ended: its result is kept until ``result`` (or ``discard``) is called."""
-        self.executor.release(e.id)
-        stats = e.stats
-        stats.stop_reason = e.reason or ""
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.wall_time = time.perf_counter() - e.t0
-        stats.new_tokens = len(e.generated)
-        if self.runtime.track_memory:
-            from .memory import peak_memory
-            stats.peak_memory = peak_memory(self.model.device)
-        text = None
-        if e.decode_text is not None:
-            text = e.decode_text(e.generated)
-            if e.rule.stop_strings:
-                text = e.rule.trim_text(text)
-        self._results[e.id] = GenerationResult(tokens=list(e.generated), stats=stats, text=text, trace=e.trace,
-                                               error=e.error)
-        if e.streamer is not None:
-            e.streamer.end()
-        ev = StepEvent(e.id, e.generated[e.sent:], True, e.reason)
-        e.sent = len(e.generated)
-        return ev
+        """A request ended: its result is kept until ``result`` (or ``discard``) is called; the executor drops its
+        state with the next plan."""
+        self._release.append(e.id)
+        if e.prefix_key is not None and not any(x.prefix_key == e.prefix_key for x in self._table.values()
+                                                if x is not e and x.status is not Status.FINISHED):
+            self._prefix_caches.pop(e.prefix_key, None)
+        return self.output.finish(e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Mapping
 
 import torch
 
@@ -20,34 +21,99 @@ from ..model.cache import BlockTable, PagedCache
 from ..model.looped import LoopedLM
 from .blocks import BlockPool
 from .context import DraftContext
-from .draft import Session
+from .contract import Counts, Phase, RequestOutput, StepOutput, StepPlan
+from .draft import Drafter, Session
+from .drafters import DrafterCache
 from .loop import step as loop_step
-from .request import Request
+from .request import Request, greedy
 from .runtime import Runtime
-from .scheduler import RequestOutput, StepOutput, StepPlan
 from .verify import PrefillChunk, prefill_slice
 
 
+class StepClock:
+    """The seconds of one step's phases, charged to the step (once per pass) and to every request in a pass.  On
+    CUDA it records events and reads them once at the step's end (the step's verification already waited for the
+    device when its verdicts came to the host)."""
+
+    def __init__(self, out: StepOutput, cuda: bool):
+        self.out, self.cuda = out, cuda
+        self._events: list[tuple[Phase, list[Request], object, object]] = []
+
+    @contextmanager
+    def __call__(self, phase: Phase, reqs: list[Request]):
+        if not reqs:
+            yield
+            return
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._events.append((phase, reqs, a, b))
+            return
+        t = time.perf_counter()
+        yield
+        self._charge(phase, reqs, time.perf_counter() - t)
+
+    def _charge(self, phase: Phase, reqs: list[Request], dt: float) -> None:
+        self.out.charge(phase, dt)
+        for r in {id(r): r for r in reqs}.values():
+            r.counts.charge(phase, dt)
+
+    def settle(self) -> None:
+        if self._events:
+            self._events[-1][3].synchronize()
+            for phase, reqs, a, b in self._events:
+                self._charge(phase, reqs, a.elapsed_time(b) / 1e3)
+            self._events.clear()
+
+
 class Executor:
-    def __init__(self, model: LoopedLM, R: int, pool: BlockPool, runtime: Runtime):
+    def __init__(self, model: LoopedLM, R: int, pool: BlockPool, runtime: Runtime, drafters: DrafterCache,
+                 prefix_caches: Mapping[int, object] | None = None):
+        """``drafters`` resolves the plan's drafter keys; ``prefix_caches``: the prefix caches the plan's copies
+        name, by key."""
         self.model, self.R, self.pool, self.runtime = model, R, pool, runtime
+        self.drafter_cache = drafters
+        self.prefix_caches = prefix_caches if prefix_caches is not None else {}
         self.requests: dict[int, Request] = {}
         self.sessions: dict[int, Session] = {}
-        self.drafters: dict[int, object] = {}
+        self.drafters: dict[int, Drafter] = {}
         self._saved: dict[int, list[torch.Tensor]] = {}       # swapped-out rows, on the host
 
     def release(self, rid: int) -> None:
         """Drop a finished request's state (its blocks are the scheduler's)."""
-        req = self.requests.pop(rid, None)
-        if req is not None:
-            req.finish()
+        self.requests.pop(rid, None)
         self.sessions.pop(rid, None)
         self.drafters.pop(rid, None)
         self._saved.pop(rid, None)
 
+    def cancel(self, rid: int) -> None:
+        """Stop request ``rid`` at its next drafting round (called between steps, or from the thread a step runs
+        on; the scheduler ends it)."""
+        req = self.requests.get(rid)
+        if req is not None:
+            req.cancelled = True
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         out = StepOutput()
+        for rid in plan.release:
+            self.release(rid)
+        clock = self._clock = StepClock(out, self.model.device.type == "cuda")
+        try:
+            self._execute(plan, out)
+        finally:
+            clock.settle()
+            for rid, req in self.requests.items():           # what each request spent, and its trace
+                if req.counts != _NOTHING or req.trace:
+                    o = out.requests.get(rid) or out.requests.setdefault(rid, RequestOutput(rid))
+                    o.counts, req.counts = req.counts, Counts()
+                    if req.trace:
+                        o.trace, req.trace = req.trace, []
+        return out
+
+    def _execute(self, plan: StepPlan, out: StepOutput) -> None:
         for rid in plan.swap_out:                     # before anything else writes the blocks they held
             req = self.requests[rid]
             self._saved[rid] = req.cache.save()
@@ -63,17 +129,19 @@ class Executor:
             try:
                 table = BlockTable(self.pool.B, self.pool.blocks_for(s.max_rows) * self.pool.B, self.model.device,
                                    static=self.runtime.static_shapes)
+                drafter = self.drafter_cache.resolve(s.drafter)
                 req = Request(self.model, s.tokens, PagedCache(self.pool.cache, table), R=self.R,
-                              max_rows=s.max_rows, max_new_tokens=s.max_new_tokens, width=s.drafter.width, runtime=self.runtime, stats=s.stats,
-                              stop_check=s.stop_check, **s.options)
+                              max_rows=s.max_rows, max_new_tokens=s.max_new_tokens, width=s.width,
+                              init_scale=s.init_scale, state_seed=s.state_seed, runtime=self.runtime,
+                              choose=s.sampling or greedy, exit=s.exit, deadline=s.deadline)
             except Exception as err:              # noqa: BLE001 - this request fails, the others go on
-                out.failed.append((s.id, err))
+                out.failed.append((s.id, f"{type(err).__name__}: {err}"))
                 failed.add(s.id)
                 continue
-            req.trace = s.trace
+            req.trace = [] if s.trace else None
             req.rid = s.id
             self.requests[s.id] = req
-            self.drafters[s.id] = s.drafter
+            self.drafters[s.id] = drafter
         for rid, blocks in plan.swap_in:
             req = self.requests[rid]
             req.cache.table.append(blocks)
@@ -90,8 +158,8 @@ class Executor:
             req = self.requests[s.id]
             rows = s.cached
             if s.copy is not None:
-                pc, a, b = s.copy
-                pc.copy_blocks(req.cache, a, b)
+                key, a, b = s.copy
+                self.prefix_caches[key].copy_blocks(req.cache, a, b)
                 rows = b * self.pool.B
             req.cache.n = req.prefilled = rows
 
@@ -117,15 +185,17 @@ class Executor:
                 sessions.append(s)
                 out_of[s] = req
         if not sessions and not chunks and not sliced:
-            return out
-        verified, first = loop_step(sessions, out_of, chunks, self._timer) if sessions or chunks else ([], [])
+            return
+        clock = self._clock
+        verified, first = loop_step(sessions, out_of, chunks, clock) if sessions or chunks else ([], [])
         for s, p, v in verified:
             o = out.requests[p.req.rid]
             o.tokens = list(v.tokens)
             o.verdict = (p.layout.proposals, v.accepted, len(v.tokens) > v.accepted)
+            out.rows_verified += p.inputs
         ends = [c for c in chunks if c.last]
         for c in sliced:
-            with self._timer("prefill", [c.req]):
+            with clock(Phase.PREFILL, [c.req]):
                 logits = prefill_slice(c)
             if c.depths[1] == self.R:                 # its last core step: the block is complete
                 chunks.append(c)
@@ -143,9 +213,9 @@ class Executor:
             out.requests[c.req.rid].prefilled += c.size
         for c in ends:                                 # prefilled: its drafting session starts
             rid = c.req.rid
-            with self._timer("draft", [c.req]):
+            with clock(Phase.DRAFT, [c.req]):
                 self.sessions[rid] = self.drafters[rid].start(DraftContext(c.req))
-        return out
+        out.rows_drafted = sum(r.counts.draft_updates for r in self.requests.values())
 
     def _shared_blocks(self, plan: StepPlan, s) -> list[int]:
         w = next((w for w in plan.work if w.id == s.id), None)
@@ -159,24 +229,5 @@ class Executor:
         for t in self.pool.tensors():
             t.index_fill_(-2, idx, 0)
 
-    @staticmethod
-    @contextmanager
-    def _timer(phase: str, reqs: list[Request]):
-        """Charge ``phase`` to every request in ``reqs`` (they share the batched passes)."""
-        if not reqs:
-            yield
-            return
-        if reqs[0].timer.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            yield
-            b.record()
-            for r in reqs:
-                r.timer._events.append((phase, a, b))
-            return
-        t = time.perf_counter()
-        yield
-        dt = time.perf_counter() - t
-        attr = phase + "_time"
-        for r in {id(r): r for r in reqs}.values():
-            setattr(r.stats, attr, getattr(r.stats, attr) + dt)
+
+_NOTHING = Counts()

@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .contract import Phase
 from .draft import Draft, Drafter, Session, TreeLayout, Verdict
 from .request import Request
 from .verify import Placed, PrefillChunk, verify_step
@@ -86,7 +87,7 @@ def step(sessions: Sequence[Session], requests: dict, prefills: Sequence[Prefill
     for s in sessions:
         groups.setdefault(s.drafter, []).append(s)
     reqs = [requests[s] for s in sessions]
-    with timer("draft", reqs):
+    with timer(Phase.DRAFT, reqs):
         proposed = propose(groups)
         placed, live, drafts = [], [], []
         for s, d in proposed:
@@ -97,10 +98,10 @@ def step(sessions: Sequence[Session], requests: dict, prefills: Sequence[Prefill
             placed.append(p)
             live.append(s if d is not None else None)      # a session observes the verdicts of its own drafts
             drafts.append(traced(p, d or Draft()) if req.trace is not None else None)
-    phase = "verify" if placed else "prefill"
+    phase = Phase.VERIFY if placed else Phase.PREFILL
     with timer(phase, [p.req for p in placed] + [c.req for c in prefills]):
         verdicts, first = verify_step(placed, list(prefills))
-    with timer("draft", [p.req for p in placed]):
+    with timer(Phase.DRAFT, [p.req for p in placed]):
         for s, p, d, v in zip(live, placed, drafts, verdicts):
             if d is not None:
                 p.req.trace.append((d, v))

@@ -9,6 +9,7 @@ that.  Rows and token slots at or beyond ``L`` are scratch for drafts, checked a
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -17,8 +18,8 @@ from torch import Tensor
 from ..model.attention import Span
 from ..model.cache import CacheCapacityError, PagedCache
 from ..model.looped import LoopedLM
+from .contract import Counts, StopReason
 from .runtime import DEFAULT, Runtime
-from .stats import GenerationStats, PhaseTimer
 
 if TYPE_CHECKING:
     from ..model.exit import ExitRule
@@ -51,8 +52,7 @@ def pool_share(block_size: int, prompt: int, max_new_tokens: int, width: int, B:
 class Request:
     def __init__(self, model: LoopedLM, prompt: list[int], cache: PagedCache, *, R: int, max_rows: int,
                  max_new_tokens: int, width: int, init_scale: float = 1.0, state_seed: int = 0, runtime: Runtime = DEFAULT,
-                 choose: TokenChoice = greedy, exit: "ExitRule | None" = None,
-                 stats: GenerationStats | None = None, stop_check: Callable[[], str | None] = lambda: None):
+                 choose: TokenChoice = greedy, exit: "ExitRule | None" = None, deadline: float | None = None):
         self.model, self.R, self.width = model, R, width
         self.rid: int | None = None          # the engine's id
         self.P, self.prompt = len(prompt), prompt
@@ -73,10 +73,18 @@ class Request:
         self.room = max_new_tokens          # tokens the next verification may commit (set by the executor per step)
         self.cap: int | None = None         # the step's draft cap (None: the drafter's own)
         self.closed = False                 # the step's StepPlan.closed (set by the executor)
-        self.trace: list | None = None      # (Draft, Verdict) per block, when asked for
-        self.stats = stats or GenerationStats(prompt_tokens=self.P)
-        self.timer = PhaseTimer(self.stats, model.device)
-        self.stopping = stop_check          # why the request must stop now (cancelled, timeout), or None
+        self.trace: list | None = None      # (Draft, Verdict) per block of this step, when asked for
+        self.counts = Counts()              # what it spent this step (the executor reports it, then starts anew)
+        self.deadline = deadline            # time.monotonic() past which it stops
+        self.cancelled = False
+
+    def stopping(self) -> StopReason | None:
+        """Why it must stop now (cancelled, out of time), or None: asked between drafting rounds."""
+        if self.cancelled:
+            return StopReason.CANCELLED
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return StopReason.TIMEOUT
+        return None
 
     # --- positions -----------------------------------------------------------------------------------
     @property
@@ -137,6 +145,3 @@ class Request:
             more = self.model.initial_state(torch.arange(have, grow), self.init_scale, self.state_seed)
             self._h0 = torch.cat((self._h0, more.unsqueeze(0)), dim=1)
         return self._h0[:, start: start + W] if positions is None else self._h0[:, positions]
-
-    def finish(self) -> None:
-        self.timer.finish()

@@ -42,6 +42,10 @@ class Runtime:
         if self.compile or self.cuda_graphs:          # compiled graphs need fixed shapes to be reused
             object.__setattr__(self, "static_shapes", True)
 
+    def __reduce__(self):
+        # the options cross a process boundary (``remote.py``); compiled graphs are per process, made again there
+        return Runtime, (self.static_shapes, self.compile, self.cuda_graphs, self.track_memory)
+
     @property
     def compiled(self) -> bool:
         return self.compile or self.cuda_graphs

@@ -1,9 +1,9 @@
 """The scheduler: the table of requests, the block pool's bookkeeping and the plan of every step - plain data for
 the executor (``executor.py``), which runs it and answers with plain data.
 
-    plan = scheduler.schedule()            # StepPlan: who starts, who is swapped out / in, per request its work
+    plan, ended = scheduler.schedule()     # StepPlan: who starts, who is swapped out / in, per request its work
     out = executor.execute(plan)           # StepOutput: per request, committed tokens and counts
-    events, finished = scheduler.update(plan, out)   # stop rules, events, blocks back to the pool
+    committed, finished = scheduler.update(plan, out)   # stop rules, blocks back to the pool
 
 Each step: requests cancelled or past their deadline end; every running request that decodes gets the blocks its
 verification may write (its anchor plus its drafter's ``width`` of scratch; just the anchor when the step's draft cap
@@ -30,78 +30,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import NamedTuple
 
+from ..model.cache import CacheCapacityError
+from ..model.exit import ExitRule
 from .blocks import BlockPool, block_keys
+from .contract import DrafterKey, RequestOutput, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
 from .draft import Drafter
 from .policy import SpeculationPolicy
-from .stats import GenerationStats
+from .sampling import Sampling
 from .stopping import StopRule
 
-
-# --- what the scheduler and the executor exchange ------------------------------------------------------------
-@dataclass
-class StartRequest:
-    """A request the executor sets up this step: its tokens so far, how to decode it, and the rows it starts with
-    (``cached``: shared prompt blocks already in its first blocks; ``copy``: rows to copy from a ``PrefixCache``)."""
-
-    id: int
-    tokens: list[int]                  # the prompt
-    drafter: Drafter
-    options: dict[str, Any]            # Request keyword arguments: init_scale, state_seed, choose, exit, ...
-    max_rows: int
-    max_new_tokens: int
-    stats: GenerationStats
-    stop_check: Callable[[], str | None]
-    trace: list | None = None          # the list (Draft, Verdict) pairs go to, when traced
-    cached: int = 0
-    copy: Any = None                   # (PrefixCache, rows) or None
-
-
-@dataclass
-class Work:
-    """One request's work this step: its table cut to ``keep`` blocks (when set) and ``new_blocks`` appended, then
-    either prompt rows [start, end) to prefill (whole blocks, ``end`` may be the prompt's end; or, with ``depths``,
-    core steps (r0, r1] of the one block [start, end)) or one drafting + verification round under ``room``
-    (tokens it may still commit) and ``cap`` (proposals; 0: a plain AR step)."""
-
-    id: int
-    new_blocks: list[int] = field(default_factory=list)
-    prefill: tuple[int, int] | None = None
-    depths: tuple[int, int] | None = None   # a depth slice of the prefill block: core steps (r0, r1] (None: all)
-    room: int = 0
-    cap: int | None = None
-    keep: int | None = None            # its table keeps only its first ``keep`` blocks (scratch handed back)
-
-
-@dataclass
-class StepPlan:
-    step: int
-    start: list[StartRequest] = field(default_factory=list)
-    swap_out: list[int] = field(default_factory=list)     # rows to host memory, blocks released, state kept
-    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (id, blocks to restore its rows into)
-    work: list[Work] = field(default_factory=list)
-    closed: bool = False               # a closed batch (``Scheduler.closed``) in which no request waits for a slot
-
-    @property
-    def rows(self) -> int:
-        return sum(w.prefill[1] - w.prefill[0] for w in self.work if w.prefill)
-
-
-@dataclass
-class RequestOutput:
-    id: int
-    tokens: list[int] = field(default_factory=list)   # committed this step, before the stop rule
-    prefilled: int = 0                                # prompt rows materialised this step
-    verdict: tuple[int, int, bool] | None = None      # (proposals, accepted, target token committed)
-
-
-@dataclass
-class StepOutput:
-    requests: dict[int, RequestOutput] = field(default_factory=dict)
-    failed: list[tuple[int, Exception]] = field(default_factory=list)   # requests whose setup raised
-    draft_time: float = 0.0
-    verify_time: float = 0.0
+__all__ = ["Committed", "Entry", "RequestOutput", "Scheduler", "StartRequest", "StepOutput", "StepPlan", "Work"]
 
 
 # --- the table -------------------------------------------------------------------------------------------------
@@ -112,28 +52,30 @@ class Entry:
     id: int
     prompt: list[int]
     rule: StopRule
-    drafter: Drafter
-    options: dict
+    drafter: Drafter                   # for its width and reach; the executor is told its ``key``
+    key: DrafterKey
     max_rows: int                      # rows it may ever hold (prompt + max_new_tokens + the drafter's scratch)
     salt: bytes                        # what decides its prompt rows besides the tokens (block keys)
     deadline: float | None
-    trace: list | None
-    stats: GenerationStats
-    streamer: Any = None
-    prefix_cache: Any = None
-    decode_text: Any = None
-    status: str = "waiting"            # waiting | running | swapped | finished
+    init_scale: float = 1.0
+    state_seed: int = 0
+    sampling: Sampling | None = None
+    exit: ExitRule | None = None
+    trace: bool = False
+    prefix_cache: object = None        # a PrefixCache, registered with the executor as ``prefix_key``
+    prefix_key: int | None = None
+    status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)
+    peak_blocks: int = 0               # the most blocks it held at once
+    cached: int = 0                    # prompt rows it started with (shared blocks and prefix-cache copies)
     keys: list[bytes] = field(default_factory=list)   # its full prompt blocks' keys
     computed: int = 0                  # prompt rows materialised (shared ones included)
     depth_done: int = 0                # core steps done of the block after ``computed`` (a depth slice in flight)
     generated: list[int] = field(default_factory=list)   # committed tokens, after the stop rule
     cancelled: bool = False
-    reason: str | None = None
+    reason: StopReason | None = None
     error: Exception | None = None     # what failed it (reason "error"): its streamer, its setup
-    sent: int = 0                      # generated tokens already reported in events
     passed: int = 0                    # requests admitted past it while its prompt did not fit the free blocks
-    t0: float = field(default_factory=time.perf_counter)
 
     @property
     def P(self) -> int:
@@ -148,12 +90,21 @@ class Entry:
         """Why it must stop now (failed, cancelled, out of time), or None: asked between steps and drafting
         rounds."""
         if self.error is not None:
-            return "error"
+            return StopReason.ERROR
         if self.cancelled:
-            return "cancelled"
+            return StopReason.CANCELLED
         if self.deadline is not None and time.monotonic() > self.deadline:
-            return "timeout"
+            return StopReason.TIMEOUT
         return None
+
+
+class Committed(NamedTuple):
+    """What a step committed for one request after its stop rule: the tokens kept, and its verification event
+    (proposals, accepted and kept, the target's token kept) when it verified a draft."""
+
+    entry: Entry
+    tokens: list[int]
+    event: tuple[int, int, bool] | None
 
 
 class Scheduler:
@@ -180,7 +131,6 @@ class Scheduler:
         B = self.pool.B
         rows = e.P + e.rule.max_new_tokens        # alone, it can always decode (AR steps when drafts do not fit)
         if self.pool.blocks_for(rows) > self.pool.capacity_blocks:
-            from ..model.cache import CacheCapacityError
             raise CacheCapacityError(
                 f"the request needs up to {rows} cache positions (prompt {e.P} + max_new_tokens "
                 f"{e.rule.max_new_tokens}) but the engine's pool holds {self.pool.describe()}; lower "
@@ -189,7 +139,7 @@ class Scheduler:
         self.waiting.append(e)
 
     # --- planning ----------------------------------------------------------------------------------------
-    def schedule(self, events: list) -> tuple[StepPlan, list[Entry]]:
+    def schedule(self) -> tuple[StepPlan, list[Entry]]:
         """The next step's plan, and the entries that ended before it (cancelled, out of time)."""
         ended = []
         for e in list(self.waiting) + list(self.running):
@@ -204,7 +154,7 @@ class Scheduler:
         cap = self.policy.cap(len(decoding))
         planned: dict[int, Work] = {}
         for e in list(self.running):                      # decoding requests first, oldest first
-            if e.status != "running" or not e.generated:
+            if e.status is not Status.RUNNING or not e.generated:
                 continue
             c = cap
             width = 0 if c == 0 else e.drafter.width
@@ -221,7 +171,7 @@ class Scheduler:
                 width = reach if got is not None else width
             if got is None:
                 got = self._grow(e, min(e.n + 1 + width, e.max_rows), plan, planned, spare=width > 0)
-            if got is None and e.status == "running":    # only itself left to preempt: an AR step, no scratch
+            if got is None and e.status is Status.RUNNING:    # only itself left to preempt: an AR step, no scratch
                 c, width = 0, 0
                 got = self._grow(e, e.n + 1, plan, planned)
             if got is None:
@@ -231,14 +181,14 @@ class Scheduler:
             plan.work.append(w)
             budget -= max(1, min(width, e.drafter.width))   # its verifier inputs (a longer reach is backed, not charged)
         for e in list(self.running):                      # then prompts still prefilling
-            if e.status == "running" and not e.generated and e.computed < e.P:
+            if e.status is Status.RUNNING and not e.generated and e.computed < e.P:
                 budget = self._prefill(e, budget, plan, planned)
         claimed = {k for x in self.running if x.computed < x.P for k in x.keys[x.computed // B:]}
         held: list[Entry] = []                            # waiting requests passed this step (their prompt did not fit)
         for e in list(self.waiting):                      # first in, first served (for memory)
             if len(self.running) >= self.max_batch:
                 break
-            if e.status == "swapped":
+            if e.status is Status.SWAPPED:
                 if not self._swap_in(e, plan, planned):
                     break
                 continue
@@ -259,7 +209,7 @@ class Scheduler:
             for x in held:
                 x.passed += 1
             budget = self._prefill(e, budget, plan, planned)
-            if e.status != "running":                     # it preempted itself: the pool is full for now
+            if e.status is not Status.RUNNING:           # it preempted itself: the pool is full for now
                 break
             claimed.update(e.keys[e.computed // B:])
         # closed once nobody waits for a slot and every running request decodes (a prompt still prefilling is the
@@ -300,12 +250,12 @@ class Scheduler:
         if started:                            # admitted this very step: nothing was computed, start over
             plan.start.remove(started[0])
             self.pool.free(e.blocks)
-            e.blocks, e.computed, e.depth_done, e.status = [], 0, 0, "waiting"
-            e.stats.cached_tokens = 0
+            e.blocks, e.computed, e.depth_done, e.status = [], 0, 0, Status.WAITING
+            e.cached = 0
         else:
             plan.swap_out.append(e.id)          # a depth slice in flight is dropped: its block starts over
             self.pool.free(e.blocks)
-            e.blocks, e.depth_done, e.status = [], 0, "swapped"
+            e.blocks, e.depth_done, e.status = [], 0, Status.SWAPPED
         self.running.remove(e)
         self.waiting.appendleft(e)
 
@@ -323,7 +273,7 @@ class Scheduler:
         if pc is not None and len(shared) < usable:
             more = min(usable, pc.full_blocks(e.prompt)) - len(shared)
             if more > 0:
-                copy = (pc, len(shared), len(shared) + more)
+                copy = (e.prefix_key, len(shared), len(shared) + more)
         first = len(shared) + (copy[2] - copy[1] if copy else 0)
         rows = min(e.P, (first + 1) * B)
         fresh = self.pool.blocks_for(rows) - len(shared)
@@ -336,27 +286,16 @@ class Scheduler:
         self.waiting.remove(e)
         e.blocks = shared + got
         e.computed = first * B
-        e.status = "running"
+        e.status = Status.RUNNING
         self.running.append(e)
         self.shared_rows += len(shared) * B
-        e.stats.cached_tokens = first * B
-        plan.start.append(StartRequest(e.id, e.prompt, e.drafter, e.options, e.max_rows, e.rule.max_new_tokens, e.stats,
-                                       lambda: e.stopping(),
-                                       e.trace, cached=len(shared) * B, copy=copy))
+        e.cached = first * B
+        plan.start.append(StartRequest(e.id, e.prompt, e.key, e.drafter.width, e.max_rows, e.rule.max_new_tokens,
+                                       e.init_scale, e.state_seed, e.sampling, e.exit, e.deadline, e.trace,
+                                       cached=len(shared) * B, copy=copy))
         planned[e.id] = w = Work(e.id, list(e.blocks))
         plan.work.append(w)
-        if e.streamer is not None:                 # as in Hugging Face generate: the prompt first
-            self._stream(e, e.prompt)
         return None
-
-    @staticmethod
-    def _stream(e: Entry, tokens: list[int]) -> None:
-        """Hand tokens to the request's streamer; one that raises fails its own request only."""
-        import torch
-        try:
-            e.streamer.put(torch.tensor([tokens]))
-        except Exception as err:          # noqa: BLE001 - the user's callback: its request fails, not the engine
-            e.error = err
 
     def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
         """Plan the next prompt blocks of ``e`` within ``budget`` rows, or a depth slice of its next block when the
@@ -397,7 +336,7 @@ class Scheduler:
     def _sliced(self, e: Entry) -> bool:
         """Whether ``e``'s prompt blocks may run as depth slices (not under an exit rule, which reads every step's
         state at once)."""
-        return self.R is not None and e.options.get("exit") is None
+        return self.R is not None and e.exit is None
 
     def _swap_in(self, e: Entry, plan: StepPlan, planned: dict) -> bool:
         """Bring ``e`` back with the rows of its next draft - or, when they do not fit, of its anchor alone (its
@@ -413,23 +352,23 @@ class Scheduler:
             return False
         got = self.pool.allocate(need)
         self.waiting.remove(e)
-        e.blocks, e.status = got, "running"
+        e.blocks, e.status = got, Status.RUNNING
         self.running.append(e)
         plan.swap_in.append((e.id, got))
         return True
 
     # --- applying a step's output --------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, out: StepOutput) -> tuple[list[tuple[Entry, list[int]]], list[Entry]]:
+    def update(self, plan: StepPlan, out: StepOutput) -> tuple[list[Committed], list[Entry]]:
         """Apply the executor's output: prompt progress (and newly complete prompt blocks registered for
-        sharing), committed tokens cut by the stop rule.  Returns (entry, tokens kept this step) for every entry
-        that committed something, and the entries that finished."""
-        kept_now, finished = [], []
+        sharing), committed tokens cut by the stop rule.  Returns what every entry committed this step and the
+        entries that finished by their stop rule (``stopped`` then ends those that must stop otherwise)."""
+        committed, finished = [], []
         B = self.pool.B
         running = {x.id: x for x in self.running}
         for rid, err in out.failed:
             e = running.get(rid)
             if e is not None:
-                e.error = err
+                e.error = RuntimeError(err)
         for s in plan.start:                 # blocks copied from a PrefixCache are keyed once they hold the rows
             e = running.get(s.id)
             if s.copy is not None and e is not None and e.error is None:
@@ -452,35 +391,40 @@ class Scheduler:
                 hit = e.rule.scan(e.generated, start)
                 kept = len(o.tokens)
                 if hit is not None:
-                    keep, e.reason = hit
+                    keep, reason = hit
+                    e.reason = StopReason(reason)
                     del e.generated[keep:]
                     kept = keep - start
+                event = None
                 if o.verdict is not None:
                     proposals, a, target = o.verdict
-                    e.stats.record(proposals, min(a, kept), target and kept == len(o.tokens))
-                if e.streamer is not None and kept:
-                    self._stream(e, o.tokens[:kept])
-                kept_now.append((e, o.tokens[:kept]))
+                    event = (proposals, min(a, kept), target and kept == len(o.tokens))
+                committed.append(Committed(e, o.tokens[:kept], event))
                 if hit is not None:
                     self._end(e, e.reason)
                     finished.append(e)
         for e in self.running:
-            e.stats.cache_bytes = max(e.stats.cache_bytes, len(e.blocks) * self.pool.bytes_per_block)
-        for e in list(self.running):        # stopped while drafting: not verified this step
-            if e not in finished:
-                reason = e.stopping()
-                if reason is not None:
-                    self._end(e, reason)
-                    finished.append(e)
-        return kept_now, finished
+            e.peak_blocks = max(e.peak_blocks, len(e.blocks))
+        return committed, finished
 
-    def _end(self, e: Entry, reason: str) -> None:
+    def stopped(self) -> list[Entry]:
+        """End the running entries that must stop now (failed, cancelled, out of time) - those that stopped while
+        drafting were not verified this step."""
+        ended = []
+        for e in list(self.running):
+            reason = e.stopping()
+            if reason is not None:
+                self._end(e, reason)
+                ended.append(e)
+        return ended
+
+    def _end(self, e: Entry, reason: StopReason) -> None:
         e.reason = reason
-        if e.status in ("running", "swapped", "waiting"):
+        if e.status is not Status.FINISHED:
             if e in self.running:
                 self.running.remove(e)
             elif e in self.waiting:
                 self.waiting.remove(e)
             self.pool.free(e.blocks)
             e.blocks = []
-        e.status = "finished"
+        e.status = Status.FINISHED

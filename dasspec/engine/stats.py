@@ -3,11 +3,9 @@ sequential core passes and position-updates spent drafting and verifying, and dr
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
+from .contract import Counts
 
 
 @dataclass
@@ -34,10 +32,19 @@ class GenerationStats:
     peak_memory: int | None = None       # CUDA: peak allocated; CPU: peak resident set of the process
     choices: dict[str, int] = field(default_factory=dict)   # method auto: steps per drafter it chose
 
-    def count(self, phase: str, passes: int, updates: int) -> None:
-        """Sequential core passes and position-updates spent in ``phase`` (prefill, draft or verify)."""
-        setattr(self, phase + "_passes", getattr(self, phase + "_passes") + passes)
-        setattr(self, phase + "_updates", getattr(self, phase + "_updates") + updates)
+    def add(self, c: Counts) -> None:
+        """What the request spent in a step (``contract.Counts``, as the executor reported it)."""
+        self.prefill_passes += c.prefill_passes
+        self.draft_passes += c.draft_passes
+        self.verify_passes += c.verify_passes
+        self.prefill_updates += c.prefill_updates
+        self.draft_updates += c.draft_updates
+        self.verify_updates += c.verify_updates
+        self.prefill_time += c.prefill_time
+        self.draft_time += c.draft_time
+        self.verify_time += c.verify_time
+        for arm, n in c.choices.items():
+            self.choices[arm] = self.choices.get(arm, 0) + n
 
     def record(self, proposed: int, accepted: int, target_token: bool) -> None:
         """One verification event: w_b proposals, a_b accepted (and kept), u_b."""
@@ -85,33 +92,3 @@ class GenerationStats:
             "stop_reason": self.stop_reason, "cache_bytes": self.cache_bytes, "peak_memory": self.peak_memory,
             "choices": dict(self.choices),
         }
-
-
-class PhaseTimer:
-    """Accumulates time per phase without forcing a device sync per phase: on CUDA it records events and resolves
-    them once in ``finish``; on CPU it reads the clock."""
-
-    def __init__(self, stats: GenerationStats, device: torch.device):
-        self.stats = stats
-        self.cuda = device.type == "cuda"
-        self._events: list[tuple[str, object, object]] = []
-
-    @contextmanager
-    def __call__(self, phase: str):
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            yield
-            b.record()
-            self._events.append((phase, a, b))
-        else:
-            t = time.perf_counter()
-            yield
-            setattr(self.stats, phase + "_time", getattr(self.stats, phase + "_time") + time.perf_counter() - t)
-
-    def finish(self) -> None:
-        if self.cuda and self._events:
-            torch.cuda.synchronize()
-            for phase, a, b in self._events:
-                setattr(self.stats, phase + "_time", getattr(self.stats, phase + "_time") + a.elapsed_time(b) / 1e3)
-            self._events.clear()

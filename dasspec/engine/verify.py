@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
+from .contract import Phase
 from .draft import TreeLayout, Verdict
 from .request import Request, greedy
 
@@ -68,7 +69,7 @@ def prefill_slice(c: PrefillChunk) -> Tensor | None:
         _, h, inj = req.depth_slice
     for r in range(r0 + 1, r1 + 1):
         h = b.core_step(h, inj, read=(r, r))
-    req.stats.count("prefill", r1 - r0, (r1 - r0) * c.size)
+    req.counts.count(Phase.PREFILL, r1 - r0, (r1 - r0) * c.size)
     if r1 < req.R:
         req.depth_slice = (r1, h.clone(), inj.clone())    # kept across steps: not in a compiled call's output pool
         return None
@@ -104,11 +105,11 @@ def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> tupl
             mask = torch.ones(d.inputs, n + d.inputs, dtype=torch.bool, device=req.device)
             mask[:, n:] = layout.mask
             positions.append(n + layout.depth), masks.append(mask)
-        req.stats.count("verify", req.R, req.R * d.inputs)
+        req.counts.count(Phase.VERIFY, req.R, req.R * d.inputs)
     for c in prefills:
         reqs.append(c.req), starts.append(c.start), widths.append(c.size)
         positions.append(None), masks.append(None)
-        c.req.stats.count("prefill", c.req.R, c.req.R * c.size)
+        c.req.counts.count(Phase.PREFILL, c.req.R, c.req.R * c.size)
     batch = Batch(reqs, starts, widths, positions, masks)
     # logits of every draft row, and of the last row of a prompt whose prefill ends here (the head is not free)
     if prefills:

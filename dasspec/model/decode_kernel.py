@@ -54,11 +54,12 @@ GUARANTEE_TORCH = ("the CPU kernels are not built: torch's kernels run, and a ro
 
 
 def build_tag() -> str:
-    """What names a build: the sources, flags, torch and Python versions."""
+    """What names a build: the sources, flags, torch and Python versions, and where torch is installed (a build's
+    commands name torch's headers: environments sharing one folder would rebuild it in turn)."""
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
-    h.update(repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    h.update(repr((CFLAGS, torch.__version__, sys.version_info[:2], os.path.dirname(torch.__file__))).encode())
     return h.hexdigest()[:12]
 
 
