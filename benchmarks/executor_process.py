@@ -37,10 +37,14 @@ METHODS = {"ar": {}, "das-wave": {}}
 def one_run(model, prompts: list[list[int]], method: str, B: int, executor: str, new: int) -> dict:
     steps = host = 0
     tokens: list[list[int]] = []
-    t = time.perf_counter()
     groups = [prompts[i: i + B] for i in range(0, len(prompts), B)]
     with Engine(model, method, METHODS[method], max_batch=B, executor=executor, closed=True) as engine:
-        t = time.perf_counter()                # the executor's process is up: start-up is not a step
+        for p in prompts[:B]:                  # warm-up (a fresh process: kernels, allocator, first touches)
+            engine.add(p[::-1], max_new_tokens=4, eos=False)     # (reversed: no prompt block to share)
+        while engine.has_work:
+            engine.step()
+        host0 = engine.host_seconds
+        t = time.perf_counter()                # start-up is not a step
         for group in groups:
             ids = [engine.add(p, max_new_tokens=new, eos=False) for p in group]
             while engine.has_work:
@@ -48,8 +52,20 @@ def one_run(model, prompts: list[list[int]], method: str, B: int, executor: str,
                 steps += 1
             tokens += [engine.result(i).tokens for i in ids]
         seconds = time.perf_counter() - t
-        host = engine.host_seconds
+        host = engine.host_seconds - host0
     return {"seconds": seconds, "steps": steps, "host": host, "tokens": tokens}
+
+
+def round_trip_ms(model, n: int = 200) -> float:
+    """The pipe alone: the median time to send an empty plan to the executor's process and get its output back."""
+    from dasspec.engine.contract import StepPlan
+    with Engine(model, "ar", max_batch=1, executor="process") as engine:
+        times = []
+        for i in range(n):
+            t = time.perf_counter()
+            engine.executor.execute(StepPlan(i))
+            times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -77,6 +93,8 @@ def main() -> None:
             model = dasspec.load_model(str(build_ouro(args.ouro_src, args.work / name, 512)))
         tok = model.tokenizer
         prompts = [tok.encode(q) for q in questions]
+        rt = round_trip_ms(model)
+        print(f"{name}: an empty plan's round trip {rt:.3f} ms", flush=True)
         for method in METHODS:
             for B in (1, len(prompts)):
                 one_run(model, prompts[:2], method, min(B, 2), "local", 4)        # warm-up
@@ -92,7 +110,7 @@ def main() -> None:
                 step_l = [1e3 * g["seconds"] / g["steps"] for g in loc]
                 step_p = [1e3 * g["seconds"] / g["steps"] for g in pro]
                 rows.append({
-                    "model": name, "method": method, "B": B, "steps": loc[0]["steps"],
+                    "model": name, "method": method, "B": B, "steps": loc[0]["steps"], "round_trip_ms": rt,
                     "ms_per_step_local": statistics.median(step_l), "ms_per_step_process": statistics.median(step_p),
                     "host_ms_per_step": statistics.median(1e3 * g["host"] / g["steps"] for g in loc),
                     "ipc_ms_per_step": statistics.median(b - a for a, b in zip(step_l, step_p)),
@@ -105,7 +123,9 @@ def main() -> None:
                 })
     (args.out / "results.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds,
                                                        "new_tokens": args.new_tokens, "rows": rows}, indent=1))
-    lines = ["| model | method | B | steps | ms/step in process | ms/step own process | engine's own ms/step | "
+    lines = ["Pipe round trip of an empty plan: " + ", ".join(sorted({f"{r['model']} {r['round_trip_ms']:.3f} ms"
+                                                                      for r in rows})), "",
+             "| model | method | B | steps | ms/step in process | ms/step own process | engine's own ms/step | "
              "pipe ms/step | speed own/in (range) | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["speed_range"]

@@ -198,3 +198,19 @@ def test_the_executor_in_its_own_process_gives_the_same_tokens_for_every_method(
 
     assert METHODS[-1][0] == "auto"
     assert run("process") == run("local")
+
+
+def test_a_script_read_from_stdin_starts_the_executor_process():
+    """A spawned child re-runs the parent's main file; for a script piped to ``python -`` there is none, the child
+    died before reading its start-up data and the parent blocked writing it for good (before the fix: a hang)."""
+    import subprocess
+    import sys
+
+    script = ("import dasspec\nfrom dasspec.engine.engine import Engine\nfrom dasspec.testing import random_model\n"
+              "m = random_model('huginn', seed=1, mean_recurrence=2, n_prelude=1, n_core=1, n_coda=1)\n"
+              "with Engine(m, executor='process') as e:\n"
+              "    rid = e.add([3, 4, 5], max_new_tokens=4, eos=False)\n"
+              "    list(e.run())\n"
+              "    print(e.result(rid).tokens == dasspec.generate(m, [3, 4, 5], max_new_tokens=4, eos=False).tokens)\n")
+    got = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0 and got.stdout.strip() == "True", got.stderr[-2000:]

@@ -13,6 +13,8 @@ copied).  A failure in the child comes back as a ``RemoteExecutorError`` naming 
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 
 import torch
@@ -65,7 +67,16 @@ class RemoteExecutor:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, model, R, kv_budget, block_size, runtime,
                                                        torch.get_num_threads()), daemon=True)
-        self._proc.start()
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        hidden = path is not None and not os.path.isfile(path)
+        if hidden:                       # a script read from stdin (or a REPL): the child would re-run a file that
+            del main.__file__            # does not exist and die before reading its start-up data, and the write
+        try:                             # of that data would then block for good
+            self._proc.start()
+        finally:
+            if hidden:
+                main.__file__ = path
         child.close()
         self._answer()                                   # raises if the child could not set up
 
@@ -92,6 +103,9 @@ class RemoteExecutor:
 
     def _answer(self):
         try:
+            while not self._conn.poll(1.0):              # returns as soon as the answer is there
+                if not self._proc.is_alive():            # (a child dead before it took its end of the pipe
+                    raise EOFError                       # leaves that end open: no EOF would come)
             kind, value = self._conn.recv()
         except (EOFError, OSError):
             raise RemoteExecutorError(f"the executor's process ended (exit code {self._proc.exitcode})") from None
