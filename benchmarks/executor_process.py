@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--ouro-src", type=Path, default=ROOT.parent / "shared/checkpoints/ouro-1.4b")
-    p.add_argument("--work", type=Path, default=Path("/tmp/dasspec-executor"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/dasspec-paired"))      # paired_versions.py builds there too
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,3 +72,18 @@ def test_each_torch_installation_gets_a_build_of_its_own(monkeypatch):
     here = decode_kernel.build_tag()
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
     assert decode_kernel.build_tag() != here
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch.utils.cpp_extension guards a build with a lock file; a build killed mid-way leaves it, and every later
+    load of the kernels waited on it for good (before the fix: this load timed out)."""
+    if not decode_kernel.available():
+        pytest.fail(f"the CPU kernels did not build: {decode_kernel.error()}")
+    lock = decode_kernel.build_dir() / decode_kernel.build_tag() / "lock"
+    lock.touch()
+    try:
+        got = subprocess.run([sys.executable, "-c", "from dasspec.model import decode_kernel as k; "
+                              "print(k.available())"], capture_output=True, text=True, timeout=120)
+        assert got.stdout.strip() == "True", got.stderr[-2000:]
+    finally:
+        lock.unlink(missing_ok=True)

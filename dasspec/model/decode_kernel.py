@@ -30,10 +30,16 @@ import sys
 import tempfile
 import threading
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:          # optional: Windows has no flock (a killed build's lock is then removed by hand)
+    fcntl = None
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("cpu_kernels.cpp", "bindings.cpp")
@@ -88,9 +94,16 @@ def _build(verbose: bool = False):
     if not any(f.suffix == ".so" for f in folder.iterdir()):
         print("dasspec: compiling the CPU kernels (once per machine, source and torch version; "
               "`dasspec kernels build` does it ahead of time)", file=sys.stderr, flush=True)
-    src = _sources_in(folder / "src")
-    return load(name, [str(src / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(src)], build_directory=str(folder), verbose=verbose)
+    with open(folder / ".building", "w") if fcntl else nullcontext() as held:
+        # torch's own lock is a file (``lock``) that a killed build leaves behind, and every later load then waits
+        # on it for good; whoever builds here holds this flock, which the system drops with its process, so a
+        # ``lock`` found while holding it is such a leftover
+        if fcntl:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+        src = _sources_in(folder / "src")
+        return load(name, [str(src / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(src)], build_directory=str(folder), verbose=verbose)
 
 
 def _sources_in(dst: Path) -> Path:
