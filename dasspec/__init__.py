@@ -71,7 +71,7 @@ def load_model(source: str | os.PathLike | None = None, device: str | torch.devi
                dtype: str | torch.dtype | None = None) -> LoopedLM:
     """Load a looped checkpoint folder (HF layout), an HF repo id from the local cache, or (None) the bundled
     model.  device: default CUDA when available; dtype: default bfloat16 on CUDA, float32 on CPU."""
-    from .model.checkpoint import load_checkpoint
+    from .model.checkpoint import load_checkpoint     # lazy: torch; importing dasspec loads none of it
 
     return load_checkpoint(source, device=device, dtype=dtype)
 

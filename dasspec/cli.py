@@ -9,107 +9,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import os
 import sys
 from collections.abc import Iterable
 
-from .host import THREADS_HELP, check_out_file, set_threads
+import dasspec
 
-EXIT_USAGE = 2                  # argparse's code for a bad command line: every command's input errors use it too
-EXIT_FAILED = 1                 # the environment failed (disk full, ...), not the input
-EXIT_INTERRUPTED = 130          # the shell's code for a process stopped by SIGINT
+from .flags import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, add_exec_flags,  # noqa: F401  (re-exported)
+                    add_exit_flags, add_knob_flags, add_sampling_flags, exit_from_args, knobs_from_args,
+                    load_for_args, runtime_from_args, sampling_from_args)
+from .host import THREADS_HELP, check_out_file, set_threads
 
 # Errors that mean "the input is wrong" (a value, a path, a file's contents): a message, never a traceback.
 # ValueError covers the domain errors (CheckpointError, ConfigError, ResumeError, DataFormatError), bad UTF-8 and
 # bad JSON; FileNotFoundError covers DataError.
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
-
-
-def add_knob_flags(p: argparse.ArgumentParser) -> None:
-    """Every registered method's knobs as flags (derived from their dataclasses), plus --set NAME=VALUE."""
-    from .methods import all_knobs
-    from .methods.knobs import add_knob_flags as add
-
-    g = p.add_argument_group("method knobs (named after the paper; defaults per model family, Table 5)")
-    add(g, all_knobs())
-    g.add_argument("--set", dest="extra", action="append", default=[], metavar="NAME=VALUE",
-                   help="a method knob as NAME=VALUE (repeatable), e.g. --set static_corpus=docs.jsonl")
-
-
-def knobs_from_args(args: argparse.Namespace) -> dict:
-    from .methods import all_knobs
-    from .methods.knobs import knobs_from_args as parse
-
-    return parse(args, all_knobs(), getattr(args, "extra", []))
-
-
-def add_sampling_flags(p, seed_flag: str = "--seed") -> None:
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sample at this temperature (> 0; 0 = greedy, the default); lossless: every method emits "
-                        f"what AR sampling emits at the same {seed_flag}")
-    p.add_argument("--top-k", dest="top_k", type=int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", dest="top_p", type=float, default=None, help="sample from the top tokens holding p")
-    p.add_argument("--min-p", dest="min_p", type=float, default=None,
-                   help="sample from tokens at least min_p x as likely as the most likely one")
-
-
-def sampling_from_args(args: argparse.Namespace) -> dict:
-    """generate()'s sampling options from the flags: a temperature > 0 or any filter samples (temperature 1.0 by
-    default); --temperature 0 (or none of them) decodes greedily."""
-    filters = {k: getattr(args, k) for k in ("top_k", "top_p", "min_p") if getattr(args, k, None) is not None}
-    t = getattr(args, "temperature", None)
-    if t == 0:
-        if filters:
-            raise ValueError(f"--temperature 0 decodes greedily; {', '.join(filters)} need sampling (a temperature "
-                             "> 0)")
-        return {}
-    if t is None and not filters:
-        return {}
-    return {"do_sample": True, "temperature": t, **filters}
-
-
-def add_exit_flags(p) -> None:
-    """The target's early exit, for models with an exit gate (Ouro); every method stays lossless against it."""
-    p.add_argument("--exit-threshold", dest="exit_threshold", type=float, default=None, metavar="TAU",
-                   help="read each position from the first recurrence step whose cumulative exit probability "
-                        "reaches TAU in [0, 1] (Ouro's early exit; default: the last step)")
-    p.add_argument("--exit-at-step", dest="exit_at_step", type=int, default=None, metavar="S",
-                   help="read every position from recurrence step S (0-based, as Ouro's exit_at_step)")
-
-
-def exit_from_args(args: argparse.Namespace) -> dict:
-    """generate()'s exit options from the flags, their values checked before any model loads (whether the model
-    has an exit gate, and S against its depth, once it has loaded)."""
-    from .model.exit import ExitRule
-
-    given = {k: getattr(args, k) for k in ("exit_threshold", "exit_at_step") if getattr(args, k, None) is not None}
-    try:
-        ExitRule.of(**given)
-    except ValueError as err:
-        raise ValueError(f"{err} (--exit-threshold / --exit-at-step)") from None
-    return given
-
-
-def add_exec_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("execution (GPU options; see dasspec.Runtime)")
-    g.add_argument("--static-shapes", action="store_true", help="fixed-shape attention over the whole cache")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model primitives (implies static)")
-    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs via torch.compile reduce-overhead")
-
-
-def runtime_from_args(args: argparse.Namespace, track_memory: bool = False):
-    from .engine.runtime import Runtime
-
-    return Runtime(static_shapes=getattr(args, "static_shapes", False), compile=getattr(args, "compile", False),
-                   cuda_graphs=getattr(args, "cuda_graphs", False), track_memory=track_memory)
-
-
-def load_for_args(args: argparse.Namespace):
-    """load_model for the --model / --device / --dtype flags shared by generate / bench / probe and benchmarks."""
-    import dasspec
-
-    return dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 class TextStreamer:
@@ -178,8 +94,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import dasspec
-
     prompt = read_prompt(args)                  # every input check before the model loads
     stops = [utf8_text(s, "--stop") for s in args.stop]
     target = exit_from_args(args)
@@ -219,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_parser(sub) -> argparse.ArgumentParser:
     """``dasspec generate``: its flags, with every registered method's knobs (importing the methods loads torch,
     so this runs only when the command is used)."""
-    from .methods import method_names
+    from .methods import method_names       # lazy: torch, for this command's parser only (not dasspec --help)
 
     g = sub.add_parser("generate", help=COMMANDS["generate"][0])
     g.add_argument("--model", default=None, help="checkpoint folder or HF repo id in the local cache "
@@ -322,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _closed(stream) -> bool:
     """Whether ``stream``'s descriptor is closed (an in-memory stream put in its place is not)."""
-    import io
     try:
         fd = stream.fileno()
     except (AttributeError, ValueError, io.UnsupportedOperation):

@@ -7,6 +7,7 @@ Imports nothing heavy: ``dasspec --help`` and argument checks run before torch i
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -42,7 +43,7 @@ THREADS_HELP = ("torch intra-op threads on CPU (default: torch's, lowered to the
 def set_threads(requested: int | None) -> int:
     """Torch's intra-op threads: ``requested`` (--threads), else torch's default lowered to the cores the load
     average leaves idle - on a shared CPU a thread that waits for a busy core slows every step."""
-    import torch
+    import torch        # lazy: every command's parser imports this module; `dasspec --help` loads no torch
 
     check_threads(requested)
     threads = requested or fair_threads(torch.get_num_threads())
@@ -102,8 +103,6 @@ def writable(path: Path) -> bool:
     """Whether this process may create files in (or write to) ``path``, found by trying: a temporary file made and
     removed in a folder, a file opened for appending (nothing written).  Permission bits alone say nothing for
     root, nor for /proc or a full or read-only file system."""
-    import tempfile
-
     try:
         if path.is_dir():
             fd, name = tempfile.mkstemp(dir=path, prefix=".dasspec-write-check-")

@@ -17,7 +17,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .model import decode_kernel
+    from .model import decode_kernel            # lazy: torch, when the command runs (not for --help)
     if args.action == "build":
         try:
             isa = decode_kernel.build(verbose=False)

@@ -4,6 +4,7 @@ from a repository's config.json, shard index (when it has one) and tokenizer, at
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -13,8 +14,15 @@ from pathlib import Path
 
 import torch
 
+from .engine.context import DraftContext
+from .engine.draft import Draft, Drafter, Session
+from .engine.engine import Engine
+from .model.checkpoint import _parse_dtype, read_json
 from .model.config import LoopedConfig
+from .model.layers import rope_tables
 from .model.looped import LoopedLM
+from .model.safetensors_io import write_streamed
+from .train.objective import init_weights
 
 
 def tiny_config(family: str = "huginn", **overrides) -> LoopedConfig:
@@ -76,8 +84,6 @@ _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 def real_config(src: str | os.PathLike, scale: str = "small") -> dict:
     """The source folder's config.json, at full size or with ``SMALL_WIDTHS`` (and the init values the takase init
     derives from the width: embed scale sqrt(d), std sqrt(2/(5d)), out_proj std / sqrt(2 * effective depth))."""
-    from .model.checkpoint import read_json
-
     if scale not in ("small", "full"):
         raise ValueError(f"scale must be 'small' or 'full', got {scale!r}")
     cfg = read_json(Path(src) / "config.json")
@@ -98,8 +104,6 @@ def real_tensor_specs(cfg: dict, weight_map: dict[str, str] | None = None) -> di
     """Shape of every tensor the index lists (without an index: every tensor the family's checkpoints hold), for
     ``cfg``: the family's checkpoint tensors, a tied head's duplicate and Huginn's ``freqs_cis`` RoPE table
     [1, block_size, 1, head_dim/2, 2]."""
-    from .model.config import LoopedConfig
-
     lcfg = LoopedConfig.from_hf(cfg, weight_map.keys() if weight_map is not None else None)
     slots = _slots(lcfg)
     if weight_map is None:
@@ -148,8 +152,6 @@ def _takase_tensor(model: LoopedLM, name: str, seed: int, chunk_bytes: int = 64 
     The parameter is drawn in row chunks of about ``chunk_bytes`` (the init's temporaries are several times the
     tensor drawn; its values are i.i.d., so a chunk is drawn like the whole).  Each tensor has its own seed, so a
     tensor drawn twice (a tied head's duplicate) is the same tensor."""
-    from .train.objective import init_weights
-
     module_name, leaf = name.rsplit(".", 1)
     module = model.get_submodule(module_name)
     meta = getattr(module, leaf)
@@ -180,11 +182,6 @@ def build_real_checkpoint(src: str | os.PathLike, out: str | os.PathLike, scale:
     describes: the takase init of its ``init_values`` (Huginn) or normal(0, ``initializer_range``) (Ouro).  ``scale``
     "full" keeps every width (Huginn-0125: 15.6 GB of float32; Ouro-1.4B: 2.9 GB of bfloat16), written one tensor
     at a time, so building needs about one tensor's memory; "small" shrinks the widths (``SMALL_WIDTHS``) for tests."""
-    from .model.checkpoint import _parse_dtype, read_json
-    from .model.config import LoopedConfig
-    from .model.layers import rope_tables
-    from .model.safetensors_io import write_streamed
-
     src, out = Path(src), Path(out)
     has_index = (src / "model.safetensors.index.json").is_file()
     cfg = real_config(src, scale)
@@ -234,8 +231,6 @@ def build_real_checkpoint(src: str | os.PathLike, out: str | os.PathLike, scale:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m dasspec.testing build-real --from DIR --out DIR [--scale small|full] [--seed N]``"""
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m dasspec.testing", description="random checkpoints for tests and "
                                 "benchmarks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -269,9 +264,6 @@ class Stepper:
 
     def __init__(self, model: LoopedLM, prompt: list[int], max_new_tokens: int, *, init_scale: float = 1.0,
                  state_seed: int = 0, width: int = 16, stop_ids=(), num_steps: int | None = None, **add):
-        from .engine.draft import Draft, Drafter, Session
-        from .engine.engine import Engine
-
         queue: list = []
         verdicts: list = []
 
@@ -301,7 +293,6 @@ class Stepper:
 
     @property
     def ctx(self):
-        from .engine.context import DraftContext
         return DraftContext(self.req)
 
     @property

@@ -42,12 +42,13 @@ def lm_eval_argv(args: list[str]) -> list[str]:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     try:
+        # optional: lm-eval (the [eval] extra), named below when it is missing
         from lm_eval._cli import HarnessCLI
         from lm_eval.utils import setup_logging
     except ImportError as err:
         raise ValueError(f"dasspec eval needs lm-evaluation-harness, which is not installed ({err}); install "
                          "it with: pip install 'dasspec[eval]'") from None
-    from .lm_eval_model import TASKS_DIR, register
+    from .lm_eval_model import TASKS_DIR, register     # optional: imports lm-eval, checked just above
 
     register()
     setup_logging()

@@ -41,10 +41,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
 
+import dasspec
+
+from ..engine.generate import generate_batch
+from ..engine.prefix_cache import PrefixCache
+from ..host import set_threads
+from ..methods import build_drafter, get_method
 from .logprobs import score
 
 log = logging.getLogger("dasspec.eval")
@@ -58,7 +65,7 @@ GEN_KWARGS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "to
 def task_manager(include_path: str | os.PathLike | list | None = None, **kwargs):
     """An lm-eval ``TaskManager`` that knows the offline tasks shipped with dasspec (``lm_eval_tasks/``) besides
     ``include_path``."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager     # lazy: lm-eval's task index (heavy), for the callers that need it
 
     paths = [str(TASKS_DIR)]
     if include_path is not None:
@@ -80,16 +87,10 @@ class DasspecLM(TemplateLM):
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, threads: int | None = None, prefix_cache: bool = False,
                  add_bos_token: bool = False, model=None, **knobs):
         super().__init__()
-        import dasspec
-        from ..host import set_threads
-        from ..methods import build_drafter, get_method
-
         if threads is not None:
             set_threads(int(threads))
         device = _none(device)
         if device is not None and str(device).startswith("cuda"):
-            import torch
-
             if not torch.cuda.is_available():     # lm-eval's command line passes cuda:0 unless told otherwise
                 log.warning("device %s is not available; dasspec picks the device (CPU here)", device)
                 device = None
@@ -220,14 +221,10 @@ class DasspecLM(TemplateLM):
         n = common_prefix(prompts)
         if n < 2:
             return None
-        from .. import PrefixCache
-
         return PrefixCache(self.model, prompts[0][:n], num_steps=self.num_steps, init_scale=self.init_scale,
                            state_seed=self.seed)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from ..engine.generate import generate_batch
-
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=repr), []).append(i)
@@ -260,7 +257,8 @@ def common_prefix(seqs: list[list[int]]) -> int:
 
 def register() -> None:
     """Put ``DasspecLM`` in lm-eval's model registry as ``dasspec`` (``--model dasspec``); idempotent."""
-    import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
+    # lazy: lm-eval's own models first (it loads them only into an empty registry), at registration only
+    import lm_eval.models  # noqa: F401
 
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target=DasspecLM)

@@ -25,6 +25,7 @@ def compile_chat_template(template: str):
     """A Jinja template compiled as Hugging Face's ``apply_chat_template`` does: sandboxed (a checkpoint's template
     is untrusted code), trim_blocks + lstrip_blocks, loop controls, the ``{% generation %}`` tag (rendered as its
     body: only training masks care about it), ``raise_exception`` and ``tojson``."""
+    # lazy: jinja2 when a template is first compiled (the sandbox's child imports this module, and only jinja2)
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -161,9 +162,9 @@ class TemplateSandbox:
 
 def _child_main(memory_bytes: int) -> None:
     """The render loop: one JSON request per line on stdin, one JSON answer per line on stdout."""
-    import resource
+    import resource     # optional: Unix only; in the child, which bounds its own memory with it
 
-    import jinja2
+    import jinja2       # lazy: as in compile_chat_template
     with open("/proc/self/statm") as f:                 # pages of address space in use now (Linux)
         base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = base + memory_bytes

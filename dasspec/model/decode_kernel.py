@@ -86,7 +86,7 @@ def build_dir() -> Path:
 
 
 def _build(verbose: bool = False):
-    from torch.utils.cpp_extension import load          # the compiler toolchain: only when a build is asked for
+    from torch.utils.cpp_extension import load  # optional: the compiler toolchain, only when a build is asked for
     tag = build_tag()
     name = f"dasspec_cpu_{tag}"
     folder = build_dir() / tag

@@ -22,6 +22,9 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import compile_chat_template
+from .families import stop_tokens
+from .safetensors_io import CheckpointError, checkpoint_root, open_regular
+from .source import read_json, resolve_source
 
 # Token strings that end a document in the families we load, in priority order.
 _EOS_NAMES = ("<|end_text|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eos|>")
@@ -91,8 +94,6 @@ class Tokenizer:
 def _read_chat_template(folder: Path, meta: dict) -> str | None:
     """``chat_template.jinja`` (newer transformers) or tokenizer_config.json's ``chat_template``: a string, or a
     list of named templates of which the one named ``default`` is the chat template."""
-    from .safetensors_io import checkpoint_root, open_regular
-
     path = folder / "chat_template.jinja"
     if os.path.lexists(path):               # (a dangling link is named as missing, not skipped)
         with open_regular(path, path.name, within=checkpoint_root(folder)) as f:
@@ -100,7 +101,6 @@ def _read_chat_template(folder: Path, meta: dict) -> str | None:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            from .checkpoint import CheckpointError
             raise CheckpointError(f"{path} is not UTF-8 text: {err}") from None
     template = meta.get("chat_template")
     if isinstance(template, list):
@@ -114,16 +114,11 @@ def _family_stops(folder: Path, root: Path) -> tuple[str, ...]:
     path = folder / "config.json"
     if not os.path.lexists(path):
         return ()
-    from .checkpoint import read_json
-    from .families import stop_tokens
     return stop_tokens(read_json(path, within=root).get("model_type"))
 
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> Tokenizer:
     """Tokenizer of a checkpoint folder (or HF cache repo id); None -> the bundled model's."""
-    from .checkpoint import CheckpointError, read_json, resolve_source
-    from .safetensors_io import checkpoint_root, open_regular
-
     folder = resolve_source(source)
     root = checkpoint_root(folder)          # no file outside the checkpoint, after symlinks
     path = folder / "tokenizer.json"

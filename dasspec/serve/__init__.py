@@ -23,11 +23,11 @@ __all__ = ["create_app", "Service", "ServeOptions"]
 
 
 def __getattr__(name: str):
-    # imported on use: ``dasspec --help`` (which loads serve.cli) should not pay for FastAPI's import
+    # imported on use (PEP 562): importing dasspec.serve (as serve.cli does) pays for neither FastAPI nor torch
     if name == "create_app":
-        from .app import create_app
+        from .app import create_app         # lazy: FastAPI and torch
         return create_app
     if name in ("Service", "ServeOptions"):
-        from . import service
+        from . import service               # lazy: torch
         return getattr(service, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

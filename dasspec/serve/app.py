@@ -29,21 +29,10 @@ from . import logprobs
 from .responses import Reply, sse
 from .schema import APIError, ChatRequest, CompletionRequest, parse_json, parse_request
 from .service import Service
-from .worker import Cancelled, Delta, Done, Failed, Job, Started, is_client_error
+from .worker import Cancelled, Delta, Done, Failed, Job, Started, error_for
 
 log = logging.getLogger("dasspec.serve")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-
-def _error_for(err: Exception) -> APIError:
-    """A worker-side failure as an API error (already counted in the metrics by the worker, or - an ``APIError``
-    a cluster replica answered - where it was raised)."""
-    if isinstance(err, APIError):
-        return err
-    e = APIError(400, str(err)) if is_client_error(err) else \
-        APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
-    e.counted = True
-    return e
 
 
 def create_app(service: Service) -> FastAPI:
@@ -172,7 +161,7 @@ def create_app(service: Service) -> FastAPI:
                     stats = service.stats(job, event.result, queue_time)
                     return JSONResponse(reply.body(event.result, len(prompt), stats))
                 elif isinstance(event, Failed):
-                    raise _error_for(event.error)
+                    raise error_for(event.error)
                 elif isinstance(event, Cancelled):
                     return Response(status_code=499)        # the client has gone; nobody reads this
         finally:
@@ -201,7 +190,7 @@ def create_app(service: Service) -> FastAPI:
                         yield sse(chunk)
                     break
                 elif isinstance(event, Failed):
-                    yield sse(_error_for(event.error).body())
+                    yield sse(error_for(event.error).body())
                     break
                 elif isinstance(event, Cancelled):
                     return

@@ -20,7 +20,16 @@ import sys
 import typing
 from pathlib import Path
 
-from ..host import THREADS_HELP
+import dasspec
+
+from ..engine.policy import SpeculationPolicy
+from ..flags import add_exec_flags, runtime_from_args
+from ..host import THREADS_HELP, check_threads, set_threads
+from ..methods import get_method, method_names
+from ..methods.knobs import parse_set_items
+from .ray_app import ClusterOptions, import_serve
+from .ray_app import run as run_ray
+from .service import ServeOptions, Service
 
 # ServeOptions fields whose flags are derived from the dataclass (type, default and help in one place).
 DERIVED = ("max_batch", "kv_budget", "max_step_tokens", "request_timeout", "max_body", "template_timeout")
@@ -28,17 +37,12 @@ DERIVED = ("max_batch", "kv_budget", "max_step_tokens", "request_timeout", "max_
 
 def _server_knobs(method: str, items: list[str]) -> dict:
     """``--set NAME=VALUE`` items as the method's knobs, parsed by their declared types."""
-    from ..methods import get_method
-    from ..methods.knobs import parse_set_items
-
     knobs_cls = get_method(method).knobs
     return parse_set_items(items, {name: knobs_cls for name in knobs_cls.names()}, f"method {method!r} has no",
                            method)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..methods import method_names
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder or HF repo id in the local cache (default: the "
@@ -67,7 +71,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with more than N requests decoding, a step drafts nothing (plain AR steps; the same "
                         "answers) - speculation pays less as the batch grows (default: the engine's policy)")
     _add_option_flags(p)
-    from ..cli import add_exec_flags
     add_exec_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (warning: no access log)")
@@ -95,8 +98,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _add_option_flags(p: argparse.ArgumentParser) -> None:
     """One flag per ``DERIVED`` ServeOptions field: its type parses the value, its metadata is the help."""
-    from .service import ServeOptions
-
     fields = {f.name: f for f in dataclasses.fields(ServeOptions)}
     hints = typing.get_type_hints(ServeOptions)
     for name in DERIVED:
@@ -138,12 +139,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # lazy: FastAPI and uvicorn load only to serve, not for `dasspec serve --help`
     import uvicorn
 
-    import dasspec
-    from ..host import check_threads, set_threads
-    from .app import create_app
-    from .service import ServeOptions, Service
+    from .app import create_app             # lazy: FastAPI, as uvicorn
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -162,8 +161,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     model = dasspec.load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (Path(args.model).name if args.model else "dasspec-tiny")
-    from ..cli import runtime_from_args
-    from ..engine.policy import SpeculationPolicy
     policy = None if args.speculate_up_to is None else SpeculationPolicy(off_above=args.speculate_up_to)
     service = Service(model, ServeOptions(model_name=name, method=args.method, knobs=knobs, max_queue=args.max_queue,
                                           max_tokens_cap=args.max_tokens_cap, runtime=runtime_from_args(args),
@@ -181,8 +178,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_ray(args: argparse.Namespace, options: dict, knobs: dict) -> int:
     """``dasspec serve --ray``: the same server as a Ray Serve application (``serve/ray_app.py``)."""
-    from .ray_app import ClusterOptions, import_serve, run
-
     import_serve()                                       # a clear message when Ray Serve is missing
     autoscaling = None
     if args.autoscale is not None:
@@ -204,4 +199,4 @@ def _serve_ray(args: argparse.Namespace, options: dict, knobs: dict) -> int:
                              max_failovers=args.max_failovers, warmup=args.warmup, runtime=runtime,
                              speculate_up_to=args.speculate_up_to, server=server).check()
     listen_socket(args.host, args.port).close()          # a bad or taken port fails now, not inside Ray
-    return run(cluster, args.host, args.port, None if args.ray == "local" else args.ray)
+    return run_ray(cluster, args.host, args.port, None if args.ray == "local" else args.ray)

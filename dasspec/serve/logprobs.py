@@ -29,7 +29,7 @@ from ..eval.logprobs import Scored, score
 from .responses import Reply, decoding_stats, finish_reason, usage
 from .schema import APIError, ChatRequest, CompletionRequest, _Strict, parse_json, parse_request
 from .textstream import IncrementalText
-from .worker import Cancelled, Done, Failed, Job
+from .worker import Cancelled, Done, Failed, Job, error_for
 
 
 class Scorer:
@@ -178,8 +178,7 @@ async def _decode(service, request: Request, req, prompts: list[list[int]], endp
                     out.append((event.result, decoding_stats(event.result, job.drafter, service.depth, queue_time)))
                     break
                 if isinstance(event, Failed):
-                    from .app import _error_for
-                    raise _error_for(event.error)
+                    raise error_for(event.error)
                 if isinstance(event, Cancelled):
                     return None
                 queue_time = getattr(event, "queue_time", queue_time)

@@ -35,16 +35,29 @@ import asyncio
 import os
 import random
 import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import dasspec
+
+from ..engine.policy import SpeculationPolicy
+from ..engine.runtime import Runtime
+from ..host import set_threads
+from ..methods import get_method
+from ..model.checkpoint import read_json, resolve_source, weight_entries
+from ..model.config import LoopedConfig
+from ..model.tokenizer import load_tokenizer
+from . import routing
+from .metrics import Counter, Gauge, Registry
+from .routing import POLICIES, mark_dead, prefix_key, router_for
 from .schema import APIError, ChatRequest, CompletionRequest, parse_request
-from .service import Frontend, ServeOptions
+from .service import Frontend, ServeOptions, Service
 from .splice import Diverged, Splice
-from .worker import Cancelled, Delta, Done, Failed, Job, Started
+from .worker import Cancelled, Delta, Done, Failed, Job, Started, error_for
 
 RAY_HINT = "--ray needs Ray Serve: pip install 'dasspec[ray]' (or pip install 'ray[serve]>=2.9')"
 APP_NAME = "dasspec"
@@ -56,6 +69,7 @@ _SEED_RNG = random.SystemRandom()
 
 def import_serve():
     try:
+        # optional: Ray Serve (the [ray] extra), named below when it is missing
         import ray
         from ray import serve
     except ImportError:
@@ -88,7 +102,6 @@ class ClusterOptions:
     server: dict = field(default_factory=dict)       # ServeOptions fields
 
     def check(self) -> "ClusterOptions":
-        from .routing import POLICIES
         if self.autoscaling is None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
                                          or self.replicas < 1):
             raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
@@ -117,10 +130,6 @@ class ClusterOptions:
 
 def model_info(source: str | None):
     """What the ingress needs of the checkpoint without its weights: (tokenizer, context, vocabulary size)."""
-    from ..model.checkpoint import read_json, resolve_source, weight_entries
-    from ..model.config import LoopedConfig
-    from ..model.tokenizer import load_tokenizer
-
     folder = resolve_source(source)
     cfg = LoopedConfig.from_hf(read_json(folder / "config.json"), weight_entries(folder).keys())
     return load_tokenizer(folder), cfg.block_size, cfg.vocab_size
@@ -132,12 +141,7 @@ class DasspecReplica:
     """One model, its engine and decode worker: the single server's ``Service``, answering the ingress."""
 
     def __init__(self, cluster: dict):
-        import dasspec
-        from ray import serve
-        from ..engine.policy import SpeculationPolicy
-        from ..engine.runtime import Runtime
-        from ..host import set_threads
-        from .service import Service
+        from ray import serve                   # optional: Ray Serve; a replica runs inside it
 
         c = ClusterOptions(**cluster)
         set_threads(c.threads or max(1, int(c.num_cpus)))
@@ -178,8 +182,7 @@ class DasspecReplica:
                                     "stats": service.stats(job, r, queue_time)}}
                     return
                 elif isinstance(event, Failed):
-                    from .app import _error_for
-                    err = _error_for(event.error)
+                    err = error_for(event.error)
                     yield {"error": err.status, "body": err.body(), "counted": True}
                     return
                 elif isinstance(event, Cancelled):
@@ -228,10 +231,6 @@ class ClusterService(Frontend):
     """The ingress's service: ``create_app``'s routes over replicas (see the module's docstring)."""
 
     def __init__(self, handle, tok, context: int, vocab_size: int, cluster: ClusterOptions):
-        from ..methods import get_method
-        from . import routing
-        from .metrics import Counter, Gauge, Registry
-
         super().__init__(tok, context, vocab_size, cluster.serve_options())
         self.handle, self.cluster = handle, cluster
         self.method = get_method(self.options.method).name
@@ -260,13 +259,10 @@ class ClusterService(Frontend):
               "prefix's previous request", lambda: routing.locality["local"])
 
     def _router(self):
-        from .routing import router_for
         return router_for(REPLICA)
 
     # --- the job ---------------------------------------------------------------------------------------------
     def job(self, req, prompt: list[int], endpoint: str, loop: asyncio.AbstractEventLoop) -> ClusterJob:
-        from .routing import prefix_key
-
         params = self.params(req, prompt, endpoint)
         seed = req.seed if req.seed is not None else \
             _SEED_RNG.randrange(2**31) if params.get("do_sample") else 0
@@ -296,9 +292,8 @@ class ClusterService(Frontend):
         return {**result.stats, "seed": job.seed, "failovers": job.failovers}
 
     async def _run(self, job: ClusterJob) -> None:
-        import ray
+        import ray                              # optional: Ray Serve, present on an ingress
         from ray.serve.exceptions import BackPressureError
-        from .routing import mark_dead
 
         splice = Splice(job.stream)        # the text the client has, and the token ids it came from
         avoid: list[str] = []
@@ -391,7 +386,6 @@ class ClusterService(Frontend):
 
     # --- health and metrics: every replica asked, the answers added up ------------------------------------------
     async def _ask_all(self, method: str) -> list[tuple[str, Any]]:
-        from . import routing
         router = self._router()
         if router is None:                 # the handle's router exists after its first call: make one
             try:
@@ -408,7 +402,7 @@ class ClusterService(Frontend):
                 call = self.handle.options(method_name=method).remote(replica_id=rid)
                 return rid, await asyncio.wait_for(call, CONTROL_TIMEOUT_S)
             except Exception as err:
-                import ray
+                import ray                      # optional: Ray Serve, present on an ingress
                 if isinstance(err, ray.exceptions.ActorDiedError):
                     routing.mark_dead(rid)
                 return rid, err
@@ -487,7 +481,7 @@ class DasspecIngress:
         self.service = ClusterService(replicas, tok, context, vocab, c)
 
     def __serve_build_asgi_app__(self):
-        from .app import create_app
+        from .app import create_app             # lazy: FastAPI, in the ingress only (not for serve --help)
         return create_app(self.service)
 
 
@@ -498,7 +492,7 @@ def build_app(args: dict | None = None):
     ``import_path`` in a Serve config file with ``args``): ``args`` are ``ClusterOptions`` fields; the
     ``ServeOptions`` ones (max_batch, max_queue, method, ...) may be given at the top level or under ``server``."""
     _, serve = import_serve()
-    from ray.serve.config import RequestRouterConfig
+    from ray.serve.config import RequestRouterConfig    # optional: Ray Serve, checked just above
 
     args = dict(args or {})
     server = dict(args.pop("server", None) or {})
@@ -582,7 +576,6 @@ def start_serve(serve, http_options: dict, wait_s: float = SERVE_START_S) -> Non
 def run(cluster: ClusterOptions, host: str, port: int, address: str | None, log: bool = True) -> int:
     """``dasspec serve --ray``: join (``address``: "auto" or an address) or start a local Ray instance, run the
     application on ``host:port`` until Ctrl-C / SIGTERM, then take it down (and the local instance)."""
-    import signal
     ray, serve = import_serve()
 
     cluster.check()

@@ -33,11 +33,11 @@ from typing import Any
 from ..engine.draft import Drafter
 from ..engine.drafters import DrafterCache
 from ..engine.engine import MAX_STEP_TOKENS, Engine
-from ..engine.engine import _methods as engine_methods
+from ..engine.generate import generate
 from ..engine.policy import SpeculationPolicy
 from ..engine.runtime import Runtime
 from ..engine.sampling import Sampling
-from ..methods import get_method
+from ..methods import build_drafter, get_method
 from ..model import decode_kernel
 from ..model.chat_template import TemplateLimit, TemplateSandbox
 from ..model.looped import LoopedLM
@@ -229,7 +229,9 @@ class Service(Frontend):
         self.depth = model.depth(None)
         self.exactness = decode_kernel.exactness(model.device, model.dtype)     # what /health promises
         super().__init__(model.tokenizer, model.config.block_size, model.config.vocab_size, options)
-        self.drafters = DrafterCache(model, self.depth, *engine_methods(), keep=_DRAFTERS_KEPT)
+        # the methods' registry, as the engine's default cache has it (build_drafter takes the cache's arguments)
+        self.drafters = DrafterCache(model, self.depth, build_drafter, lambda m: get_method(m).name,
+                                     keep=_DRAFTERS_KEPT)
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
             try:
                 self.drafter(self.method, {}, sampled=sampled)
@@ -247,8 +249,6 @@ class Service(Frontend):
         """A short generation before the first client (allocator, kernels), on an engine of its own (the worker's
         is idle: nothing is listening yet); a stateful method's on a drafter of its own, so that the server's (auto's
         cost model, Token Recycling's table) does not start from a cold process's times and a greeting's tokens."""
-        from ..engine.generate import generate
-        from ..methods import build_drafter, get_method
         drafter = build_drafter(self.model, self.method, dict(self.options.knobs), self.depth) \
             if get_method(self.method).stateful else self.drafter(self.method, {})
         generate(self.model, self.tok.encode("Hello"), drafter=drafter, max_new_tokens=4, runtime=self.options.runtime)

@@ -28,6 +28,7 @@ from ..engine.engine import Engine, StepEvent
 from ..engine.generate import GenerationResult
 from ..model.cache import CacheCapacityError
 from .metrics import ServerMetrics
+from .schema import APIError
 from .textstream import IncrementalText
 
 log = logging.getLogger("dasspec.serve")
@@ -70,6 +71,17 @@ def is_client_error(err: Exception) -> bool:
     """A request the server cannot serve as asked (bad value, does not fit the context or memory): a 400, not a
     server fault."""
     return isinstance(err, (ValueError, CacheCapacityError))
+
+
+def error_for(err: Exception) -> APIError:
+    """A worker-side failure as an API error (already counted in the metrics by the worker, or - an ``APIError``
+    a cluster replica answered - where it was raised)."""
+    if isinstance(err, APIError):
+        return err
+    e = APIError(400, str(err)) if is_client_error(err) else \
+        APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+    e.counted = True
+    return e
 
 
 @dataclass(eq=False)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..eval.probes.common import pyplot
+
 CARD_DEPTHS = (1, 2, 4, 8, 16)
 PAPER_HUGINN_AGREEMENT = {1: 0.4722, 2: 0.6362, 4: 0.7937, 8: 0.9127}   # paper Table 6, Huginn, Aligned
 
@@ -30,8 +32,6 @@ def write_generation_config(folder: Path, eos: int, previous: Path | None = None
 def plot_training(folder: Path, summary: dict) -> Path:
     """``train_loss.png``: left, the per-step loss of ``train_log.csv`` (and its 50-step mean) against tokens
     seen; right, how the held-out depth-d readout agrees with depth R, next to the paper's Huginn-0125."""
-    from ..eval.probes.common import pyplot
-
     with open(Path(folder) / "train_log.csv") as f:
         rows = list(csv.DictReader(f))
     tokens = np.array([float(r["tokens"]) for r in rows])

@@ -96,6 +96,7 @@ def _pilots(folders: list[str]) -> dict[str, dict]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    # lazy: the training modules load torch; `dasspec train --help` (this module) must not
     from .loop import Interrupted
     from .resume import STATE_FILE, partial_dir
     from .run import train

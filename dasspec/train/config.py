@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from ..host import check_threads
+
 if TYPE_CHECKING:                       # imported where used: the dasspec.model package loads torch
     from ..model.config import LoopedConfig
 
@@ -90,10 +92,11 @@ class TrainConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_heads ({self.n_heads})")
         if (self.n_embd // self.n_heads) % 2:
             raise ValueError(f"n_embd / n_heads ({self.n_embd // self.n_heads}) must be even for RoPE")
-        from ..host import check_threads
         if self.threads:
             check_threads(self.threads, "threads")
-        from ..model.checkpoint import resolve_device      # the same device check as load_model
+        # lazy: the dasspec.model package loads torch (`dasspec train --help` reads this module); the same device
+        # check as load_model
+        from ..model.checkpoint import resolve_device
         try:
             resolve_device(self.device)
         except ValueError as err:
@@ -102,7 +105,7 @@ class TrainConfig:
         return self
 
     def model_config(self, bos: int, eos: int, pad: int) -> "LoopedConfig":
-        from ..model.config import LoopedConfig
+        from ..model.config import LoopedConfig     # lazy: torch, as above
 
         d = self.n_embd
         return LoopedConfig(

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import dasspec
+
 from ..model.looped import LoopedLM
 from .config import TrainConfig
 from .corpus import Document
@@ -91,8 +93,6 @@ def held_out_metrics(model: LoopedLM, tok, val_docs: list[Document], cfg: TrainC
 
 def sample_generations(folder: Path, prompts=SAMPLE_PROMPTS, max_new_tokens: int = 64) -> list[dict]:
     """Greedy (AR, depth R) continuations from the saved folder, loaded the way users load it."""
-    import dasspec
-
     model = dasspec.load_model(folder, device="cpu", dtype="float32")
     out = []
     for p in prompts:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from ..host import fair_threads
 from ..model.looped import LoopedLM
@@ -136,8 +137,6 @@ def open_log(path: Path, step: int):
 
 
 def _progress_bar(cfg: TrainConfig, p: Progress, show: bool):
-    from tqdm import tqdm
-
     by_steps = cfg.max_steps is not None
     return tqdm(total=cfg.max_steps if by_steps else int(cfg.time_budget_s), unit="step" if by_steps else "s",
                 initial=p.step if by_steps else min(p.elapsed, cfg.time_budget_s), desc="train", disable=not show,

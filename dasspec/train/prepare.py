@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from . import corpus
 from .config import TrainConfig
@@ -24,8 +25,6 @@ BOS, EOS, PAD = "<|begin_text|>", "<|end_text|>", "<|pad|>"
 
 def train_tokenizer(texts, vocab_size: int):
     """Byte-level BPE (HF ``tokenizers``) with Huginn's special-token names; the post-processor prepends BOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -89,7 +88,6 @@ def prepare(cfg: TrainConfig, out: Path, data: str | os.PathLike | None = None, 
     train_docs, val_docs = corpus.split_corpus(docs, cfg.val_fraction, cfg.seed)
     saved = out / "tokenizer.json"
     if reuse_tokenizer and saved.exists():
-        from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(saved))
     else:
         tok = train_tokenizer((d.text for d in train_docs), cfg.vocab_size)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..host import unwritable_reason
 from .config import TrainConfig
 
 STATE_FILE = "resume.pt"
@@ -88,8 +89,6 @@ def check_destination(out: Path, force: bool = False) -> Path:
     """Refuse an ``out`` this run may not (yet) become, before any work: a file, a folder that cannot be created,
     or - without ``force`` - a folder that already holds something.  Returns the folder to train in
     (``partial_dir``); creates nothing."""
-    from ..host import unwritable_reason
-
     work = partial_dir(out)
     if out.exists() and not out.is_dir():
         raise ResumeError(f"cannot train into {out}: it is a file, not a folder")

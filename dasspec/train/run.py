@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..model.checkpoint import save_checkpoint
 from ..model.looped import LoopedLM
 from .card import plot_training, write_generation_config, write_model_card
 from .config import TrainConfig
@@ -87,8 +88,6 @@ def finish(cfg: TrainConfig, out: Path, model: LoopedLM, data: Prepared, p: Prog
            pilots: dict[str, dict] | None = None, previous: Path | None = None) -> dict:
     """Save the checkpoint into ``out`` (the training folder), evaluate it, write train_summary.json, the plot and
     the card.  ``previous``: the folder this run will replace, whose tuned decoder defaults are kept."""
-    from ..model.checkpoint import save_checkpoint
-
     model.eval()
     save_checkpoint(model, out)
     write_generation_config(out, data.special_ids()[1], previous)

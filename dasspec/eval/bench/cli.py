@@ -15,11 +15,20 @@ cluster), one model per GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+from ...flags import (EXIT_FAILED, add_exec_flags, add_exit_flags, add_knob_flags, add_sampling_flags,
+                      exit_from_args, knobs_from_args, load_for_args, runtime_from_args, sampling_from_args)
 from ...host import THREADS_HELP, set_threads
-from ...cli import (EXIT_FAILED, add_exec_flags, add_exit_flags, add_knob_flags, add_sampling_flags, exit_from_args,
-                    knobs_from_args, load_for_args, runtime_from_args, sampling_from_args)
+from ...methods import method_names
+from ..tasks import DataError, data_dir
+from .folder import RunFolder
+from .ray_runner import ModelSource, WorkersLost, import_ray, run_bench_ray
+from .report import detail_table, prefill_notes, speedup_table, write_report
+from .runner import run_bench
+from .setup import BenchPlan, knobs_for_methods, parse_knobs, resolve_tasks
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
 # One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly (docs/performance.md).
@@ -114,7 +123,6 @@ def _available(tasks, data, preset: bool) -> list:
     """In the quick preset a task without data is left out with a note; otherwise missing data is an error."""
     if not preset:
         return tasks
-    from ..tasks import DataError, data_dir
     keep = []
     for task in tasks:
         try:
@@ -142,17 +150,10 @@ def check_settings(args: argparse.Namespace) -> None:
 def bench_knobs(args: argparse.Namespace, methods: list[str]) -> dict[str, dict]:
     """Per-method knobs: the derived knob flags (and --set) for every benchmarked method that takes them, then
     --knobs METHOD:NAME=VALUE, which wins for its method."""
-    from .setup import knobs_for_methods, parse_knobs
-
     return knobs_for_methods(methods, knobs_from_args(args), parse_knobs(args.knobs))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .folder import RunFolder
-    from .ray_runner import WorkersLost
-    from .report import write_report
-    from .setup import BenchPlan, resolve_tasks
-
     _apply_preset(args)
     check_settings(args)
     if args.report_only:
@@ -169,11 +170,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tasks = resolve_tasks((args.tasks or DEFAULT_TASKS).split(","), caps, _pairs(args.shots, "--shots"))
     tasks = _available(tasks, args.data, args.preset is not None)
 
-    from ...methods import method_names
     methods = args.methods.split(",") if args.methods else method_names()
     knobs = bench_knobs(args, methods)
     if args.ray is not None:
-        from .ray_runner import import_ray
         import_ray()                              # how to install it, before anything else
     plan = BenchPlan(tasks=tasks, methods=methods, knobs=knobs, prompts=40 if args.prompts is None else args.prompts,
                      runtime=runtime_from_args(args, track_memory=True), split=args.split,
@@ -210,7 +209,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, plan, folder, name: str):
     """The benchmark itself: in this process, or over Ray workers."""
     if args.ray is not None:
-        from .ray_runner import ModelSource, run_bench_ray
         if not args.quiet:
             print(f"bench: {name} over Ray ({args.ray}); tasks {', '.join(t.name for t in plan.tasks)}; "
                   f"{plan.prompts} prompts each; into {args.out}", file=sys.stderr)
@@ -219,7 +217,6 @@ def _run(args: argparse.Namespace, plan, folder, name: str):
                              threads=args.threads, model_name=name, progress=not args.quiet,
                              repair=args.repair_records)
 
-    from .runner import run_bench
     set_threads(args.threads)
     model = load_for_args(args)
     if not args.quiet:
@@ -230,8 +227,6 @@ def _run(args: argparse.Namespace, plan, folder, name: str):
 
 
 def _finish(summary, args, model) -> int:
-    from .report import detail_table, prefill_notes, speedup_table
-
     if not args.quiet:
         print(speedup_table(summary))
         print()
@@ -240,8 +235,6 @@ def _finish(summary, args, model) -> int:
             print(f"\nnote: {note}")
         print(f"\nwritten: {args.out}/report.md, summary.csv, prompts.jsonl, records.jsonl, speedup.png, accept.png")
     if summary.mismatches:
-        import json
-        from pathlib import Path
         info = json.loads((Path(args.out) / "run.json").read_text())
         print(f"bench: {len(summary.mismatches)} outputs differ from AR (see report.md)"
               + (" - a failure in float32" if info.get("dtype") == "float32" else ""), file=sys.stderr)

@@ -28,8 +28,15 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+from tqdm.auto import tqdm
+
+import dasspec
+
+from ...engine.runtime import Runtime
 from .runner import BenchRun, RunFolder, held
-from .setup import PINNED, BenchPlan, begin_session
+from .setup import PINNED, BenchPlan, begin_session, environment
+from .work import Bench
 
 RAY_HINT = "--ray needs Ray: pip install 'dasspec[ray]' (or pip install 'ray>=2.9')"
 ATTEMPTS = 2                      # a cell that fails this many times is recorded as failed
@@ -51,7 +58,7 @@ class ModelSource:
 
 def import_ray():
     try:
-        import ray
+        import ray                  # optional: the [ray] extra; only --ray runs need it
     except ImportError:
         raise ValueError(RAY_HINT) from None
     return ray
@@ -70,8 +77,6 @@ class BenchWorker:
 
     def __init__(self, source: ModelSource, plan: BenchPlan, runtime: dict, model_name: str,
                  threads: int | None):
-        from ...engine.runtime import Runtime
-
         self.plan = dataclasses.replace(plan, runtime=Runtime(**runtime))
         self.source, self.model_name, self.threads = source, model_name, threads
         self.bench = None
@@ -79,12 +84,6 @@ class BenchWorker:
 
     def start(self) -> dict:
         """Load the model and resolve the setup, exactly as a local run does; say what this worker is."""
-        import torch
-
-        import dasspec
-        from .setup import environment
-        from .work import Bench
-
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         model = dasspec.load_model(self.source.name, device=self.source.device, dtype=self.source.dtype)
@@ -274,8 +273,6 @@ class Driver:
                              "): every worker must see the same checkpoint, data and settings")
 
     def loop(self, todo: deque, idle: list[Worker]) -> None:
-        from tqdm.auto import tqdm
-
         ray, pool = self.ray, self.pool
         running: dict = {}                  # ref -> ("cell", worker, (cell, methods)) | ("start", worker, None)
         bar = tqdm(total=len(todo), desc=f"bench ({len(idle)} Ray workers)", unit="cell",

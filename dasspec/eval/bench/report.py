@@ -393,10 +393,10 @@ def write_csv(s: Summary, path: Path, sampling: dict | None = None) -> None:
 
 def plot(s: Summary, out: Path) -> list[Path]:
     """speedup.png (S with 95% CI bars, grouped by task) and accept.png (A per method, grouped by task)."""
-    import matplotlib
+    import matplotlib                   # lazy: matplotlib is slow to import; only the plots need it
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt     # lazy: as above
+    import numpy as np                  # lazy: with matplotlib
 
     methods = [m for m in s.methods if m != "ar"]
     if not methods or not s.tasks:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tqdm.auto import tqdm
+
 from ...model.looped import LoopedLM
 from .folder import RESULT_FILES, RUN_INFO, RunFolder, clear_results  # noqa: F401  (re-exported)
 from .records import RECORDS, load_records, record_key  # noqa: F401  (re-exported)
@@ -63,7 +65,6 @@ def run_bench(model: LoopedLM, plan: BenchPlan, out: str | os.PathLike | RunFold
         pending = sum(key not in done for key in cells)
         kept = len(cells) - pending
 
-        from tqdm.auto import tqdm
         bar = tqdm(total=pending, desc="bench", unit="gen", disable=not progress or pending == 0,
                    dynamic_ncols=True)
         ran = 0

@@ -12,7 +12,7 @@ MC_CHOICES = 4
 
 
 def _split(rows: list[dict]):
-    import datasets
+    import datasets                     # optional: Hugging Face datasets, which lm-eval's tasks use
 
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 

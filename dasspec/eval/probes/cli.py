@@ -14,7 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 
+import dasspec
+
 from ...host import THREADS_HELP, check_out_dir, set_threads
+from ...methods import resolve_knobs
+from ...methods.knobs import add_knob_flags, knobs_from_args
+from ...methods.wave import WaveKnobs
 
 PROBES = ("maturity", "channels", "grid", "factorial", "sweep", "cost")
 
@@ -53,9 +58,6 @@ WAVE_BUDGET = ("gamma", "rounds", "w_init", "k", "guesses", "trim", "seed_branch
 
 def _wave_flags(p: argparse.ArgumentParser, what: str) -> None:
     """The DAS-Wave budget knobs as flags, derived from ``WaveKnobs`` (default: the model's)."""
-    from ...methods.knobs import add_knob_flags
-    from ...methods.wave import WaveKnobs
-
     add_knob_flags(p.add_argument_group(f"{what} (default: the model's DAS-Wave knobs)"), [WaveKnobs],
                    set(WAVE_BUDGET))
 
@@ -94,18 +96,13 @@ def add_parser(sub) -> None:
 def _wave_budget(args: argparse.Namespace, model, R: int) -> dict:
     """The flags given, over the model's tuned DAS-Wave defaults, resolved as ``generate`` resolves them (so a
     tuned W_init or seed branch yields to a caller's smaller gamma or anchor window the same way)."""
-    from ...methods import resolve_knobs
-    from ...methods.knobs import knobs_from_args
-    from ...methods.wave import WaveKnobs
-
     user = {k: v for k, v in knobs_from_args(args, [WaveKnobs]).items() if k in WAVE_BUDGET}
     knobs = resolve_knobs(model, "das-wave", user, R)
     return {k: getattr(knobs, k) for k in WAVE_BUDGET}
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    import dasspec
-
+    # lazy: the probes (and the benchmark harness they share) only when one runs, not for `dasspec probe --help`
     from . import channels, common, cost, factorial, grid, maturity, sweep
 
     name = args.probe

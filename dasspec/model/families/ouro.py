@@ -21,8 +21,9 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from ..attention import LayerKV, Span, row_plan
-from ..config import ConfigError, Fields, LoopedConfig, eos_list, flag, real
+from ..config import LoopedConfig
 from .. import decode_kernel
+from ..fields import ConfigError, Fields, eos_list, flag, real
 from ..layers import NormedBlock, RMSNorm
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
