@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .contract import Phase
+from .request import greedy
 
 if TYPE_CHECKING:
     from ..model.config import LoopedConfig
@@ -101,7 +102,6 @@ class DraftContext:
 
     @property
     def greedy(self) -> bool:
-        from .request import greedy
         return self._req.choose is greedy
 
     def stopping(self) -> str | None:

@@ -69,7 +69,7 @@ def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block
 
 
 def _methods() -> tuple[BuildDrafter, MethodName]:
-    from ..methods import build_drafter, get_method        # the registry, handed to the engine's drafter cache
+    from ..methods import build_drafter, get_method   # lazy: the default registry (methods import the engine)
 
     def build(model, name, knobs, R, sampled=False):
         return build_drafter(model, name, knobs, R, sampled=sampled)

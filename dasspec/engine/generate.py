@@ -54,7 +54,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block.
     ``exit_threshold`` / ``exit_at_step`` (0-based): the target's early exit, for models with an exit gate (Ouro);
     every method is lossless with respect to it."""
-    from ..methods import build_drafter
+    from ..methods import build_drafter       # lazy: the method registry imports the engine (a circle)
 
     drop_hf_options(knobs)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -96,7 +96,7 @@ def check_kept(model: LoopedLM, drafter: Drafter, R: int) -> None:
     if hasattr(kept, "validate"):
         kept = kept.validate(R)
     if hasattr(kept, "check_ceilings"):
-        from ..methods.knobs import Scope
+        from ..methods.knobs import Scope     # lazy: as above
         kept.check_ceilings(Scope.of(model, R))
 
 
@@ -164,7 +164,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
     exemplars once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
     token)."""
-    from ..methods import build_drafter
+    from ..methods import build_drafter       # lazy: the method registry imports the engine (a circle)
 
     drop_hf_options(knobs)
     ids = batch_prompts(model, prompts, tokenizer)

@@ -24,6 +24,7 @@ from ..model import decode_kernel
 from ..model.cache import PagedCache
 from ..model.looped import LoopedLM
 from .blocks import BLOCK_SIZE, block_keys, prefix_salt
+from .engine import Engine
 from .options import as_token_list
 from .runtime import DEFAULT, Runtime
 
@@ -48,8 +49,6 @@ class PrefixCache:
     def __init__(self, model: LoopedLM, ids, num_steps: int | None = None, init_scale: float = 1.0,
                  state_seed: int = 0, block_size: int = BLOCK_SIZE, runtime: Runtime | None = None):
         """``runtime``: how the prefix's rows are computed - the requests that use the cache must run the same."""
-        from .engine import Engine
-
         tokens = as_token_list(model, ids)
         m = len(tokens)
         if m == 0:

@@ -664,7 +664,7 @@ class AutoDrafter(Drafter):
         """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a
         block's rounds cost at most one full-depth one-row pass; knobs the model's generation_config.json sets are
         kept."""
-        from . import resolve_knobs
+        from . import resolve_knobs                  # lazy: the registry imports its methods (a circle)
         s = self.sizing
         if s is None or s.window is None:
             return {}

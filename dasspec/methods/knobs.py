@@ -120,7 +120,7 @@ class Knobs:
     @classmethod
     def defaults(cls, family: str, given: set[str] = frozenset()) -> dict[str, Any]:
         """Every knob's default for ``family``; knobs in ``given`` need none (the caller sets them)."""
-        from ..model.families import FAMILIES        # (here: the CLI reads knobs without loading torch)
+        from ..model.families import FAMILIES        # lazy: the CLI reads knobs without loading torch
         own = FAMILIES[family].knob_defaults.get(cls.method, {}) if family in FAMILIES else {}
         out = {}
         for f in dataclasses.fields(cls):
@@ -143,7 +143,7 @@ class Knobs:
     @classmethod
     def family_table(cls, name: str) -> dict[str, Any]:
         """family -> its default for knob ``name`` of this method, from every family that declares one."""
-        from ..model.families import FAMILIES        # (here: the CLI reads knobs without loading torch)
+        from ..model.families import FAMILIES        # lazy: the CLI reads knobs without loading torch
         return {fam: spec.knob_defaults[cls.method][name] for fam, spec in FAMILIES.items()
                 if name in spec.knob_defaults.get(cls.method, {})}
 
@@ -208,7 +208,7 @@ class Knobs:
         the loader read ``/etc/passwd`` or ``../../elsewhere`` (a client is refused the same knobs)."""
         if folder is None:
             return per_method
-        from ..model.safetensors_io import CheckpointError, checkpoint_root, confine
+        from ..model.safetensors_io import CheckpointError, checkpoint_root, confine   # lazy: torch, as above
         out = dict(per_method)
         for f in dataclasses.fields(cls):
             value = out.get(f.name)
@@ -455,7 +455,7 @@ def knobs_from_args(args, classes: list[type[Knobs]], extra: list[str] = (), gri
 def elsewhere(names: list[str], method: str) -> str:
     """The other methods that take each of ``names`` (knobs ``method`` lacks), for an error's end: the server's and
     lm-eval's default method, auto, takes few knobs, so DAS-Wave's sent to it must point there ("" if none)."""
-    from . import get_method, method_names
+    from . import get_method, method_names          # lazy: the registry imports this module (a circle)
     said = []
     for name in names:
         owners = [m for m in method_names() if m != method and name in get_method(m).knobs.names()]
