@@ -1,6 +1,6 @@
 """The paged engine's scheduler on a simulated 80 GB GPU: Huginn-0125 and Ouro-1.4B at their real bytes per token.
 
-    python benchmarks/sched_sim.py --out docs/performance/sched-sim          # every model, trace, method, block size
+    python benchmarks/sched_sim.py --out benchmarks/records/performance/sched-sim          # every model, trace, method, block size
     python benchmarks/sched_sim.py --requests 40 --blocks 16 --out /tmp/s    # a quick look
 
 No model runs.  The real ``Scheduler`` (``dasspec/engine/scheduler.py``) plans every step on an accounting-only
