@@ -50,7 +50,7 @@ from .scheduler import Entry, Scheduler
 from .stats import GenerationStats
 from .stopping import Criterion, StopRule
 
-MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance.md, "Head-of-line")
+MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance-journal.md, "Head-of-line")
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
 
 
