@@ -1,5 +1,4 @@
-"""The engine the step experiments here time: B GSM8K questions already decoding with AR (shared by step_ab.py,
-one_row_ab.py and step_profile.py)."""
+"""The engine step_profile.py times: B GSM8K questions (``$DASSPEC_DATA``) already decoding with AR."""
 import json
 import os
 
