@@ -9,7 +9,7 @@ Parts (``--parts``, comma-separated):
 * ``ouro-mid``: a mid-size random Ouro - the real Ouro-1.4B config.json and tokenizer (``--ouro-src``) at width
   512, 8 layers looped T = 4, the real 49,152-id vocabulary, HF's default normal(0, 0.02) init
   (``dasspec.testing.build_real_checkpoint`` at full scale of that config) - and ``ouro-small``: the small random
-  Ouro of docs/performance.md ("Ouro": ``build-real --scale small``, width 64, 24 layers).  ``--ouro-prompts``
+  Ouro of docs/performance-journal.md ("Ouro": ``build-real --scale small``, width 64, 24 layers).  ``--ouro-prompts``
   GSM8K / MBPP development prompts (zero-shot), ``--ouro-tokens`` greedy tokens each, ``generate_batch`` with
   max_batch B for B in ``--batches``: ar, das-wave (the model's defaults), auto.
 * ``bundled``: the bundled model on ``--prompts`` development prompts of each task of ``--tasks`` (default the four
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build_ouro(src: Path, out: Path, width: int | None) -> Path:
     """A random Ouro folder from ``src``'s config and tokenizer: ``width`` (with 8 layers) at full scale of that
-    config, or None for the small scale of docs/performance.md."""
+    config, or None for the small scale of docs/performance-journal.md."""
     from dasspec.testing import build_real_checkpoint
     if (out / "config.json").is_file():
         return out

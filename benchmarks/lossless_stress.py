@@ -12,7 +12,7 @@ Models (``--models``):
 * ``bundled``: the bundled model (float32, its default depth);
 * ``ouro-mid``: Ouro-1.4B's config and tokenizer (``--ouro-src``) at width 512, 8 heads of 64, intermediate 1408, 8
   layers looped T = 4, the real 49,152-id vocabulary, HF's normal(0, 0.02) init, float32 - built once with
-  ``dasspec.testing.build_real_checkpoint`` into ``--models-dir`` (the mid-size Ouro of docs/performance.md);
+  ``dasspec.testing.build_real_checkpoint`` into ``--models-dir`` (the mid-size Ouro of docs/performance-journal.md);
 * ``bf16-stack``: Ouro-1.4B's real layer widths (2048, 16 heads of 128, intermediate 5632, the 49,152-id
   vocabulary) with ``--bf16-layers`` layers, bfloat16, random weights (bfloat16 promises no batch invariance on a
   CPU: this measures how often it holds).

@@ -4,7 +4,7 @@ the ratio to AR's tokens/s per prompt (median [range]), A (accepted tokens per v
 passes per token against AR's 2 (the pass-count speedup: what the method would gain if a pass cost the same at
 every width), and whether its tokens equal AR's (they must).
 
-    python benchmarks/nanbeige_methods.py --model /tmp/dasspec-big/nanbeige-mid --out docs/performance/nanbeige-methods
+    python benchmarks/nanbeige_methods.py --model /tmp/dasspec-big/nanbeige-mid --out benchmarks/records/performance/nanbeige-methods
 
 Random weights accept little (a depth draft agrees with the target by chance); the prompts include a repetitive one
 so the lookup drafters have text to copy.  A benchmark, not a test: it asserts nothing about speed.

@@ -17,7 +17,7 @@ Tokens: llama.cpp's float32 greedy against dasspec's AR (how many leading tokens
 
     python benchmarks/nanbeige_peers.py --model /tmp/dasspec-big/nanbeige-mid \\
         --gguf /tmp/dasspec-big/gguf/nanbeige-mid-f32.gguf --gguf-q8 /tmp/dasspec-big/gguf/nanbeige-mid-q8_0.gguf \\
-        --llama-path /work/ref/llamapy --out docs/performance/nanbeige-peers
+        --llama-path /work/ref/llamapy --out benchmarks/records/performance/nanbeige-peers
 
 A benchmark, not a test: it asserts nothing about speed.
 """

@@ -1,6 +1,6 @@
 """The paged engine's scheduler on a simulated 80 GB GPU: Huginn-0125 and Ouro-1.4B at their real bytes per token.
 
-    python benchmarks/sched_sim.py --out docs/performance/sched-sim          # every model, trace, method, block size
+    python benchmarks/sched_sim.py --out benchmarks/records/performance/sched-sim          # every model, trace, method, block size
     python benchmarks/sched_sim.py --requests 40 --blocks 16 --out /tmp/s    # a quick look
 
 No model runs.  The real ``Scheduler`` (``dasspec/engine/scheduler.py``) plans every step on an accounting-only
@@ -17,7 +17,7 @@ from the prompt tokens, so traces whose prompts start alike share prefix blocks.
 life, admitted first in first out, nothing shared, prompts prefilled 512 rows per request per step.  Both sides see
 the same trace, the same per-request draws and the same clock.
 
-The clock (assumptions, stated in docs/performance.md): a step takes
+The clock (assumptions, stated in docs/performance-journal.md, "Paged depth cache by simulation"): a step takes
     a + b * rows + c * positions_read + swap,
 ``a`` the weight traffic of one full-depth pass (every core layer's weights read once per recurrence at HBM
 bandwidth), ``b`` the compute of one verifier or prefill row (2 FLOP per parameter applied, at a sustained

@@ -32,7 +32,8 @@ def idle_cores(own_threads: int = 0) -> float:
 def fair_threads(wanted: int, own_threads: int = 0) -> int:
     """``wanted`` threads, or fewer while other processes occupy the cores: as many as the load average leaves
     idle, at least one.  An OpenMP thread that waits for a core another job holds stalls every operation of the
-    step, so on a shared CPU fewer threads run faster (docs/performance.md)."""
+    step, so on a shared CPU fewer threads run faster (docs/performance-journal.md, "Threads on a loaded shared
+    CPU")."""
     return max(1, min(wanted, int(idle_cores(own_threads) + 0.5)))
 
 

@@ -2,10 +2,10 @@
 
 * One intra-op thread for the whole session: the tests run tiny models where a second thread only adds
   synchronisation overhead, and on a shared 2-core machine two threads per process contend badly
-  (docs/performance.md).
+  (docs/performance-journal.md, "Threads on a loaded shared CPU").
 * OpenMP's waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set): the lossless suites also run at two
   threads, beside the other worker, and on a shared 2-core machine spinning threads made those tests ~25x slower
-  (docs/performance.md, "Lossless under stress").  The arithmetic does not depend on how threads wait.
+  (docs/performance-journal.md, "Lossless under stress").  The arithmetic does not depend on how threads wait.
 * ``eval_data``: the evaluation data folder (``$DASSPEC_DATA``), or a skip that says why there is none.
 * Method auto's calibration cache (``$DASSPEC_CACHE``) in a folder of the session's own, never the user's home: the
   servers the tests start (method auto by default) inherit it.

@@ -613,8 +613,8 @@ def test_a_closed_batch_on_a_drafter_measured_once_leaves_it_only_when_plain_ste
     """Four requests whose drafts commit 1.7 tokens a step, a drafted step costing 1.75 plain ones: drafting is
     2.9% slower than plain steps.  A batch that stepped plain stays plain (a drafter must win by the margin); one
     whose every request drafted last step, each after one measurement, drafts once more (some of the bundled
-    model's closed batches went plain on DAS-Wave's first blocks, before its copy runs: docs/performance.md; fails
-    without the rule); after two measurements, or at 1.6 tokens (9.4% slower), it steps plain."""
+    model's closed batches went plain on DAS-Wave's first blocks, before its copy runs:
+    docs/performance-journal.md; fails without the rule); after two measurements, or at 1.6 tokens (9.4% slower), it steps plain."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
     d.ema_v = d.ema_f = 1.0

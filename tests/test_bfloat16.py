@@ -49,7 +49,8 @@ def test_every_method_follows_bfloat16_ar(models, static_shapes):
         same += sum(a == b for a, b in zip(out, ref))
         total += NEW
     # one near-tie flip early in a wide tree pass costs Lookahead and Token Recycling half their tokens each, so
-    # "almost every" pooled is 85% (docs/performance.md, "bfloat16: how closely a batch follows batch-1 decoding")
+    # "almost every" pooled is 85% (docs/performance-journal.md, "bfloat16: how closely a batch follows batch-1
+    # decoding")
     assert same >= 0.85 * total, f"only {same} of {total} bf16 tokens equal bf16 AR's"
 
 
@@ -66,7 +67,7 @@ def test_a_batch_follows_bfloat16_ar(models):
         same = sum(x == y for o, a in zip(outs, alone) for x, y in zip(o, a))
         # one near-tie flip early in one request's decode costs up to a quarter of the tokens (Raven-Llama's DAS-Wave
         # batch kept 53 of 64 when the batch's pool stopped preempting); one request whose batched rows were wrong
-        # would keep about 1 of its 16 (49 of 64 in all), so 80% still catches it (docs/performance.md,
+        # would keep about 1 of its 16 (49 of 64 in all), so 80% still catches it (docs/performance-journal.md,
         # "bfloat16: how closely a batch follows batch-1 decoding")
         assert same >= 0.8 * NEW * len(prompts), (method, same)
 

@@ -26,7 +26,7 @@ from ..model.cache import DepthCache, bytes_per_token
 from ..model.looped import LoopedLM
 from .memory import check_cache_fits, format_bytes
 
-BLOCK_SIZE = 16     # positions per block (docs/performance.md, "Choosing the block size")
+BLOCK_SIZE = 16     # positions per block (docs/performance-journal.md, "Choosing the block size")
 
 
 def prefix_salt(R: int, init_scale: float, state_seed: int, exit, dtype, B: int) -> bytes:

@@ -52,7 +52,7 @@ from .stopping import Criterion, StopRule
 
 __all__ = ["Engine", "StepEvent", "default_kv_budget"]
 
-MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance.md, "Head-of-line")
+MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance-journal.md, "Head-of-line")
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
 
 

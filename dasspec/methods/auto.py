@@ -14,7 +14,7 @@ The cost model, per step (one ``propose_batch`` call to the next = drafting + on
   (powers of two of e; a width not measured takes its measured neighbours', so rows are priced linearly from the
   nearest; a width measured on one step only at most ``OUTLIER`` x its nearest neighbour's) - the calibration's
   rows are one sequence's own, while a drafted step's extra rows each read a request's cached prefix beside the
-  others', and can cost far more than the calibration's shape says (docs/performance.md, "Pricing the rows a
+  others', and can cost far more than the calibration's shape says (docs/performance-journal.md, "Pricing the rows a
   draft adds" and "Per-width rates and price probes").  Drafted steps measured before the first plain one (the
   first probe) count once it is, so the probe also prices the extra rows.
 * **what drafting costs**: each sub-drafter's ``propose_batch`` is timed (CUDA: synchronised after it) and modelled
@@ -725,7 +725,7 @@ class AutoDrafter(Drafter):
         """Expected seconds of a verification pass over ``rows`` rows of n >= 1 requests: once plain steps are
         measured, ``sp * (full(n) + e * extra_rate(e))`` for the e = rows - n rows past the plain ones - the
         calibration's rows are one sequence's own, a drafted step's extra rows each read a request's cached prefix
-        beside the others', and cost about the same each whatever the calibration's shape says (docs/performance.md,
+        beside the others', and cost about the same each whatever the calibration's shape says (docs/performance-journal.md,
         "Pricing the rows a draft adds"); until a drafted step is measured, the calibration's shape
         ``full(rows) - full(n)``.  Load moves ``sp`` where plain steps come often; where nearly every step drafts
         (a model DAS-Wave pays on) ``sp`` is refreshed rarely and load lands in the rates.  Before plain steps,

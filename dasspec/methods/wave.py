@@ -17,7 +17,7 @@ policies the "draft depth" r of an update is the wave clock - the number of upda
 (j*k + u + 1, capped at R) - since carried states have no single recurrence depth; without carry every state
 restarts each round, so r = u + 1.
 
-Our extensions, each a knob and a named function below (not in the paper; docs/performance.md has what each was
+Our extensions, each a knob and a named function below (not in the paper; docs/performance-journal.md has what each was
 measured to buy):
 
 * ``guesses``: "lookup" seeds the window with the text that followed the earliest earlier occurrence of the longest

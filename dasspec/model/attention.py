@@ -202,7 +202,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, span: Span, scale: float) -
 
 # The CPU shortcut for wide masked calls (verification blocks, draft windows, trees): two batched GEMMs and a
 # softmax beat torch's CPU flash kernel with an additive mask.  Capped in size: above it the score buffers trip the
-# allocator's trimming (docs/performance.md, "Wide masked attention as two GEMMs").
+# allocator's trimming (docs/performance-journal.md, "Wide masked attention as two GEMMs").
 GEMM_ATTENTION_MIN_W = 16
 GEMM_ATTENTION_MAX_SCORES = 1 << 19
 

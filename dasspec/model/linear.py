@@ -13,7 +13,7 @@ neither a batch of requests nor a speculative draft gets cheaper per token there
 WIDE_ROWS or more rows is converted to float32 a tile of output rows at a time (a tile small enough to stay in
 cache) and multiplied in float32; the result is cast back to bfloat16.  Float32 accumulation is what the bfloat16
 product does too, so the values agree to bfloat16 rounding; GPUs and CPUs with bfloat16 units never take it.
-Figures: docs/performance.md, "Batching".
+Figures: docs/performance-journal.md, "Batching".
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from .runner import run_bench
 from .setup import BenchPlan, knobs_for_methods, parse_knobs, resolve_tasks
 
 # The README's quick preset: small enough for a 2-core CPU in a few minutes, big enough to show the ordering.
-# One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly (docs/performance.md).
+# One intra-op thread: on a shared, loaded 2-core CPU two threads per process contend badly
+# (docs/performance-journal.md, "Threads on a loaded shared CPU").
 QUICK = {"tasks": "humaneval,gsm8k", "prompts": 3, "max_new_tokens": 64, "shots": ["gsm8k=2"], "threads": 1}
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp"
 

@@ -1,12 +1,12 @@
-"""The engine the step experiments here time: B GSM8K questions already decoding with AR (shared by step_ab.py,
-one_row_ab.py and step_profile.py)."""
+"""The engine step_profile.py times: B GSM8K questions (``$DASSPEC_DATA``) already decoding with AR."""
 import json
+import os
 
 import dasspec
 
 
 def decoding_engine(model, B: int, warm: int = 8):
-    qs = [json.loads(l)["question"] for l in open("../shared/data/gsm8k/test.jsonl")][:B]
+    qs = [json.loads(l)["question"] for l in open(os.path.join(os.environ.get("DASSPEC_DATA", "../shared/data"), "gsm8k", "test.jsonl"))][:B]
     eng = dasspec.Engine(model, method="ar", max_batch=B)
     for q in qs:
         eng.add(model.tokenizer.encode(q), max_new_tokens=400, eos=False)

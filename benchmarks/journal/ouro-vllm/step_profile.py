@@ -1,6 +1,7 @@
 """Where a batched AR decode step goes: B requests already decoding, 20 steps timed, then 10 under torch.profiler.
-    PYTHONPATH=. python docs/performance/ouro-vllm/step_profile.py /tmp/ouro-mid 2 8     # model, threads, B"""
-import json, statistics, sys, time
+    python benchmarks/journal/ouro-vllm/step_profile.py /tmp/ouro-mid 2 8     # model, threads, B"""
+import statistics, sys, time
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import torch
 import dasspec
 from decoding import decoding_engine

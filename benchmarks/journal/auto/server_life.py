@@ -3,9 +3,9 @@ each loaded by C closed-loop clients (a request added as one finishes) for 16 re
 taking turns level by level (order rotated round by round, so a burst of host load lands on each in turn); every
 request's tokens checked equal across the methods; tok/s per engine and level, and the median ratio to the first
 method with its range.  Prompts: the first GSM8K (2-shot; 0-shot for a folder) and MBPP prompts, 4 each, cap TOKENS.
-    PYTHONPATH=. python docs/performance/auto/server_life.py ROUNDS LEVELS METHODS [greedy|sampled [MODEL [TOKENS]]]
+    python benchmarks/journal/auto/server_life.py ROUNDS LEVELS METHODS [greedy|sampled [MODEL [TOKENS]]]
     e.g. ... server_life.py 10 4,16 das-wave,auto"""
-import statistics, sys, time, torch
+import os, statistics, sys, time, torch
 torch.set_num_threads(2)
 import dasspec
 from dasspec.eval.bench.setup import dev_prompts
@@ -15,7 +15,8 @@ sampled = len(sys.argv) > 4 and sys.argv[4] == "sampled"
 src = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None
 cap = int(sys.argv[6]) if len(sys.argv) > 6 else 128
 model = dasspec.load_model(src)
-prompts = dev_prompts(model, "gsm8k,mbpp", 4, cap, ["gsm8k=0" if src else "gsm8k=2"], "../shared/data")
+prompts = dev_prompts(model, "gsm8k,mbpp", 4, cap, ["gsm8k=0" if src else "gsm8k=2"],
+                      os.environ.get("DASSPEC_DATA", "../shared/data"))
 opts = dict(do_sample=True, temperature=0.7, top_p=0.95) if sampled else {}
 engines = {}
 for m in methods:                              # built and warmed as the server does before it listens

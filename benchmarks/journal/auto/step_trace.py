@@ -1,7 +1,7 @@
 """One closed batch under auto, step by step (issue 37): 8 GSM8K questions x 32 (--tokens) greedy tokens,
 generate_batch at max_batch 8, one thread; after an AR run of the same batch, prints each step's time (one
 propose_batch call to the next) and the arms chosen (``*``: a probe).
-    PYTHONPATH=. python docs/performance/auto/step_trace.py [--model DIR] [--rounds N] [--tokens N]"""
+    python benchmarks/journal/auto/step_trace.py [--model DIR] [--rounds N] [--tokens N]"""
 import argparse, sys, time, dasspec
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from batch8 import setup

@@ -1,6 +1,6 @@
 """auto against AR on a random Ouro (issue 37), paired in one process: 8 GSM8K prompts x 32 (--tokens) greedy tokens,
 generate_batch at max_batch 8, one thread, alternating, tokens checked equal.
-    PYTHONPATH=. python docs/performance/auto/auto_pair.py --pairs 12 [--arms sam,pld] [--model DIR]"""
+    python benchmarks/journal/auto/auto_pair.py --pairs 12 [--arms sam,pld] [--model DIR]"""
 import argparse, statistics, sys, time, dasspec
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from batch8 import setup
@@ -19,5 +19,5 @@ for i in range(a.pairs):
     res = {m: run(m) for m in order}
     assert res["ar"][1] == res["auto"][1]
     rs.append(res["auto"][0] / res["ar"][0])
-q = statistics.quantiles(rs, n=4)
+q = statistics.quantiles(rs, n=4) if len(rs) > 1 else rs * 3
 print(f"{a.model} {a.tokens} tokens: auto/ar time median {statistics.median(rs):.3f} quartiles {q[0]:.3f} {q[2]:.3f} n={len(rs)}")
