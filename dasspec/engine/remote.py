@@ -6,8 +6,8 @@ processor; a child process holds the model, the depth cache and the drafters and
 a GPU runner or to the ranks of a tensor-parallel group.  The child builds its drafters from their registry keys,
 so a drafter object handed to ``add`` and a ``PrefixCache`` (rows held in the engine's process) are refused.
 
-The model reaches the child once, at start, through ``torch.multiprocessing`` (CPU tensors in shared memory, not
-copied).  A failure in the child comes back as a ``RemoteExecutorError`` naming what it raised; the child ends with
+The model reaches the child once, at start, through ``torch.multiprocessing`` (CUDA tensors shared; CPU tensors
+arrive in shared memory and the child copies them into its own, so a CPU model's weights are held twice).  A failure in the child comes back as a ``RemoteExecutorError`` naming what it raised; the child ends with
 ``close`` (or with the engine's process).
 """
 
@@ -36,6 +36,10 @@ def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runti
     from ..methods import build_drafter, get_method    # lazy: the registry imports the engine (one process each)
 
     torch.set_num_threads(threads)
+    with torch.no_grad():        # CPU weights into this process's own memory: read from the shared segment they
+        for t in list(model.parameters()) + list(model.buffers()):   # arrived in, steps ran slower (docs/performance.md)
+            if t.device.type == "cpu":
+                t.data = t.data.clone()
     try:
         pool = BlockPool(model, R, kv_budget, block_size)
         runtime.prepare_cache(pool.tensors())
