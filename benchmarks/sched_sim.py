@@ -51,8 +51,8 @@ if str(ROOT) not in sys.path:
 from dasspec.engine.blocks import BlockPool, prefix_salt  # noqa: E402
 from dasspec.engine.engine import MAX_STEP_TOKENS  # noqa: E402
 from dasspec.engine.request import rows_needed  # noqa: E402
-from dasspec.engine.scheduler import Entry, RequestOutput, Scheduler, StepOutput, StepPlan  # noqa: E402
-from dasspec.engine.contract import DrafterKey  # noqa: E402
+from dasspec.engine.contract import DrafterKey, RequestOutput, StepOutput, StepPlan  # noqa: E402
+from dasspec.engine.scheduler import Entry, Scheduler  # noqa: E402
 from dasspec.engine.stopping import StopRule  # noqa: E402
 from dasspec.model.cache import bytes_per_token  # noqa: E402
 from dasspec.model.config import LoopedConfig  # noqa: E402

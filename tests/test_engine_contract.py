@@ -120,7 +120,7 @@ def test_a_drafter_object_is_named_by_a_handle_and_refused_elsewhere(model):
     """A drafter handed in (``generate(drafter=)``) crosses the contract as a handle; a cache in another process
     (another ``DrafterCache``) refuses it with a message instead of guessing."""
     from dasspec.engine.drafters import DrafterCache
-    from dasspec.methods import build_drafter, get_method
+    from dasspec.methods import build_drafter
 
     d = build_drafter(model, "pld", {}, model.R)
     engine = Engine(model, drafter=d, max_batch=1)
@@ -129,8 +129,7 @@ def test_a_drafter_object_is_named_by_a_handle_and_refused_elsewhere(model):
     built = engine.drafters.get("das-wave", {"gamma": 4})
     recipe = engine.drafters.key_of(built)
     assert recipe.handle is None and pickle.loads(pickle.dumps(recipe)) == recipe
-    other = DrafterCache(model, model.R, lambda m, n, k, R, sampled=False: build_drafter(m, n, k, R, sampled=sampled),
-                         lambda m: get_method(m).name)
+    other = DrafterCache.of_registry(model, model.R)
     assert other.resolve(recipe).knobs == built.knobs
     with pytest.raises(ValueError, match="another process"):
         other.resolve(key)

@@ -124,10 +124,27 @@ class StepPlan:
 
 
 @dataclass
-class Counts:
-    """What one request spent in one step (or, summed, so far): sequential core passes and position-updates per
-    phase, the seconds of the passes it took part in (shared passes are charged to each of their requests), and the
-    arm method auto drafted it with."""
+class PhaseSeconds:
+    """Seconds spent per phase."""
+
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+    def charge(self, phase: Phase, seconds: float) -> None:
+        if phase is Phase.PREFILL:
+            self.prefill_time += seconds
+        elif phase is Phase.DRAFT:
+            self.draft_time += seconds
+        else:
+            self.verify_time += seconds
+
+
+@dataclass
+class Counts(PhaseSeconds):
+    """What one request spent in one step: sequential core passes and position-updates per phase, the seconds of
+    the passes it took part in (shared passes are charged to each of their requests), and the arm method auto
+    drafted it with."""
 
     prefill_passes: int = 0
     draft_passes: int = 0
@@ -135,9 +152,6 @@ class Counts:
     prefill_updates: int = 0
     draft_updates: int = 0
     verify_updates: int = 0
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
     choices: dict[str, int] = field(default_factory=dict)
 
     def count(self, phase: Phase, passes: int, updates: int) -> None:
@@ -150,14 +164,6 @@ class Counts:
         else:
             self.verify_passes += passes
             self.verify_updates += updates
-
-    def charge(self, phase: Phase, seconds: float) -> None:
-        if phase is Phase.PREFILL:
-            self.prefill_time += seconds
-        elif phase is Phase.DRAFT:
-            self.draft_time += seconds
-        else:
-            self.verify_time += seconds
 
     def choose(self, arm: str) -> None:
         self.choices[arm] = self.choices.get(arm, 0) + 1
@@ -174,20 +180,12 @@ class RequestOutput:
 
 
 @dataclass
-class StepOutput:
+class StepOutput(PhaseSeconds):
+    """Per request what it committed and spent; per step the passes' own seconds (a shared pass counted once) and
+    the rows it verified (the drafts' verifier inputs; prompt rows are each request's ``prefilled``) and drafted
+    (position-updates)."""
+
     requests: dict[int, RequestOutput] = field(default_factory=dict)
     failed: list[tuple[int, str]] = field(default_factory=list)   # requests whose setup raised: (id, the error)
-    # measured, per step (the passes' own seconds; a shared pass counted once)
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    rows_verified: int = 0             # verifier inputs of the step's drafts (prompt rows are ``prefilled``)
-    rows_drafted: int = 0              # position-updates spent drafting
-
-    def charge(self, phase: Phase, seconds: float) -> None:
-        if phase is Phase.PREFILL:
-            self.prefill_time += seconds
-        elif phase is Phase.DRAFT:
-            self.draft_time += seconds
-        else:
-            self.verify_time += seconds
+    rows_verified: int = 0
+    rows_drafted: int = 0

@@ -30,6 +30,16 @@ class DrafterCache:
         self._keys: dict[int, DrafterKey] = {}          # id(drafter) -> its key (built here or handed in)
         self._handed: dict[int, Drafter] = {}           # handle -> a drafter handed in
 
+    @classmethod
+    def of_registry(cls, model: LoopedLM, R: int, keep: int | None = None) -> "DrafterCache":
+        """A cache that builds drafters with the methods' registry (``dasspec.methods``): the engine's default, the
+        server's and the executor process's."""
+        from ..methods import build_drafter, get_method   # lazy: the registry imports the engine (a circle)
+
+        def build(model, name, knobs, R, sampled=False):
+            return build_drafter(model, name, knobs, R, sampled=sampled)
+        return cls(model, R, build, lambda m: get_method(m).name, keep)
+
     def key_of(self, drafter: Drafter) -> DrafterKey:
         """The key a plan names ``drafter`` by: its recipe when this cache built it, else a handle to the object."""
         key = self._keys.get(id(drafter))

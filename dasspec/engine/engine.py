@@ -30,6 +30,7 @@ Threads: one thread steps the engine; ``add``, ``cancel`` and ``step`` are calle
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import time
 from typing import Iterable, Iterator
 
@@ -39,7 +40,7 @@ from ..model.looped import LoopedLM
 from .blocks import BLOCK_SIZE, BlockPool, prefix_salt
 from .contract import Status, StepPlan, StopReason
 from .draft import Drafter
-from .drafters import BuildDrafter, DrafterCache, MethodName
+from .drafters import DrafterCache
 from .executor import Executor
 from .memory import available_memory, reset_peak_memory
 from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
@@ -68,14 +69,6 @@ def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block
     return max(1, min(want, int(MEMORY_SHARE * free // bytes_per_token(model.config, R, model.dtype))))
 
 
-def _methods() -> tuple[BuildDrafter, MethodName]:
-    from ..methods import build_drafter, get_method   # lazy: the default registry (methods import the engine)
-
-    def build(model, name, knobs, R, sampled=False):
-        return build_drafter(model, name, knobs, R, sampled=sampled)
-    return build, lambda m: get_method(m).name
-
-
 class Engine:
     def __init__(self, model: LoopedLM, method: str = "ar", knobs: dict | None = None, *,
                  num_steps: int | None = None, runtime: Runtime | None = None, max_batch: int = 8,
@@ -98,7 +91,7 @@ class Engine:
         self.max_batch = max_batch
         self.tokenizer = tokenizer or model.tokenizer
         if drafters is None:
-            drafters = DrafterCache(model, self.R, *_methods())
+            drafters = DrafterCache.of_registry(model, self.R)
         elif drafters.model is not model or drafters.R != self.R:
             raise ValueError("the drafter cache was built for another model or depth")
         self.drafters = drafters
@@ -113,7 +106,8 @@ class Engine:
             kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size)
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
-        self._prefix_caches: dict[int, object] = {}         # by key: what a plan's prefix-cache copies name
+        self._prefix_caches: dict[int, object] = {}         # by id: what a plan's prefix-cache copies name
+        self._prefix_users: Counter[int] = Counter()         # requests not yet finished that use each
         self.remote = executor == "process"
         if self.remote:                                      # the books here, the rows in the executor's process
             from .remote import RemoteExecutor                # lazy: spawning needs torch.multiprocessing
@@ -201,15 +195,13 @@ class Engine:
             raise ValueError("an engine whose executor runs in another process builds its drafters from a method and "
                              "knobs and holds no prefix cache: pass method= and knobs=, not a drafter object or "
                              "prefix_cache")
-        prefix_key = None
         if prefix_cache is not None:
-            prefix_key = id(prefix_cache)
-            self._prefix_caches[prefix_key] = prefix_cache
+            self._prefix_caches[id(prefix_cache)] = prefix_cache
+            self._prefix_users[id(prefix_cache)] += 1
         e = Entry(next(self._ids), ids, rule, drafter, key,
                   rows_needed(ctx, P, rule.max_new_tokens, drafter.width), salt,
                   None if timeout is None else time.monotonic() + timeout, init_scale=float(init_scale),
-                  state_seed=int(state_seed), sampling=sampling, exit=exit, trace=trace, prefix_cache=prefix_cache,
-                  prefix_key=prefix_key)
+                  state_seed=int(state_seed), sampling=sampling, exit=exit, trace=trace, prefix_cache=prefix_cache)
         self.scheduler.add(e)
         self.output.add(e, drafter.name, streamer, tok.decode if tok is not None else None)
         self._table[e.id] = e
@@ -315,7 +307,9 @@ class Engine:
         """A request ended: its result is kept until ``result`` (or ``discard``) is called; the executor drops its
         state with the next plan."""
         self._release.append(e.id)
-        if e.prefix_key is not None and not any(x.prefix_key == e.prefix_key for x in self._table.values()
-                                                if x is not e and x.status is not Status.FINISHED):
-            self._prefix_caches.pop(e.prefix_key, None)
+        if e.prefix_cache is not None:
+            key = id(e.prefix_cache)
+            self._prefix_users[key] -= 1
+            if not self._prefix_users[key]:
+                del self._prefix_users[key], self._prefix_caches[key]
         return self.output.finish(e)

@@ -33,8 +33,6 @@ class RemoteExecutorError(RuntimeError):
 
 
 def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runtime: Runtime, threads: int) -> None:
-    from ..methods import build_drafter, get_method    # lazy: the registry imports the engine (one process each)
-
     torch.set_num_threads(threads)
     with torch.no_grad():        # CPU weights into this process's own memory: read from the shared segment they
         for t in list(model.parameters()) + list(model.buffers()):   # arrived in, steps ran slower (docs/performance.md)
@@ -43,9 +41,7 @@ def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runti
     try:
         pool = BlockPool(model, R, kv_budget, block_size)
         runtime.prepare_cache(pool.tensors())
-        drafters = DrafterCache(model, R, lambda m, name, knobs, R_, sampled=False:
-                                build_drafter(m, name, knobs, R_, sampled=sampled), lambda m: get_method(m).name)
-        executor = Executor(model, R, pool, runtime, drafters)
+        executor = Executor(model, R, pool, runtime, DrafterCache.of_registry(model, R))
     except BaseException:                        # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", traceback.format_exc()))
         return

@@ -35,13 +35,11 @@ from typing import NamedTuple
 from ..model.cache import CacheCapacityError
 from ..model.exit import ExitRule
 from .blocks import BlockPool, block_keys
-from .contract import DrafterKey, RequestOutput, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
+from .contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
 from .draft import Drafter
 from .policy import SpeculationPolicy
 from .sampling import Sampling
 from .stopping import StopRule
-
-__all__ = ["Committed", "Entry", "RequestOutput", "Scheduler", "StartRequest", "StepOutput", "StepPlan", "Work"]
 
 
 # --- the table -------------------------------------------------------------------------------------------------
@@ -62,8 +60,7 @@ class Entry:
     sampling: Sampling | None = None
     exit: ExitRule | None = None
     trace: bool = False
-    prefix_cache: object = None        # a PrefixCache, registered with the executor as ``prefix_key``
-    prefix_key: int | None = None
+    prefix_cache: object = None        # a PrefixCache (the plan names it by its id)
     status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)
     peak_blocks: int = 0               # the most blocks it held at once
@@ -273,7 +270,7 @@ class Scheduler:
         if pc is not None and len(shared) < usable:
             more = min(usable, pc.full_blocks(e.prompt)) - len(shared)
             if more > 0:
-                copy = (e.prefix_key, len(shared), len(shared) + more)
+                copy = (id(pc), len(shared), len(shared) + more)
         first = len(shared) + (copy[2] - copy[1] if copy else 0)
         rows = min(e.P, (first + 1) * B)
         fresh = self.pool.blocks_for(rows) - len(shared)

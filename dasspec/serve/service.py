@@ -229,9 +229,7 @@ class Service(Frontend):
         self.depth = model.depth(None)
         self.exactness = decode_kernel.exactness(model.device, model.dtype)     # what /health promises
         super().__init__(model.tokenizer, model.config.block_size, model.config.vocab_size, options)
-        # the methods' registry, as the engine's default cache has it (build_drafter takes the cache's arguments)
-        self.drafters = DrafterCache(model, self.depth, build_drafter, lambda m: get_method(m).name,
-                                     keep=_DRAFTERS_KEPT)
+        self.drafters = DrafterCache.of_registry(model, self.depth, keep=_DRAFTERS_KEPT)
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)
             try:
                 self.drafter(self.method, {}, sampled=sampled)
