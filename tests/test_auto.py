@@ -15,9 +15,13 @@ import torch
 import dasspec
 from dasspec.engine.draft import Draft, Drafter, Session, Verdict
 from dasspec.engine.stats import GenerationStats
-from dasspec.methods import auto as auto_mod
+from dasspec.engine.contract import PassTiming
 from dasspec.methods import build_drafter
-from dasspec.methods.auto import AutoDrafter, AutoKnobs, Sizing
+from dasspec.methods.auto import TUNING, AutoDrafter, AutoKnobs, Sizing
+from dasspec.methods.auto import calibrate as cal_mod
+from dasspec.methods.auto import drafter as drafter_mod
+from dasspec.methods.auto import explorer, planners
+from dasspec.methods.auto.earnings import ArmStats
 from dasspec.methods.pld import PLDDrafter, PLDKnobs
 from dasspec.testing import random_model
 
@@ -168,7 +172,9 @@ def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_token
     s = req.session = drafter.start(req)
     arms = []
     for step in range(steps):
+        t0 = clock.t
         [d] = drafter.propose_batch([s])
+        drafting = clock.t - t0
         at = len(req.generated) + req.P           # the position of the next token
         toks = d.tokens.tolist() if hasattr(d.tokens, "tolist") else list(d.tokens)
         if s.arm == "das-wave":
@@ -179,43 +185,49 @@ def _simulate(drafter: AutoDrafter, req, text: list[int], steps: int, wave_token
                 m += 1
         committed = text[at: at + m + 1]
         rows = len(toks) + 1
-        clock.t += 0.1 * (4 + rows)
         req.generated.extend(committed)
         req.room = req.budget = req.budget - len(committed)
         s.observe(Verdict(kept=len(committed), accepted=m, path=list(range(m + 1)), tokens=committed,
                           pred=torch.zeros(rows, dtype=torch.long), logits=torch.zeros(rows, 1)))
+        drafter.measured(PassTiming(0.1 * (4 + rows), rows, 1, 0, drafting))     # the executor's measurement
         arms.append(s.arm)
     return arms
 
 
 def _auto(arms: str, explore: float, subs: dict) -> AutoDrafter:
     d = AutoDrafter(AutoKnobs(arms=arms, explore=explore, calibrate=False).validate(8), clock=FakeClock())
-    d.subs = subs(d.clock)
-    d.width = max(x.width for x in d.subs.values())
-    d.bound = True
+    d.adopt(subs(d.clock))
     return d
 
 
-def test_an_idle_server_is_not_decoding_time() -> None:
-    # the explore budget is a share of the time decoded: a server idle between requests (or since its warm-up) must
-    # not bank it, or the probes after a pause could cost any share of the next requests' time
+def _verdict(committed: list[int], rows: int) -> Verdict:
+    m = len(committed) - 1
+    return Verdict(kept=len(committed), accepted=m, path=list(range(m + 1)), tokens=committed,
+                   pred=torch.zeros(rows, dtype=torch.long), logits=torch.zeros(rows, 1))
+
+
+def test_prices_and_the_explore_budget_come_from_measured_passes_only() -> None:
+    """The cost model learns from the executor's ``PassTiming`` only: an idle server's wall-clock time is never
+    decoding time (fails when the budget or the prices come from gaps between calls), and a pass that carried a
+    prompt's rows counts as decoded time but is not taken as the drafts' price (fails when it is fitted)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
-    a, b = (SimpleNamespace(serial=next(d.serials)) for _ in range(2))     # as AutoSession numbers its requests
-    for _ in range(3):
-        d._step_time([a])
-        d.clock.t += 0.01
-    d.clock.t += 1000.0                               # idle, then b arrives
-    d._step_time([b])
-    d.clock.t += 0.01
-    d._step_time([b])
-    assert 0.03 <= d.elapsed <= 0.03 + 0.03 + 1e-9, d.elapsed
-    # under load a request joins at every step: those intervals are decoding time (fails if joins are all capped)
-    live = [b]
-    for _ in range(5):
-        live = live[-1:] + [SimpleNamespace(serial=next(d.serials))]
-        d.clock.t += 0.5                             # a joining prompt's prefill rides along
-        d._step_time(live)
-    assert d.elapsed >= 0.06 + 2.5 - 1e-9, d.elapsed
+    text = list(range(10, 200))
+    req = _fake_req(text, 5, 100)
+    s = d.start(req)
+    d.clock.t += 1000.0                                # idle: time passes, nothing is measured
+
+    def step(timing: PassTiming) -> None:
+        d.propose_batch([s])
+        s.observe(_verdict([text[len(req.generated) + req.P]], 1))
+        req.generated.append(text[len(req.generated) + req.P])
+        d.measured(timing)
+    step(PassTiming(0.02, 1, 1, 0, 0.001))
+    assert d.budget.elapsed == pytest.approx(0.021)
+    assert d.costs.plain[0] == pytest.approx(0.02)     # a plain pass, priced as measured
+    d.clock.t += 1000.0
+    step(PassTiming(5.0, 1, 1, 64, 0.0))               # a prompt's 64 rows rode along
+    assert d.budget.elapsed == pytest.approx(5.021)
+    assert d.costs.plain[0] == pytest.approx(0.02)
 
 
 def test_switches_back_to_a_model_drafter_that_starts_paying() -> None:
@@ -279,7 +291,9 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
         live = [i for i, r in enumerate(reqs) if r.budget > 0]
         if not live:
             break
+        t0 = clock.t
         drafts = drafter.propose_batch([sessions[i] for i in live])
+        drafting = clock.t - t0
         if probes is not None:
             probes.extend((step, sessions[i].arm) for i in live if sessions[i].probe)
         rows_all = 0
@@ -298,12 +312,13 @@ def _simulate_batch(drafter: AutoDrafter, B: int, steps: int, wave_tokens: int, 
             rows = len(toks) + 1
             rows_all += rows
             verdicts.append((s, req, text[at: at + m + 1], m, rows))
-        clock.t += 100 * drafter.pass_cost(rows_all) if verify is None else verify(rows_all, len(verdicts))
+        seconds = 100 * drafter.pass_cost(rows_all) if verify is None else verify(rows_all, len(verdicts))
         for s, req, committed, m, rows in verdicts:
             req.generated.extend(committed)
             req.room = req.budget = req.budget - len(committed)
             s.observe(Verdict(kept=len(committed), accepted=m, path=list(range(m + 1)), tokens=committed,
                               pred=torch.zeros(rows, dtype=torch.long), logits=torch.zeros(rows, 1)))
+        drafter.measured(PassTiming(seconds, rows_all, len(verdicts), 0, drafting))
         out.append([s.arm if r.budget > 0 or i in live else "done" for i, (s, r) in enumerate(zip(sessions, reqs))])
     return out
 
@@ -428,8 +443,8 @@ def test_the_first_probe_prices_the_rows_past_the_plain_ones() -> None:
         d = _auto("das-wave,pld", 0.0, lambda clock: {"das-wave": FakeWave(clock, 0.1),      # no probe but the first
                                                       "pld": PLDDrafter(PLDKnobs())})
         d.sizing = Sizing.of(_table(0.01), 4)
-        d.ema_f = d.sizing.full1
-        d.ema_v = 1.0 / d.sizing.full(4) * d.ema_f       # bind's start: the calibrated pass, at this clock's scale
+        d.costs.ema_f = d.sizing.full1
+        d.costs.ema_v = 1.0 / d.sizing.full(4) * d.costs.ema_f       # bind's start: the calibrated pass, at this clock's scale
         texts = [torch.randint(10, 2000, (30,), generator=g).tolist() + list(range(3000 + 10 * i, 3007 + 10 * i)) * 200
                  for i in range(4)]
         arms = _simulate_batch(d, 4, 70, 1, texts=texts, budgets=[1000] * 4, closed=closed, verify=verify)
@@ -503,8 +518,8 @@ def test_rows_a_draft_adds_are_priced_by_their_count() -> None:
         d = _auto("das-wave,pld", 0.0, lambda clock: {"das-wave": FakeWave(clock, 0.1),      # no probe but the first
                                                       "pld": PLDDrafter(PLDKnobs())})
         d.sizing = Sizing.of(table, 4)
-        d.ema_f = d.sizing.full1
-        d.ema_v = 1.0 / d.sizing.full(4) * d.ema_f       # bind's start: the calibrated pass, at this clock's scale
+        d.costs.ema_f = d.sizing.full1
+        d.costs.ema_v = 1.0 / d.sizing.full(4) * d.costs.ema_f       # bind's start: the calibrated pass, at this clock's scale
         arms = _simulate_batch(d, 4, 150, 1, texts=_repeating_texts(9), budgets=[4000] * 4, closed=closed,
                                verify=verify)
         assert [step[0] for step in arms].count("das-wave") == 1, arms
@@ -549,7 +564,7 @@ def test_price_probes_stop_where_the_price_stands_and_skip_closed_batches() -> N
         first = next(i for i, step in enumerate(arms) if "pld" in step)
         assert arms[first].count("pld") == 4, arms       # the first drafted step: priced by the calibration
         drafted = [i for i, step in enumerate(arms) if i > first and "pld" in step]
-        assert len(probes) == (0 if closed else auto_mod.CONFIRM), (closed, probes)
+        assert len(probes) == (0 if closed else TUNING.confirm), (closed, probes)
         assert drafted == [i for i, _ in probes], (drafted, probes)      # only the probes drafted
 
 
@@ -558,12 +573,12 @@ def test_a_widths_first_drafted_steps_weigh_evenly() -> None:
     first weighs a third after three, and the price probes' ``CONFIRM`` measurements count alike (fails when the
     first step is taken whole and the next at 0.3: the pause keeps half its weight)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
-    d.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    d.costs.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
     for v in (1.0 + 10 * 0.1 + 9.0, 1.0 + 10 * 0.1, 1.0 + 10 * 0.1):    # 0.1 s a row past the plain ones; a pause
-        d._add_extra(v, 14, 4)
-    assert d.verify_time(14, 4) == pytest.approx(1.0 + 1.0 + 9.0 / 3)
-    d._add_extra(2.0, 14, 4)
-    assert d.verify_time(14, 4) == pytest.approx(1.0 + 0.7 * 4.0 + 0.3 * 1.0)
+        d.costs._add_extra(v, 14, 4)
+    assert d.costs.verify_time(14, 4) == pytest.approx(1.0 + 1.0 + 9.0 / 3)
+    d.costs._add_extra(2.0, 14, 4)
+    assert d.costs.verify_time(14, 4) == pytest.approx(1.0 + 0.7 * 4.0 + 0.3 * 1.0)
 
 
 def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
@@ -573,13 +588,13 @@ def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
     interpolated."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.01), 4)
-    d.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
-    d._add_extra(1.0 + 0.1 * 16, 20, 4)                 # 0.1 s a row past the plain ones, at 16 of them
-    shape = d.sp * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
-    assert d.verify_time(20, 4) == pytest.approx(2.6)
-    assert d.verify_time(20, 4, hoped_rows=5) == pytest.approx(2.6 - 0.5 + shape)
-    d._add_extra(1.0 + 0.3 * 4, 8, 4)                   # 0.3 s a row at 4 of them
-    assert d.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
+    d.costs.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    d.costs._add_extra(1.0 + 0.1 * 16, 20, 4)                 # 0.1 s a row past the plain ones, at 16 of them
+    shape = d.costs.sp * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
+    assert d.costs.verify_time(20, 4) == pytest.approx(2.6)
+    assert d.costs.verify_time(20, 4, hoped_rows=5) == pytest.approx(2.6 - 0.5 + shape)
+    d.costs._add_extra(1.0 + 0.3 * 4, 8, 4)                   # 0.3 s a row at 4 of them
+    assert d.costs.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
 
 
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
@@ -589,8 +604,8 @@ def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     draft (fails when the plan takes the step's average: the lucky step puts the batch on prompt lookup)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
-    d.ema_v = d.ema_f = 1.0
-    d.dcost["pld"] = {0: (1e-9, 1.0)}
+    d.costs.ema_v = d.costs.ema_f = 1.0
+    d.costs.dcost["pld"] = {0: (1e-9, 1.0)}
     text = list(range(100, 400))
     reqs = [_fake_req(text, 5, 100) for _ in range(4)]
     for r in reqs:
@@ -598,15 +613,15 @@ def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:
     sessions = [d.start(r) for r in reqs]
     for s in sessions:
         for step in range(20):           # as a lookup arm's measurements are taken (AutoSession.resolve)
-            s.arms["pld"].add(1, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
-        s.arms["pld"].add(5, 11, 20, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
+            s.arms["pld"].add(1, 11, step, TUNING.step_alpha, TUNING.slow_alpha)
+        s.arms["pld"].add(5, 11, 20, TUNING.step_alpha, TUNING.slow_alpha)
     assert sessions[0].tok_rows("pld")[0] > 2.0
     plain = [("ar", False)] * 4
-    assert d.closed_plan(sessions, plain) == plain
+    assert _closed(d, sessions, plain) == plain
     for s in sessions:
         for step in range(21, 40):
-            s.arms["pld"].add(3, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
-    assert d.closed_plan(sessions, plain) == [("pld", False)] * 4
+            s.arms["pld"].add(3, 11, step, TUNING.step_alpha, TUNING.slow_alpha)
+    assert _closed(d, sessions, plain) == [("pld", False)] * 4
 
 
 def test_a_closed_batch_on_a_drafter_measured_once_leaves_it_only_when_plain_steps_win_by_the_margin() -> None:
@@ -617,8 +632,8 @@ def test_a_closed_batch_on_a_drafter_measured_once_leaves_it_only_when_plain_ste
     docs/performance-journal.md; fails without the rule); after two measurements, or at 1.6 tokens (9.4% slower), it steps plain."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)     # full(44 rows) = 1.75 full(4 rows)
-    d.ema_v = d.ema_f = 1.0
-    d.dcost["pld"] = {0: (1e-9, 1.0)}
+    d.costs.ema_v = d.costs.ema_f = 1.0
+    d.costs.dcost["pld"] = {0: (1e-9, 1.0)}
     reqs = [_fake_req(list(range(100, 400)), 5, 100) for _ in range(4)]
     for r in reqs:
         r.closed = True
@@ -626,15 +641,23 @@ def test_a_closed_batch_on_a_drafter_measured_once_leaves_it_only_when_plain_ste
 
     def plan(tok: float, prev: str, n: int = 1) -> list:
         for s in sessions:
-            s.arms["pld"] = auto_mod.ArmStats()
+            s.arms["pld"] = ArmStats()
             for step in range(n):
                 s.arms["pld"].add(tok, 11, step, 1.0)
             s.prev = prev
-        return d.closed_plan(sessions, [("ar", False)] * 4)
+        return _closed(d, sessions, [("ar", False)] * 4)
     assert plan(1.7, "ar") == [("ar", False)] * 4
     assert plan(1.7, "pld") == [("pld", False)] * 4
     assert plan(1.7, "pld", n=2) == [("ar", False)] * 4
     assert plan(1.6, "pld") == [("ar", False)] * 4
+
+
+def _closed(d: AutoDrafter, sessions, picks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """The closed-batch planner's arms for ``sessions`` given their own (arm, probe) picks."""
+    got, _ = planners.closed_plan(d.costs, [s.earnings for s in sessions], [explorer.Choice(a, p, "own")
+                                  for a, p in picks], list(d.subs), [s.ctx.budget for s in sessions],
+                                  [s.prev for s in sessions], d.tuning)
+    return [(c.arm, c.probe) for c in got]
 
 
 def _lookup_stats(d: AutoDrafter, budgets: list[int], tok: float) -> list:
@@ -645,7 +668,7 @@ def _lookup_stats(d: AutoDrafter, budgets: list[int], tok: float) -> list:
         r.closed = True
         s = d.start(r)
         for step in range(40):
-            s.arms["pld"].add(tok, 11, step, auto_mod.STEP_ALPHA, auto_mod.SLOW_ALPHA)
+            s.arms["pld"].add(tok, 11, step, TUNING.step_alpha, TUNING.slow_alpha)
         sessions.append(s)
     return sessions
 
@@ -655,11 +678,12 @@ def test_a_request_with_one_token_to_go_is_left_out_of_a_batch_plan(monkeypatch)
     to go takes a plain step all the same (fails when the plan overrides the rule)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.0248), 4)
-    d.ema_v = d.ema_f = 1.0
-    d.dcost["pld"] = {0: (1e-9, 1.0)}
-    everyone = lambda sessions, picks: [("pld", False)] * len(sessions)    # noqa: E731
-    monkeypatch.setattr(d, "closed_plan", everyone)
-    monkeypatch.setattr(d, "together", everyone)
+    d.costs.ema_v = d.costs.ema_f = 1.0
+    d.costs.dcost["pld"] = {0: (1e-9, 1.0)}
+    def everyone(costs, earnings, picks, *a):
+        return [explorer.Choice("pld", False, "test") for _ in earnings], "test"
+    monkeypatch.setattr(drafter_mod, "closed_plan", everyone)
+    monkeypatch.setattr(drafter_mod, "together", everyone)
     for closed in (True, False):
         sessions = _lookup_stats(d, [100, 100, 100, 1], 3.0)
         for s in sessions:
@@ -679,7 +703,7 @@ def test_a_request_with_one_token_to_go_takes_a_plain_step() -> None:
     d = make()
     arms = _simulate(d, req, text, 2, lambda step: 1)
     assert arms == ["ar", "ar"], arms
-    assert not d.probed                               # no probe booked that would not run (fails without the rule)
+    assert not d.budget.probed                               # no probe booked that would not run (fails without the rule)
     assert req.session.arms["pld"].n == 1, req.session.arms["pld"].n      # scored at step 0 only
     arms = _simulate(make(), _fake_req(text, 5, 3), text, 2, lambda step: 1)
     assert arms == ["ar", "das-wave"], arms           # with two to go it probes
@@ -689,16 +713,16 @@ def test_a_request_with_one_token_to_go_takes_a_plain_step() -> None:
 
 def test_calibration_is_cached_and_optional(monkeypatch) -> None:
     model = random_model("ouro", seed=2)
-    costs = auto_mod.calibration(model)
+    costs = cal_mod.calibration(model)
     assert set(costs) == {"prelude", "core", "head"} and 1 in costs["core"]
-    assert auto_mod._cache_file().is_file()
+    assert cal_mod._cache_file().is_file()
 
     def refuse(*a, **k):
         raise AssertionError("measured again")
-    monkeypatch.setattr(auto_mod, "measure_costs", refuse)
-    assert auto_mod.calibration(model) == costs                      # from the model's copy
+    monkeypatch.setattr(cal_mod, "measure_costs", refuse)
+    assert cal_mod.calibration(model) == costs                      # from the model's copy
     del model._auto_calibrations
-    assert auto_mod.calibration(model) == costs                      # from the file
+    assert cal_mod.calibration(model) == costs                      # from the file
     d = build_drafter(model, "auto", {"calibrate": False})           # skipped: nothing measured
     assert d.sizing is None
     d = build_drafter(model, "auto")
@@ -712,7 +736,7 @@ def test_calibration_is_measured_once_per_model_where_the_cache_cannot_be_writte
     monkeypatch.setenv("DASSPEC_CACHE", str(tmp_path / "file" / "cache"))     # below a file: mkdir fails
     model = random_model("ouro", seed=3)
     build_drafter(model, "auto")
-    monkeypatch.setattr(auto_mod, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(cal_mod, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     d = build_drafter(model, "auto", {"explore": 0.1})
     assert d.sizing is not None and not (tmp_path / "file" / "cache").exists()
 
@@ -752,11 +776,11 @@ def test_calibration_survives_a_burst_of_load(monkeypatch) -> None:
     noise); measured round the widths, each width keeps a quiet repetition (fails when the repetitions of a width
     run back to back)."""
     clock = FakeClock()
-    monkeypatch.setattr(auto_mod, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(cal_mod, "time", SimpleNamespace(perf_counter=clock))
     for start in range(2, 16):
         model = _BurstModel(clock, range(start, start + 5))
-        core = auto_mod.measure_costs(model, budget_s=10.0)["core"]
-        assert set(core) == set(auto_mod.CAL_WIDTHS)
+        core = cal_mod.measure_costs(model, budget_s=10.0)["core"]
+        assert set(core) == set(TUNING.cal_widths)
         for W, t in core.items():
             assert t == pytest.approx(1e-3 * (1 + W / 32)), (start, W, core)
 
@@ -783,7 +807,7 @@ def test_window_follows_pass_costs_but_keeps_the_models_own_knobs(monkeypatch) -
     step; knobs a model's generation_config.json sets (the bundled model's tuned schedule) are kept."""
     assert Sizing.of(_table(0.01), 4).window == 32
     assert Sizing.of(_table(2.0), 4).window == 1
-    monkeypatch.setattr(auto_mod, "calibration", lambda model: _table(2.0))
+    monkeypatch.setattr(drafter_mod, "calibration", lambda model, **k: _table(2.0))
     ouro = random_model("ouro", seed=2)
     own = build_drafter(ouro, "das-wave").knobs
     wave = build_drafter(ouro, "auto").subs["das-wave"].knobs

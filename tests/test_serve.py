@@ -231,7 +231,7 @@ def test_the_warm_up_leaves_the_servers_auto_drafter_unmeasured(model):
     try:
         service.warmup()
         d = service.drafter("auto", {})
-        assert d.elapsed == 0.0 and d.last is None and not d.prior
+        assert d.budget.elapsed == 0.0 and d.last is None and not d.priors.table
     finally:
         service.close()
 

@@ -123,6 +123,19 @@ class StepPlan:
         return not (self.work or self.swap_out or self.swap_in or self.release)
 
 
+@dataclass(frozen=True)
+class PassTiming:
+    """What the executor measured of one step's verification pass, handed after the step to every drafter that
+    had a draft in it (``Drafter.measured``): the cost model of method auto is fitted on these, never on wall-clock
+    gaps between its calls.  Read after the step's one device synchronisation (CUDA events), so no drafter syncs."""
+
+    seconds: float            # the full-depth pass over every draft and the prompt blocks riding along
+    rows: int                 # the drafts' verifier inputs (every request's, whatever its drafter)
+    requests: int             # requests verified
+    prefill_rows: int         # prompt rows that rode in the same pass (their cost is in ``seconds``)
+    draft_seconds: float      # the step's drafting, every drafter's (and the sessions' learning from verdicts)
+
+
 @dataclass
 class PhaseSeconds:
     """Seconds spent per phase."""

@@ -38,6 +38,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from .context import DraftContext
+    from .contract import PassTiming
 
 
 class TreeLayout:
@@ -174,3 +175,7 @@ class Drafter:
     def propose_batch(self, sessions: "list[Session]") -> list[Draft]:
         """The drafts of every running session of this drafter, in order (one engine step)."""
         return [s.propose() for s in sessions]
+
+    def measured(self, timing: "PassTiming") -> None:
+        """What the executor measured of the step's verification pass that held this drafter's drafts (after the
+        sessions observed their verdicts).  Drafters that price their choices (method auto) learn from it."""

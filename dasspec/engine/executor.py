@@ -11,7 +11,6 @@ A block planned as a depth slice (``Work.depths``) runs its core steps in a call
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Mapping
 
@@ -21,51 +20,43 @@ from ..model.cache import BlockTable, PagedCache
 from ..model.looped import LoopedLM
 from .blocks import BlockPool
 from .context import DraftContext
-from .contract import Counts, Phase, RequestOutput, StepOutput, StepPlan
+from .contract import Counts, PassTiming, Phase, RequestOutput, StepOutput, StepPlan
 from .draft import Drafter, Session
 from .drafters import DrafterCache
 from .loop import step as loop_step
 from .request import Request, greedy
 from .runtime import Runtime
+from .timing import Lap
 from .verify import PrefillChunk, prefill_slice
 
 
 class StepClock:
     """The seconds of one step's phases, charged to the step (once per pass) and to every request in a pass.  On
-    CUDA it records events and reads them once at the step's end (the step's verification already waited for the
-    device when its verdicts came to the host)."""
+    CUDA its laps are events read once at the step's end (the step's verification already waited for the device
+    when its verdicts came to the host)."""
 
     def __init__(self, out: StepOutput, cuda: bool):
         self.out, self.cuda = out, cuda
-        self._events: list[tuple[Phase, list[Request], object, object]] = []
+        self._laps: list[tuple[Phase, list[Request], Lap]] = []
 
     @contextmanager
     def __call__(self, phase: Phase, reqs: list[Request]):
         if not reqs:
             yield
             return
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            yield
-            b.record()
-            self._events.append((phase, reqs, a, b))
-            return
-        t = time.perf_counter()
+        lap = Lap(self.cuda).start()
         yield
-        self._charge(phase, reqs, time.perf_counter() - t)
-
-    def _charge(self, phase: Phase, reqs: list[Request], dt: float) -> None:
-        self.out.charge(phase, dt)
-        for r in {id(r): r for r in reqs}.values():
-            r.counts.charge(phase, dt)
+        self._laps.append((phase, reqs, lap.stop()))
 
     def settle(self) -> None:
-        if self._events:
-            self._events[-1][3].synchronize()
-            for phase, reqs, a, b in self._events:
-                self._charge(phase, reqs, a.elapsed_time(b) / 1e3)
-            self._events.clear()
+        if self._laps:
+            self._laps[-1][2].wait()
+            for phase, reqs, lap in self._laps:
+                dt = lap.seconds()
+                self.out.charge(phase, dt)
+                for r in {id(r): r for r in reqs}.values():
+                    r.counts.charge(phase, dt)
+            self._laps.clear()
 
 
 class Executor:
@@ -101,6 +92,7 @@ class Executor:
         for rid in plan.release:
             self.release(rid)
         clock = self._clock = StepClock(out, self.model.device.type == "cuda")
+        self._pass = None
         try:
             self._execute(plan, out)
         finally:
@@ -111,6 +103,11 @@ class Executor:
                     o.counts, req.counts = req.counts, Counts()
                     if req.trace:
                         o.trace, req.trace = req.trace, []
+        if self._pass is not None:                   # what the pass cost, to the drafters that drafted for it
+            drafters, n, prefill_rows = self._pass
+            timing = PassTiming(out.verify_time, out.rows_verified, n, prefill_rows, out.draft_time)
+            for d in drafters:
+                d.measured(timing)
         return out
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> None:
@@ -188,6 +185,9 @@ class Executor:
             return
         clock = self._clock
         verified, first = loop_step(sessions, out_of, chunks, clock) if sessions or chunks else ([], [])
+        if verified:
+            drafting = {s.drafter: None for s, _, _ in verified if s is not None}
+            self._pass = (list(drafting), len(verified), sum(c.size for c in chunks))
         for s, p, v in verified:
             o = out.requests[p.req.rid]
             o.tokens = list(v.tokens)

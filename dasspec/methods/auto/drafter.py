@@ -1,0 +1,304 @@
+"""The auto drafter: sub-drafters for DAS-Wave, SAM and PLD, the cost model, the earnings and the explorer,
+composed per step:
+
+    costs.add_pass(...)              # ``measured``: the executor's timing of the last pass, the drafting laps
+    choice = explorer.choose(situation)   per request (the estimates and the rule that decided)
+    planners.together / closed_plan  the batch as a whole
+    sub.propose_batch(group)         per arm, timed by a ``Lap`` (read after the step's synchronisation)
+    earnings.verdict / resolve       per request, from its verdict; the lookups scored off-policy
+
+Each draft's notes carry the arm (``auto``), the rule, the batch plan when it overrode the request, a probe flag,
+and the estimates compared (tokens per second of the step per arm) - a trace explains every decision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from ...engine.contract import PassTiming
+from ...engine.draft import Draft, Drafter, Session, Verdict
+from ...engine.timing import Lap
+from .. import build_drafter, resolve_knobs
+from .calibrate import Sizing, calibration
+from .costs import LOOKUP, CostModel
+from .earnings import Earnings, Priors
+from .explorer import Budget, Choice, Situation, choose
+from .knobs import AutoKnobs
+from .planners import closed_plan, together
+from .tuning import TUNING, Tuning
+
+
+class AutoSession(Session):
+    """One request: a session of every sub-drafter (they keep their own text indexes; only the chosen one proposes),
+    its earnings per arm and its exploration clock."""
+
+    def __init__(self, drafter: "AutoDrafter", req):
+        super().__init__(drafter, req)
+        self.subs: dict[str, Session] = {arm: sub.start(req) for arm, sub in drafter.subs.items()}
+        self.earnings = Earnings(drafter.subs, drafter.priors, drafter.tuning)
+        self.steps = 0
+        self.choice = Choice("ar", False, "start")
+        self.prev = "ar"                   # the last step's arm
+        self.hint_level = 0.0              # the lookup acceptance that triggered the last hinted probe
+        self.seen: dict = {}               # the estimates this step's choice compared (for the trace)
+
+    @property
+    def arm(self) -> str:
+        return self.choice.arm
+
+    @property
+    def probe(self) -> bool:
+        return self.choice.probe
+
+    @property
+    def arms(self):
+        return self.earnings.arms
+
+    def tok_rows(self, arm: str, sustained: bool = False):
+        return self.earnings.tok_rows(arm, sustained)
+
+    def values(self, B: int, arms=None, hoped: bool = False) -> dict[str, tuple[float, float, float] | None]:
+        """arm -> (the step's tokens per second, its seconds, its tokens) with this request on ``arm`` and the others
+        as last step, or None while unknown.  ``hoped``: its own rows past its first at the lower of the measured
+        rate and the calibration's shape."""
+        d = self.drafter
+        others = d.others(B)
+        out = {}
+        for arm in (("ar", *d.subs) if arms is None else arms):
+            tok, rows = self.tok_rows(arm)
+            m = d.groups_last.get(arm, 0) + (self.prev != arm)        # the group it would draft in
+            t = d.step_time(arm, rows, others, m, B, hoped) if tok is not None else None
+            out[arm] = None if t is None else ((others[0] + tok) / t, t, others[0] + tok)
+        return out
+
+    def situation(self, B: int) -> Situation:
+        d = self.drafter
+        look = max([self.tok_rows(a)[0] or 0.0 for a in LOOKUP if a in d.subs] or [0.0])
+        return Situation(
+            B=B, room=self.ctx.room, closed=self.ctx.closed,
+            values=self.values(B) if self.ctx.room > 1 else {},
+            measured=frozenset(a for a, st in self.arms.items() if st.n),
+            since={a: self.steps - st.last for a, st in self.arms.items()},
+            own={a: self.tok_rows(a)[0] or 0.0 for a in d.subs if a not in LOOKUP},
+            look=look, hint_level=self.hint_level, seeded=frozenset(a for a in d.subs if d.seeded(a)),
+            rows_priced=bool(d.costs.extra), hope=lambda arm: self.values(B, [arm], hoped=True)[arm])
+
+    def choose(self, B: int) -> Choice:
+        sit = self.situation(B)
+        got = choose(sit, self.drafter.budget, self.drafter.tuning)
+        if got.rule == "hint-probe":
+            self.hint_level = sit.look
+        elif sit.look < self.hint_level - self.drafter.tuning.hint_fall:
+            self.hint_level = sit.look
+        self.seen = sit.values
+        return got
+
+    def observe(self, verdict: Verdict) -> None:
+        d, arm = self.drafter, self.arm
+        tok, rows = len(verdict.tokens), int(verdict.pred.shape[0])
+        d.step_tok += tok
+        d.step_rows += rows
+        d.step_n += 1
+        if arm != "ar":
+            self.earnings.verdict(arm, tok, rows, self.steps)
+            if arm in LOOKUP and self.probe and rows > 1:       # a price probe that measured rows
+                d.budget.price_probes[arm] = d.budget.price_probes.get(arm, 0) + 1
+            self.subs[arm].observe(verdict)
+        self.earnings.resolve(self.ctx.generated, self.steps)
+        self.prev = arm
+        self.steps += 1
+
+
+class AutoDrafter(Drafter):
+    """Sub-drafters (built with the model's knobs for each, by ``bind``), the cost model, the drafter-wide averages
+    of what each arm earns and the exploration budget.  ``tuning``: the constants (``tuning.py``)."""
+
+    name = "auto"
+    session = AutoSession
+    width_knobs = ("arms",)
+    stateful = True           # its cost model and averages carry over from request to request
+
+    def __init__(self, knobs: AutoKnobs, tuning: Tuning = TUNING, clock: Callable[[], float] = time.perf_counter):
+        """``clock``: the host clock of the drafting laps (tests pass a simulated one)."""
+        self.knobs, self.tuning, self.clock = knobs, tuning, clock
+        self.subs: dict[str, Drafter] = {}
+        self.width = 1
+        self.costs = CostModel(None, tuning)
+        self.priors = Priors(tuning)
+        self.budget = Budget(knobs.explore)
+        self.groups_last: dict[str, int] = {}    # sessions that drafted with each arm last step
+        self.step_tok = self.step_rows = self.step_n = 0     # the step being verified (from the verdicts)
+        self.last: tuple[int, int, int, float] | None = None   # the last step: sessions, tokens, rows, drafting s
+        self._laps: list[tuple[str, int, Lap]] = []          # this step's drafting, per arm and group
+        self.bound = False
+        self.cuda = False
+
+    # -- building --
+    def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
+        """Build the sub-drafters on ``model`` and size DAS-Wave's window from the calibration."""
+        self.cuda = model.device.type == "cuda"
+        R = model.depth(num_steps)
+        sizing = None
+        if self.knobs.calibrate:
+            sizing = Sizing.of(calibration(model, tuning=self.tuning), R, self.tuning.wide_round)
+        self.costs = CostModel(sizing, self.tuning)
+        for arm in self.knobs.arm_list:
+            user = self.wave_window(model, R, sampled) if arm == "das-wave" else {}
+            self.subs[arm] = build_drafter(model, arm, user, num_steps, sampled)
+        self.adopt(self.subs)
+
+    def adopt(self, subs: dict[str, Drafter]) -> None:
+        """Take ``subs`` as the sub-drafters (``bind``; tests pass their own)."""
+        self.subs = subs
+        self.costs.wave = {a: getattr(s, "knobs", None) for a, s in subs.items() if a not in LOOKUP}
+        self.width = max([1] + [d.width for d in subs.values()])
+        # the longest chain a sub-drafter may propose (DAS-Wave's copy runs reach past its width): without it the
+        # engine would back only ``width`` rows and cut those runs short
+        reach = max([self.width] + [getattr(d, "reach", None) or d.width for d in subs.values()])
+        self.reach = reach if reach > self.width else None
+        self.bound = True
+
+    def wave_window(self, model, R: int, sampled: bool) -> dict:
+        """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a
+        block's rounds cost at most one full-depth one-row pass; knobs the model's generation_config.json sets are
+        kept."""
+        s = self.sizing
+        if s is None or s.window is None:
+            return {}
+        kn = resolve_knobs(model, "das-wave", {}, R, sampled)
+        gd = model.generation_defaults if isinstance(model.generation_defaults, dict) else {}
+        section = gd.get("dasspec") if isinstance(gd.get("dasspec"), dict) else {}
+        given = set(section.get("das-wave") or {})
+        if sampled:
+            given |= set(section.get("das-wave:sampled") or {})
+        out: dict[str, Any] = {}
+        if not given & {"gamma", "w_init"} and s.window < kn.gamma:
+            out.update(gamma=s.window, w_init=min(kn.w_init, s.window))
+        if "rounds" not in given:
+            g, w0 = out.get("gamma", kn.gamma), out.get("w_init", kn.w_init)
+            J, spent = 0, 0.0
+            while J < kn.rounds:
+                c = s.round_cost(min(g, w0 + J), kn.k)
+                if J and spent + c > s.full1:
+                    break
+                spent += c
+                J += 1
+            if J < kn.rounds:
+                out["rounds"] = J
+        return out
+
+    def seeded(self, arm: str) -> bool:
+        kn = getattr(self.subs.get(arm), "knobs", None)
+        return getattr(kn, "guesses", "anchor") != "anchor"
+
+    def start(self, req) -> AutoSession:
+        if not self.bound:
+            raise RuntimeError("the auto drafter is built by dasspec.build_drafter (it needs the model)")
+        return AutoSession(self, req)
+
+    @property
+    def sizing(self) -> Sizing | None:
+        """The calibration's implications (None: not calibrated)."""
+        return self.costs.sizing
+
+    @sizing.setter
+    def sizing(self, s: Sizing | None) -> None:
+        self.costs.sizing = s
+
+    # -- what a step is expected to cost --
+    def pass_cost(self, rows: float) -> float:
+        return self.costs.pass_cost(rows)
+
+    def others(self, B: int) -> tuple[float, float, float]:
+        """What the other B - 1 requests of this step are expected to bring: tokens, rows, drafting seconds (the
+        last step's totals, scaled to B - 1 of its sessions)."""
+        if B <= 1:
+            return 0.0, 0.0, 0.0
+        if self.last is None or not self.last[0]:
+            return float(B - 1), float(B - 1), 0.0
+        n, tok, rows, dt = self.last
+        f = (B - 1) / n
+        return tok * f, rows * f, dt * f
+
+    def step_time(self, arm: str, rows: float | None, others: tuple[float, float, float], m: int,
+                  B: int, hoped: bool = False) -> float | None:
+        """Seconds of a step with one request drafting with ``arm`` (``rows`` verifier rows, in a group of m) beside
+        ``others`` (B - 1 requests)."""
+        if rows is None:
+            return None
+        v = self.costs.verify_time(others[1] + rows, B, rows - 1.0 if hoped else 0.0)
+        d = self.costs.draft_time(arm, m)
+        if v is None or d is None:
+            return None
+        return d + others[2] + v
+
+    # -- the step --
+    def measured(self, timing: PassTiming) -> None:
+        """The executor's timing of the pass that verified this step's drafts: the prices learn from it (not from a
+        pass that carried prompt rows: that time is not the drafts'), and the drafting laps are read now that the
+        device has passed them."""
+        spent = 0.0
+        for arm, m, lap in self._laps:
+            dt = lap.seconds()
+            spent += dt
+            self.costs.add_draft(arm, dt, m)
+        self._laps = []
+        self.budget.elapsed += timing.seconds + timing.draft_seconds
+        if self.step_n:
+            self.last = (self.step_n, self.step_tok, self.step_rows, spent)
+            if not timing.prefill_rows:
+                self.costs.add_pass(timing.seconds, timing.rows, timing.requests)
+        self.step_tok = self.step_rows = self.step_n = 0
+
+    def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
+        t = self.tuning
+        self.budget.probed = set()
+        B = len(sessions)
+        picks = [s.choose(B) for s in sessions]
+        if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
+            picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
+                                   [s.ctx.budget for s in sessions], [s.prev for s in sessions], t)
+        else:
+            picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t)
+        picks = [Choice("ar", False, "one-to-go") if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
+        groups: dict[str, list[int]] = {}
+        for i, (s, pick) in enumerate(zip(sessions, picks)):
+            s.choice = pick
+            s.ctx.count_choice(pick.arm)
+            groups.setdefault(pick.arm, []).append(i)
+        drafts: list[Draft] = [Draft()] * B
+        for arm, idx in groups.items():
+            if arm == "ar":
+                continue
+            subs = [sessions[i].subs[arm] for i in idx]
+            for i, sub in zip(idx, subs):
+                if sessions[i].prev != arm and hasattr(sub, "copying"):
+                    sub.copying = False           # DAS-Wave's copy run follows its own last block only
+            self.budget.drafted[arm] = self.budget.elapsed
+            lap = Lap(self.cuda and arm not in LOOKUP, self.clock).start()    # a lookup's drafting is host work
+            got = self.subs[arm].propose_batch(subs)
+            self._laps.append((arm, len(idx), lap.stop()))
+            for i, dr in zip(idx, got):
+                drafts[i] = dr
+        out = []
+        for s, dr in zip(sessions, drafts):
+            s.earnings.shadow(s.subs, s.arm, len(s.ctx.generated), s.ctx.room, self.costs.add_draft)
+            out.append(replace(dr, notes={**(dr.notes or {}), **_notes(s.choice, s.seen)}))
+        self.groups_last = {arm: len(idx) for arm, idx in groups.items()}
+        return out
+
+
+def _notes(c: Choice, values: dict) -> dict:
+    """What a trace shows of a choice: the arm, the rule, the plan that overrode it, and the estimates compared
+    (the step's tokens per second per arm; absent: unpriced)."""
+    notes: dict[str, Any] = {"auto": c.arm, "rule": c.rule}
+    if c.plan:
+        notes["plan"] = c.plan
+    if c.probe:
+        notes["probe"] = True
+    est = {a: round(v[0], 3) for a, v in (values or {}).items() if v is not None}
+    if est:
+        notes["estimates"] = est
+    return notes
