@@ -74,13 +74,23 @@ class Engine:
                  num_steps: int | None = None, runtime: Runtime | None = None, max_batch: int = 8,
                  kv_budget: int | None = None, block_size: int = BLOCK_SIZE, max_step_tokens: int = MAX_STEP_TOKENS,
                  policy: SpeculationPolicy | None = None, tokenizer=None, drafter: Drafter | None = None,
-                 drafters: DrafterCache | None = None, closed: bool = False, executor: str = "local"):
+                 drafters: DrafterCache | None = None, closed: bool = False, executor: str = "local",
+                 overlap: bool = False):
         """``closed``: every request is added before the first step and the caller takes the results together
         (generate_batch) - drafters that weigh speed then plan for the batch's end (``DraftContext.closed``); a
         server leaves it False.  ``executor``: "local" (in this process) or "process" (the model, its cache and
-        the drafters in a child process fed by plans: ``remote.py``; call ``close`` when done)."""
+        the drafters in a child process fed by plans: ``remote.py``; call ``close`` when done).  ``overlap``: plan
+        step n + 1 while step n executes (on the executor's thread, or in its process) and process step n's
+        outputs while step n + 1 does - the plan counts on what step n surely does (its prompt rows; at least one
+        token of each decoding request) and backs the most it may commit; a request that step n ends runs one
+        wasted step whose tokens are dropped.  The tokens are the same; ``step`` returns each step's events one call
+        later."""
         if executor not in ("local", "process"):
             raise ValueError(f"executor must be 'local' or 'process', got {executor!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
+        self._inflight: StepPlan | None = None  # overlap: the plan the executor is running
         for name, v in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -229,7 +239,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def cache_usage(self) -> dict[str, int]:
         """Blocks held, cached for sharing and in all; requests preempted so far (read from another thread: a
@@ -240,42 +250,92 @@ class Engine:
 
     # --- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        """Plan, execute, apply: the events of this step.  If the step raises, the events it had made are kept for
-        ``take_events``; call ``abort_running`` to end the requests whose states the failure left untrusted."""
-        events = self._events
+        """Plan, execute, apply: the events of this step (with ``overlap``: of the step that just finished, the next
+        one already running).  If the step raises, the events it had made are kept for ``take_events``; call
+        ``abort_running`` to end the requests whose states the failure left untrusted."""
+        if self.overlap:
+            return self._step_overlapped()
         t0 = time.perf_counter()
-        plan, ended = self.scheduler.schedule()
-        for e in ended:
-            events.append(self._finish(e))
-        events += self.output.started([self._table[s.id] for s in plan.start])
-        progress = plan.rows or plan.swap_in or any(w.prefill is None and w.room for w in plan.work)
-        if not progress and not plan.start and not ended and self.has_work:
-            raise RuntimeError("the engine planned a step that moves no request (a scheduler bug): "
-                               f"running {[(e.id, e.computed, len(e.generated)) for e in self.scheduler.running]}, "
-                               f"waiting {len(self.scheduler.waiting)}")
-        plan.release, self._release = self._release, []
+        plan = self._plan(inflight=False)
         if not plan.empty:
             t1 = time.perf_counter()
             out = self.executor.execute(plan)
             t2 = time.perf_counter()
             self.execute_seconds += t2 - t1
             t0 += t2 - t1
-            self.output.measured(out)
-            committed, finished = self.scheduler.update(plan, out)
-            events += self.output.committed(committed, finished)
-            finished += self.scheduler.stopped()
-            for e in finished:
-                events.append(self._finish(e))
-        if self._release and not self.has_work:      # nothing more to run: the executor drops their state now
-            self.executor.execute(StepPlan(self.scheduler.steps, release=self._release))
-            self._release = []
+            self._apply(plan, out)
+        self._release_idle()
         self.host_seconds += time.perf_counter() - t0
         return self.take_events()
 
+    def _step_overlapped(self) -> list[StepEvent]:
+        """One step of the pipeline: plan the next step while the one in flight runs, take its output, apply it,
+        start the next, then process the outputs (events, streamers) while it runs."""
+        t0 = time.perf_counter()
+        if self._inflight is None:                    # the pipeline's first step (or after it drained)
+            plan = self._plan(inflight=False)
+            if plan.empty:
+                self._release_idle()
+                self.host_seconds += time.perf_counter() - t0
+                return self.take_events()
+            self.executor.submit(plan)
+            self._inflight = plan
+        nxt = self._plan(inflight=True)               # while the executor runs the step in flight
+        t1 = time.perf_counter()
+        out = self.executor.collect()
+        t2 = time.perf_counter()
+        self.execute_seconds += t2 - t1
+        t0 += t2 - t1
+        done, self._inflight = self._inflight, None
+        outputs = self._apply(done, out, process=False)
+        if not nxt.empty:
+            self.executor.submit(nxt)
+            self._inflight = nxt
+        self._process(*outputs)                       # while the next step runs
+        if self._inflight is None:
+            self._release_idle()
+        self.host_seconds += time.perf_counter() - t0
+        return self.take_events()
+
+    def _plan(self, inflight: bool) -> StepPlan:
+        """The scheduler's next plan, with the ids to release; the requests it ended first are finished now."""
+        plan, ended = self.scheduler.schedule()
+        for e in ended:
+            self._events.append(self._finish(e))
+        self._events += self.output.started([self._table[s.id] for s in plan.start])
+        progress = plan.rows or plan.swap_in or any(w.prefill is None and w.room for w in plan.work)
+        if not progress and not plan.start and not ended and self.scheduler.has_work and not inflight:
+            raise RuntimeError("the engine planned a step that moves no request (a scheduler bug): "
+                               f"running {[(e.id, e.computed, len(e.generated)) for e in self.scheduler.running]}, "
+                               f"waiting {len(self.scheduler.waiting)}")
+        plan.release, self._release = self._release, []
+        return plan
+
+    def _apply(self, plan: StepPlan, out, process: bool = True):
+        """Apply a step's output to the scheduler; its outputs (events, streamers) now, or later (``_process``)."""
+        self.output.measured(out)
+        committed, finished = self.scheduler.update(plan, out)
+        stopped = self.scheduler.stopped()
+        if process:
+            self._process(committed, finished, stopped)
+            return None
+        return committed, finished, stopped
+
+    def _process(self, committed, finished, stopped) -> None:
+        """Events and streamers of an applied step: its tokens, then the requests that ended (by their stop rule,
+        or failed, cancelled, out of time)."""
+        self._events += self.output.committed(committed, finished)
+        for e in finished + stopped:
+            self._events.append(self._finish(e))
+
+    def _release_idle(self) -> None:
+        if self._release and not self.scheduler.has_work:   # nothing more to run: the executor drops their state now
+            self.executor.execute(StepPlan(self.scheduler.steps, release=self._release))
+            self._release = []
+
     def close(self) -> None:
-        """End the executor's process (``executor="process"``); nothing to do in process."""
-        if self.remote:
-            self.executor.close()
+        """End the executor's process (``executor="process"``) or its thread (``overlap``)."""
+        self.executor.close()
 
     def __enter__(self) -> "Engine":
         return self

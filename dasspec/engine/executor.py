@@ -11,6 +11,8 @@ A block planned as a depth slice (``Work.depths``) runs its core steps in a call
 
 from __future__ import annotations
 
+import copy
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Mapping
 
@@ -71,6 +73,8 @@ class Executor:
         self.sessions: dict[int, Session] = {}
         self.drafters: dict[int, Drafter] = {}
         self._saved: dict[int, list[torch.Tensor]] = {}       # swapped-out rows, on the host
+        self._thread: ThreadPoolExecutor | None = None          # ``submit``: steps run there, one at a time
+        self._future = None
 
     def release(self, rid: int) -> None:
         """Drop a finished request's state (its blocks are the scheduler's)."""
@@ -85,6 +89,23 @@ class Executor:
         req = self.requests.get(rid)
         if req is not None:
             req.cancelled = True
+
+    def submit(self, plan: StepPlan) -> None:
+        """Start executing ``plan`` on the executor's thread (``collect`` takes its output): the engine plans the
+        next step meanwhile (``Engine(overlap=True)``)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="dasspec-executor")
+        # the executor's own copy: the scheduler goes on planning (and growing its lists) while this one runs
+        self._future = self._thread.submit(self.execute, copy.deepcopy(plan))
+
+    def collect(self) -> StepOutput:
+        future, self._future = self._future, None
+        return future.result()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -175,7 +196,9 @@ class Executor:
                 for s0 in range(a, b, B):             # one segment per block (rows independent of the plan)
                     chunks.append(PrefillChunk(req, s0, min(B, b - s0), last=min(s0 + B, b) == req.P))
             elif w.id in self.sessions:
-                req.room = w.room if not w.cap else min(w.room, w.cap + 1)
+                if req.budget <= 0:                   # planned before its last step was applied: it has ended
+                    continue
+                req.room = min(req.budget, w.room if not w.cap else min(w.room, w.cap + 1))
                 req.cap = w.cap
                 req.closed = plan.closed
                 s = self.sessions[w.id]

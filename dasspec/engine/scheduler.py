@@ -73,6 +73,9 @@ class Entry:
     reason: StopReason | None = None
     error: Exception | None = None     # what failed it (reason "error"): its streamer, its setup
     passed: int = 0                    # requests admitted past it while its prompt did not fit the free blocks
+    # per step planned and not yet applied (a plan made while a step runs: ``Engine(overlap=True)``): prompt rows it
+    # computes, and the fewest and most tokens it may commit - what the next plan assumes of it
+    flight: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def P(self) -> int:
@@ -82,6 +85,30 @@ class Entry:
     def n(self) -> int:
         """Verified rows: the prompt, then every committed token but the last (the anchor)."""
         return self.computed if not self.generated else self.P + len(self.generated) - 1
+
+    # What a plan may count on while earlier steps are in flight (all equal to the applied values when none is):
+    @property
+    def computed_ahead(self) -> int:
+        """Prompt rows materialised once the steps in flight are done (prefill always completes)."""
+        return self.computed + sum(p for p, _, _ in self.flight.values())
+
+    @property
+    def decoding(self) -> bool:
+        """It has emitted its first token, or a step in flight will."""
+        return bool(self.generated) or any(lo for _, lo, _ in self.flight.values())
+
+    @property
+    def n_ahead(self) -> int:
+        """The most verified rows it may hold once the steps in flight are done (each may commit its most)."""
+        if not self.decoding:
+            return self.computed_ahead
+        return self.P + len(self.generated) + sum(hi for _, _, hi in self.flight.values()) - 1
+
+    @property
+    def left(self) -> int:
+        """Tokens max_new_tokens surely leaves once the steps in flight are done (each commits at least its
+        fewest)."""
+        return self.rule.max_new_tokens - len(self.generated) - sum(lo for _, lo, _ in self.flight.values())
 
     def stopping(self) -> str | None:
         """Why it must stop now (failed, cancelled, out of time), or None: asked between steps and drafting
@@ -147,40 +174,40 @@ class Scheduler:
         self.steps += 1
         plan = StepPlan(self.steps)
         B, budget = self.pool.B, self.max_step_tokens
-        decoding = [e for e in self.running if e.generated]
+        decoding = [e for e in self.running if e.decoding]
         cap = self.policy.cap(len(decoding))
         planned: dict[int, Work] = {}
         for e in list(self.running):                      # decoding requests first, oldest first
-            if e.status is not Status.RUNNING or not e.generated:
-                continue
+            if e.status is not Status.RUNNING or not e.decoding or e.left <= 0:
+                continue                                  # (no tokens left: it ends when the step in flight is applied)
+            n = e.n_ahead
             c = cap
             width = 0 if c == 0 else e.drafter.width
             reach = getattr(e.drafter, "reach", None) or 0
             keep = None
             if reach > e.drafter.width:                   # last step's longer scratch is handed back first
-                k = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
+                k = self.pool.blocks_for(min(n + 1 + e.drafter.width, e.max_rows))
                 if len(e.blocks) > k:
                     self.pool.free(e.blocks[k:])
                     e.blocks, keep = e.blocks[:k], k
             got = None
             if c != 0 and reach > width:                  # a longer chain, if free blocks allow (no preemption)
-                got = self._grow(e, min(e.n + 1 + reach, e.max_rows), plan, planned, preempt=False)
+                got = self._grow(e, min(n + 1 + reach, e.max_rows), plan, planned, preempt=False)
                 width = reach if got is not None else width
             if got is None:
-                got = self._grow(e, min(e.n + 1 + width, e.max_rows), plan, planned, spare=width > 0)
+                got = self._grow(e, min(n + 1 + width, e.max_rows), plan, planned, spare=width > 0)
             if got is None and e.status is Status.RUNNING:    # only itself left to preempt: an AR step, no scratch
                 c, width = 0, 0
-                got = self._grow(e, e.n + 1, plan, planned)
+                got = self._grow(e, n + 1, plan, planned)
             if got is None:
                 continue                                  # preempted itself
-            room = e.rule.max_new_tokens - len(e.generated)
-            planned[e.id] = w = Work(e.id, got, room=room, cap=c, keep=keep)
+            planned[e.id] = w = Work(e.id, got, room=e.left, cap=c, keep=keep)
             plan.work.append(w)
             budget -= max(1, min(width, e.drafter.width))   # its verifier inputs (a longer reach is backed, not charged)
         for e in list(self.running):                      # then prompts still prefilling
-            if e.status is Status.RUNNING and not e.generated and e.computed < e.P:
+            if e.status is Status.RUNNING and not e.decoding and e.computed_ahead < e.P:
                 budget = self._prefill(e, budget, plan, planned)
-        claimed = {k for x in self.running if x.computed < x.P for k in x.keys[x.computed // B:]}
+        claimed = {k for x in self.running if x.computed_ahead < x.P for k in x.keys[x.computed_ahead // B:]}
         held: list[Entry] = []                            # waiting requests passed this step (their prompt did not fit)
         for e in list(self.waiting):                      # first in, first served (for memory)
             if len(self.running) >= self.max_batch:
@@ -208,11 +235,31 @@ class Scheduler:
             budget = self._prefill(e, budget, plan, planned)
             if e.status is not Status.RUNNING:           # it preempted itself: the pool is full for now
                 break
-            claimed.update(e.keys[e.computed // B:])
+            claimed.update(e.keys[e.computed_ahead // B:])
         # closed once nobody waits for a slot and every running request decodes (a prompt still prefilling is the
         # batch's end, and the drafters do not see it)
-        plan.closed = self.closed and not self.waiting and all(e.generated for e in self.running)
+        plan.closed = self.closed and not self.waiting and all(e.decoding for e in self.running)
+        self._assume(plan)
         return plan, ended
+
+    def _assume(self, plan: StepPlan) -> None:
+        """Record per request what the plan will do that the next plan may count on before this one's outcome is
+        applied: prompt rows (a prefill always completes), and the fewest and most tokens it may commit (a decoding
+        step: at least one, at most what its room and its blocks allow; a prompt's last block: its first token)."""
+        B, running = self.pool.B, {x.id: x for x in self.running}
+        for w in plan.work:
+            e = running.get(w.id)
+            if e is None:
+                continue
+            if w.prefill is not None:
+                a, b = w.prefill
+                complete = w.depths is None or w.depths[1] == self.R
+                rows = b - a if complete else 0
+                first = 1 if complete and b == e.P else 0
+                e.flight[plan.step] = (rows, first, first)
+            else:
+                room = w.room if not w.cap else min(w.room, w.cap + 1)
+                e.flight[plan.step] = (0, 1, max(1, min(room, len(e.blocks) * B - e.n_ahead)))
 
     def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,
               preempt: bool = True) -> list[int] | None:
@@ -299,7 +346,7 @@ class Scheduler:
         budget buys less than the block (at least one block - or, with depth slices, one row's worth of its core steps -
         when no prompt has moved yet this step, so prefill never starves behind drafts); returns what is left."""
         B, R = self.pool.B, self.R
-        start = e.computed
+        start = e.computed_ahead
         size = min(B, e.P - start)
         if size <= 0:
             return budget
@@ -351,7 +398,7 @@ class Scheduler:
         self.waiting.remove(e)
         e.blocks, e.status = got, Status.RUNNING
         self.running.append(e)
-        plan.swap_in.append((e.id, got))
+        plan.swap_in.append((e.id, list(got)))        # the plan's own list: the entry's grows later
         return True
 
     # --- applying a step's output --------------------------------------------------------------------------------
@@ -362,13 +409,16 @@ class Scheduler:
         committed, finished = [], []
         B = self.pool.B
         running = {x.id: x for x in self.running}
+        running.update((x.id, x) for x in self.waiting if plan.step in x.flight)   # swapped out by a later plan
+        for e in running.values():
+            e.flight.pop(plan.step, None)
         for rid, err in out.failed:
             e = running.get(rid)
             if e is not None:
                 e.error = RuntimeError(err)
         for s in plan.start:                 # blocks copied from a PrefixCache are keyed once they hold the rows
             e = running.get(s.id)
-            if s.copy is not None and e is not None and e.error is None:
+            if s.copy is not None and e is not None and e.error is None and e.status is Status.RUNNING:
                 for j in range(s.copy[1], min(s.copy[2], len(e.keys))):
                     self.pool.register(e.blocks[j], e.keys[j])
         for w in plan.work:
@@ -380,8 +430,9 @@ class Scheduler:
                 before = e.computed // B
                 e.computed += o.prefilled
                 self.prefilled_rows += o.prefilled
-                for j in range(before, min(e.computed // B, len(e.keys))):
-                    self.pool.register(e.blocks[j], e.keys[j])
+                if e.status is Status.RUNNING:        # (swapped out since this step was planned: its blocks are gone)
+                    for j in range(before, min(e.computed // B, len(e.keys))):
+                        self.pool.register(e.blocks[j], e.keys[j])
             if o.tokens:
                 start = len(e.generated)
                 e.generated.extend(o.tokens)

@@ -45,7 +45,8 @@ def _keys(model) -> tuple[str, str]:
 
 
 def measure_costs(model, budget_s: float = TUNING.calibration_budget_s, widths=TUNING.cal_widths,
-                  reps: int = TUNING.cal_reps) -> dict[str, dict[int, float]]:
+                  reps: int = TUNING.cal_reps, first_share: float = TUNING.cal_first_share
+                  ) -> dict[str, dict[int, float]]:
     """Seconds of the prelude, one core step and the readout over W rows (no cache: own rows only), for each W in
     ``widths`` while the budget lasts: a first pass over the widths (the most telling first, while half the budget
     lasts), then up to ``reps - 1`` more passes round the widths it reached, keeping each width's minimum - a
@@ -83,7 +84,7 @@ def measure_costs(model, budget_s: float = TUNING.calibration_budget_s, widths=T
         once(widths[0])                                  # warms up
         reached = []
         for W in widths:
-            if reached and time.perf_counter() - t_start > budget_s * 0.5:
+            if reached and time.perf_counter() - t_start > budget_s * first_share:
                 break
             keep(W, once(W))
             reached.append(W)
@@ -115,7 +116,8 @@ def calibration(model, use_cache: bool = True, tuning: Tuning = TUNING) -> dict[
                 return {name: dict(part) for name, part in kept[key].items()}
         except (OSError, ValueError, AttributeError):
             table = {}
-    costs = measure_costs(model, tuning.calibration_budget_s, tuning.cal_widths, tuning.cal_reps)
+    costs = measure_costs(model, tuning.calibration_budget_s, tuning.cal_widths, tuning.cal_reps,
+                          tuning.cal_first_share)
     if costs["core"]:
         kept[key] = {name: dict(part) for name, part in costs.items()}
     if use_cache and costs["core"]:

@@ -25,6 +25,8 @@ class Tuning:
                                       "measures only what the budget allows still prices 1, 8 and 32 rows")
     cal_reps: int = why(4, "passes round the widths, each width's minimum kept: a burst of load touches every width "
                            "alike instead of corrupting the one being measured")
+    cal_first_share: float = why(0.5, "the first pass over the widths stops once half the budget is spent, so the "
+                                      "repetitions that take each width's minimum get the other half")
     wide_round: float = why(1.5, "DAS-Wave's window is the widest whose round costs at most 1.5x a one-row round: "
                                  "past it wider rows stop being nearly free")
     default_k: float = why(4.0, "without a calibration a pass costs a fixed part of ~4 rows plus one per row "

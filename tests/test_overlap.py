@@ -1,0 +1,84 @@
+"""Overlap scheduling (``Engine(overlap=True)``, issue 52): the scheduler plans step n + 1 while step n executes
+(on the executor's thread, or in its process) and step n's outputs are processed while step n + 1 runs.  The plan
+counts on what step n surely does (its prompt rows, at least one token per decoding request) and backs the most it
+may commit; a request that step n ends runs one wasted step whose tokens are dropped.  Whatever the pool, the token
+budget or the executor, every request's tokens, stop reason and streamed events equal the engine's without overlap
+- for every method, greedy and sampled, with stop rules, prefix sharing, depth-sliced prefills and preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from dasspec.engine.engine import Engine
+from dasspec.testing import random_model
+
+METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 3}), ("mature-spec", {"draft_depth": 2, "block": 3}),
+           ("das-wave", {"gamma": 4, "rounds": 3, "w_init": 2, "k": 1}), ("pld", {}),
+           ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}), ("sam", {}),
+           ("auto", {"calibrate": False})]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("huginn", seed=7, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1, vocab_size=256)
+
+
+SHARED = [3, 4, 5, 6, 7, 8, 9, 10] * 3                 # three full blocks of 8 two requests share
+
+
+def _prompts() -> list[list[int]]:
+    return [SHARED + [11, 12], [5, 6, 7, 5, 6, 7, 5, 6, 7] * 2, [8, 9, 4], SHARED + [13], [2, 3] * 10,
+            [9, 1, 9, 1] * 4, list(range(20, 61)), [7, 7, 8] * 5, [30, 31, 32, 30, 31, 32, 30]]
+
+
+def _run(model, overlap: bool, executor: str = "local", cancel: tuple[int, int] | None = None,
+         stops: dict | None = None, **engine_kw):
+    """Every method's request, mixed in one engine (greedy and sampled alternating, budgets of 10-26 tokens):
+    per request its tokens, stop reason and the tokens its events streamed; the engine's preemptions.  ``cancel``:
+    (request, step) cancelled after that step; ``stops``: request -> its stop token ids."""
+    prompts = _prompts()
+    with Engine(model, "ar", max_batch=4, block_size=8, overlap=overlap, executor=executor, **engine_kw) as engine:
+        ids = []
+        for j, (m, k) in enumerate(METHODS):
+            sampled = dict(do_sample=True, temperature=0.9, seed=j) if j % 2 else {}
+            stop = (stops or {}).get(j)
+            ids.append(engine.add(prompts[j % len(prompts)], method=m, knobs=k, max_new_tokens=10 + 2 * j,
+                                  eos=False, stop=stop, **sampled))
+        streamed = {i: [] for i in ids}
+        steps = 0
+        while engine.has_work:
+            for e in engine.step():
+                streamed[e.id] += list(e.tokens)
+            steps += 1
+            if cancel is not None and steps == cancel[1]:
+                engine.cancel(ids[cancel[0]])
+        res = [engine.result(i) for i in ids]
+        return [(r.tokens, r.stats.stop_reason, streamed[i]) for i, r in zip(ids, res)], \
+            engine.scheduler.preemptions
+
+
+@pytest.mark.parametrize("pool", [dict(), dict(kv_budget=168), dict(max_step_tokens=6)],
+                         ids=["roomy", "tight-pool", "sliced-prefill"])
+def test_overlap_gives_every_request_the_same_tokens_and_events(model, pool):
+    first, _ = _run(model, False, **pool)
+    stops = {j: [first[j][0][4]] for j in (0, 3, 5, 7)}      # a token each decodes midway: its stop rule ends it
+    plain, _ = _run(model, False, stops=stops, **pool)
+    got, preempted = _run(model, True, stops=stops, **pool)
+    assert got == plain
+    assert all(toks for toks, _, _ in got) and {r for _, r, _ in got} == {"max_new_tokens", "eos"}
+    if "kv_budget" in pool:
+        assert preempted > 0                                 # the tight pool preempts (planned ahead, more often)
+
+
+def test_a_cancel_with_a_step_in_flight_keeps_a_prefix_and_spares_the_others(model):
+    plain, _ = _run(model, False)
+    got, _ = _run(model, True, cancel=(3, 2))
+    toks, reason, streamed = got[3]
+    assert reason == "cancelled" and toks == plain[3][0][:len(toks)] and streamed == toks
+    assert got[:3] + got[4:] == plain[:3] + plain[4:]
+
+
+def test_overlap_with_the_executor_in_its_own_process(model):
+    plain, _ = _run(model, False, kv_budget=168)
+    got, _ = _run(model, True, executor="process", kv_budget=168)
+    assert got == plain
