@@ -30,7 +30,7 @@ ARMS = "ar,das-wave@always,das-wave@default"
 
 def parse_arm(text: str):
     """``METHOD[@POLICY]`` -> (method, SpeculationPolicy or None for the engine default)."""
-    from dasspec.engine.policy import SpeculationPolicy
+    from dasspec.engine.core.policy import SpeculationPolicy
 
     method, _, policy = text.partition("@")
     if policy in ("", "default"):

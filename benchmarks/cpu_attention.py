@@ -50,7 +50,7 @@ def isolated(widths: list[int], prefixes: list[int]) -> None:
 def end_to_end(tasks: str, prompts: int, reps: int, cap: int, shots: list[str], prefix_cache: bool,
                data: str | None) -> None:
     import dasspec
-    from dasspec.engine.prefix_cache import common_prefix
+    from dasspec.engine.api.prefix_cache import common_prefix
     from dasspec.eval.bench.runner import dev_prompts
     from dasspec.model import attention as layers
 

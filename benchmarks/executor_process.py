@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import dasspec  # noqa: E402
-from dasspec.engine.engine import Engine  # noqa: E402
+from dasspec.engine.api.engine import Engine  # noqa: E402
 
 METHODS = {"ar": {}, "das-wave": {}}
 
@@ -58,7 +58,7 @@ def one_run(model, prompts: list[list[int]], method: str, B: int, executor: str,
 
 def round_trip_ms(model, n: int = 200) -> float:
     """The pipe alone: the median time to send an empty plan to the executor's process and get its output back."""
-    from dasspec.engine.contract import StepPlan
+    from dasspec.engine.base.contract import StepPlan
     with Engine(model, "ar", max_batch=1, executor="process") as engine:
         times = []
         for i in range(n):

@@ -7,10 +7,12 @@ Prints
   * the import circles (strongly connected components of more than one module, or a module importing itself) in
     two views: module-level imports only (what ``import`` actually executes), and module-level plus function-local
     imports (the circles the function-local ones only hide);
-  * the same two views between packages (dasspec.model, dasspec.engine, ...);
+  * the same two views between packages (dasspec.model, dasspec.methods, ...; each layer of dasspec.engine -
+    base, drafting, core, api - is a package of its own);
   * the upward imports: a module-level import from a lower layer into a higher one (``LAYERS`` below);
   * the function-local imports, in total and of dasspec's own modules, per package, and those of dasspec's own
-    modules that carry no ``# optional:`` / ``# lazy:`` comment (on the statement or the comment lines just above).
+    modules that carry no ``# optional:`` / ``# lazy:`` comment (on the statement or the comment lines just above);
+    with ``--edges``, every function-local import of dasspec's own modules with the reason its comment gives.
 
     python benchmarks/import_structure.py                  # the report
     python benchmarks/import_structure.py --edges          # ... with every module-level edge listed
@@ -35,19 +37,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "dasspec"
 
 # Layers, lowest first: a module-level import may go to the same layer or a lower one, never to a higher one.
-# A module is placed by the longest prefix listed.  ``dasspec`` itself (the package's __init__) is a facade whose
-# exports resolve on first use and which imports none of them at run time: the command modules call through it
-# (``dasspec.load_model``), so it sits just below them.
+# A module is placed by the longest prefix listed.  The engine is four layers with the methods between them: its
+# base (the plan / outcome contract, a request's state) < the drafter interface < the methods, written against
+# that interface < the core (scheduler, executor, the drafter cache wired to the method registry) < the user API
+# (Engine, generate).  ``dasspec`` itself (the package's __init__) is a facade whose exports resolve on first use
+# and which imports none of them at run time: the command modules call through it (``dasspec.load_model``), so it
+# sits just below them.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dasspec.host",),
     ("dasspec.model",),
-    ("dasspec.engine", "dasspec.methods"),
+    ("dasspec.engine", "dasspec.engine.base"),
+    ("dasspec.engine.drafting",),
+    ("dasspec.methods",),
+    ("dasspec.engine.core",),
+    ("dasspec.engine.api",),
     ("dasspec", "dasspec.flags"),
     ("dasspec.eval", "dasspec.train", "dasspec.serve", "dasspec.testing", "dasspec.kernels_cli"),
     ("dasspec.cli",),
 )
 
-COMMENT = re.compile(r"#\s*(optional|lazy)\s*:")
+# Packages whose subpackages count as packages of their own (package circles are measured between them).
+LAYERED_PACKAGES = ("dasspec.engine",)
+
+COMMENT = re.compile(r"#\s*(optional|lazy)\s*:\s*(.*)")
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class Import:
     scope: str             # "module", "type" (under if TYPE_CHECKING) or "function"
     own: bool              # target is a dasspec module
     commented: bool        # an "# optional:" / "# lazy:" comment on the statement or just above it
+    reason: str = ""       # that comment's text ("optional: ray ..." / "lazy: torch ...")
 
 
 @dataclass
@@ -72,7 +85,7 @@ class Structure:
         return strongly_connected(self.modules, self.edges(scopes))
 
     def package_circles(self, scopes: tuple[str, ...] = ("module",)) -> list[list[str]]:
-        """The circles between packages (dasspec.model, dasspec.engine, ...; a top-level module is its own)."""
+        """The circles between packages (dasspec.model, dasspec.engine.core, ...; a top-level module is its own)."""
         edges = {(package_of(a), package_of(b)) for a, b in self.edges(scopes)}
         return strongly_connected(sorted({package_of(m) for m in self.modules}), edges)
 
@@ -98,8 +111,12 @@ def layer(module: str) -> int:
 
 
 def package_of(module: str) -> str:
-    """dasspec.model.config -> dasspec.model; a top-level module (dasspec.cli) is its own package."""
+    """dasspec.model.config -> dasspec.model; a top-level module (dasspec.cli) is its own package; in a layered
+    package its subpackage: dasspec.engine.core.executor -> dasspec.engine.core."""
     parts = module.split(".")
+    for p in LAYERED_PACKAGES:
+        if module.startswith(p + "."):
+            return ".".join(parts[: p.count(".") + 2])
     return ".".join(parts[:2])
 
 
@@ -132,18 +149,22 @@ def _walk(node: ast.AST, scope: str):
             yield from _walk(child, scope)
 
 
-def _commented(stmt: ast.stmt, lines: list[str], import_lines: set[int]) -> bool:
-    """A marker on the statement's lines, or in the comment lines directly above it; the import statements
-    right above it are passed over (one comment may head a group of imports)."""
+def _comment(stmt: ast.stmt, lines: list[str], import_lines: set[int]) -> str | None:
+    """The marker comment ("lazy: ..." / "optional: ...") on the statement's lines, or in the comment lines
+    directly above it (None when there is none); the import statements right above it are passed over (one
+    comment may head a group of imports)."""
     first, last = stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno) or stmt.lineno
-    if any(COMMENT.search(lines[n - 1]) for n in range(first, last + 1)):
-        return True
+    for n in range(first, last + 1):
+        m = COMMENT.search(lines[n - 1])
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
     n = first - 1
     while n >= 1 and (lines[n - 1].strip().startswith("#") or n in import_lines):
-        if COMMENT.search(lines[n - 1]):
-            return True
+        m = COMMENT.search(lines[n - 1])
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
         n -= 1
-    return False
+    return None
 
 
 def _resolve(source: str, is_package: bool, stmt: ast.stmt, modules: set[str]) -> list[str]:
@@ -188,9 +209,10 @@ def scan(root: Path = ROOT) -> Structure:
         found = list(_walk(tree, "module"))
         import_lines = {n for stmt, _ in found for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)}
         for stmt, scope in found:
-            commented = _commented(stmt, lines, import_lines)
+            reason = _comment(stmt, lines, import_lines)
             for target in dict.fromkeys(_resolve(name, path.name == "__init__.py", stmt, module_set)):
-                structure.imports.append(Import(name, target, stmt.lineno, scope, target in module_set, commented))
+                structure.imports.append(Import(name, target, stmt.lineno, scope, target in module_set,
+                                                reason is not None, reason or ""))
     return structure
 
 
@@ -287,10 +309,10 @@ def report(s: Structure, edges: bool) -> str:
     out.append(f"  {'package':28s} {'total':>6s} {'own':>5s} {'own, uncommented':>17s}")
     for pkg, c in f["function_local_per_package"].items():
         out.append(f"  {pkg:28s} {c['total']:6d} {c['own']:5d} {c['own_uncommented']:17d}")
-    uncommented = [i for i in s.function_local(own=True) if not i.commented]
-    if uncommented and edges:
-        out.append("dasspec-internal function-local imports without a comment:")
-        out += [f"  {i.source}:{i.line} -> {i.target}" for i in uncommented]
+    if edges:
+        out.append("function-local imports of dasspec's own modules, and why:")
+        out += [f"  {i.source}:{i.line} -> {i.target}  ({i.reason or 'no comment'})"
+                for i in s.function_local(own=True)]
     return "\n".join(out)
 
 

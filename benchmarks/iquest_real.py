@@ -105,7 +105,7 @@ def child(folder: str, tokens: int, method: str) -> dict:
     """In a fresh process: load (bfloat16) and decode AR and ``method``; seconds, peak RSS, tokens/s, tokens."""
     import torch
     import dasspec
-    from dasspec.engine.memory import _proc_bytes
+    from dasspec.model.memory import _proc_bytes
 
     torch.set_num_threads(2)
     t0 = time.perf_counter()

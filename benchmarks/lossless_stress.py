@@ -162,7 +162,7 @@ def decode(model, prompts: list[list[int]], method: str, B: int, mode: str, new:
         outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=new, eos=False, max_batch=B,
                                       seed=list(range(len(prompts))), **opts)
         return [(i, method, o.tokens) for i, o in enumerate(outs)]
-    from dasspec.engine.blocks import BLOCK_SIZE
+    from dasspec.engine.core.blocks import BLOCK_SIZE
     count = max(len(prompts), len(methods))       # every method at least once, every prompt at least once
     plan = [(i % len(prompts), methods[i % len(methods)]) for i in range(count)]
     longest = max(len(p) for p in prompts)

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONCURRENCY_ARM = r'''
 import json, sys, time, torch
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(cfg["threads"])
 model = dasspec.load_model()
@@ -86,7 +86,7 @@ print(json.dumps({"max_running": max(running), "mean_running": sum(running) / le
 HOL_ARM = r'''
 import json, sys, time, torch
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(cfg["threads"])
 model = dasspec.load_model()

@@ -52,7 +52,7 @@ LAYOUTS = {
 
 
 def _peak_rss() -> int:
-    from dasspec.engine.memory import _proc_bytes
+    from dasspec.model.memory import _proc_bytes
     return _proc_bytes("/proc/self/status", "VmHWM") or 0
 
 
@@ -61,7 +61,7 @@ def child_load(ckpt: str, dtype: str) -> dict:
     import torch
     import dasspec
     import dasspec.model.checkpoint, dasspec.model.tokenizer    # noqa: F401  (imported before the baseline)
-    from dasspec.engine.memory import _proc_bytes
+    from dasspec.model.memory import _proc_bytes
 
     base = _proc_bytes("/proc/self/status", "VmRSS") or 0
     t = time.perf_counter()

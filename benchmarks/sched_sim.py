@@ -3,7 +3,7 @@
     python benchmarks/sched_sim.py --out benchmarks/records/performance/sched-sim          # every model, trace, method, block size
     python benchmarks/sched_sim.py --requests 40 --blocks 16 --out /tmp/s    # a quick look
 
-No model runs.  The real ``Scheduler`` (``dasspec/engine/scheduler.py``) plans every step on an accounting-only
+No model runs.  The real ``Scheduler`` (``dasspec/engine/core/scheduler.py``) plans every step on an accounting-only
 ``BlockPool`` (``BlockPool.accounting``: the books of a pool of the GPU's size, no tensors), and a fake executor
 answers each ``StepPlan`` with a ``StepOutput``: prompt rows materialised as planned (the first token when a prompt
 ends), and per decoding request a number of committed tokens - 1 for AR, a draw (geometric, mean ``--accept``,
@@ -48,12 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from dasspec.engine.blocks import BlockPool, prefix_salt  # noqa: E402
-from dasspec.engine.engine import MAX_STEP_TOKENS  # noqa: E402
-from dasspec.engine.request import rows_needed  # noqa: E402
-from dasspec.engine.contract import DrafterKey, RequestOutput, StepOutput, StepPlan  # noqa: E402
-from dasspec.engine.scheduler import Entry, Scheduler  # noqa: E402
-from dasspec.engine.stopping import StopRule  # noqa: E402
+from dasspec.engine.core.blocks import BlockPool, prefix_salt  # noqa: E402
+from dasspec.engine.api.engine import MAX_STEP_TOKENS  # noqa: E402
+from dasspec.engine.base.request import rows_needed  # noqa: E402
+from dasspec.engine.base.contract import DrafterKey, RequestOutput, StepOutput, StepPlan  # noqa: E402
+from dasspec.engine.core.scheduler import Entry, Scheduler  # noqa: E402
+from dasspec.engine.core.stopping import StopRule  # noqa: E402
 from dasspec.model.cache import bytes_per_token  # noqa: E402
 from dasspec.model.config import LoopedConfig  # noqa: E402
 

@@ -4,7 +4,8 @@ Depth-Asynchronous Self-Speculation (DAS), Mature-Spec and DAS-Wave, with the pa
 mechanism probes, on Huginn-0125, the Raven checkpoints, and a bundled small looped model.
 
     dasspec.model    the looped model, its depth cache and read policies, checkpoints, tokenizer
-    dasspec.engine   the batched engine (a table of requests, one step), the full-depth verifier, generate()
+    dasspec.engine   the batched engine (a table of requests, one step), the full-depth verifier, generate():
+                     base < drafting (the drafter interface) < dasspec.methods < core < api (Engine, generate)
     dasspec.methods  one module per decoding method (a drafter each) and their typed knobs
     dasspec.eval     tasks, the paired benchmark, the mechanism probes
     dasspec.train    the bundled model's recipe
@@ -21,11 +22,12 @@ __version__ = "0.1.0"
 # The public names and the module each comes from.  They are imported on first use (PEP 562), so that importing
 # dasspec - which every ``dasspec`` command does - does not load torch: ``dasspec --help`` answers at once.
 _EXPORTS = {
-    "Draft": ".engine.draft", "Drafter": ".engine.draft", "Verdict": ".engine.draft",
-    "GenerationResult": ".engine.generate", "generate": ".engine.generate", "generate_batch": ".engine.generate",
-    "Engine": ".engine.engine", "StepEvent": ".engine.engine", "SpeculationPolicy": ".engine.policy",
-    "Session": ".engine.draft",
-    "PrefixCache": ".engine.prefix_cache", "Runtime": ".engine.runtime",
+    "Draft": ".engine.drafting.draft", "Drafter": ".engine.drafting.draft", "Verdict": ".engine.drafting.draft",
+    "Session": ".engine.drafting.draft",
+    "GenerationResult": ".engine.api.generate", "generate": ".engine.api.generate",
+    "generate_batch": ".engine.api.generate",
+    "Engine": ".engine.api.engine", "StepEvent": ".engine.api.engine", "SpeculationPolicy": ".engine.core.policy",
+    "PrefixCache": ".engine.api.prefix_cache", "Runtime": ".engine.base.runtime",
     "build_drafter": ".methods", "method_names": ".methods",
     "CacheCapacityError": ".model.cache", "DepthCache": ".model.cache",
     "CheckpointError": ".model.checkpoint", "load_checkpoint": ".model.checkpoint",
@@ -38,13 +40,13 @@ _EXPORTS = {
 if TYPE_CHECKING:
     import torch
 
-    from .engine.draft import Draft, Drafter, Verdict
-    from .engine.draft import Session
-    from .engine.engine import Engine, StepEvent
-    from .engine.generate import GenerationResult, generate, generate_batch
-    from .engine.policy import SpeculationPolicy
-    from .engine.prefix_cache import PrefixCache
-    from .engine.runtime import Runtime
+    from .engine.drafting.draft import Draft, Drafter, Verdict
+    from .engine.drafting.draft import Session
+    from .engine.api.engine import Engine, StepEvent
+    from .engine.api.generate import GenerationResult, generate, generate_batch
+    from .engine.core.policy import SpeculationPolicy
+    from .engine.api.prefix_cache import PrefixCache
+    from .engine.base.runtime import Runtime
     from .methods import build_drafter, method_names
     from .model.cache import CacheCapacityError, DepthCache
     from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

@@ -92,7 +92,7 @@ def add_exec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def runtime_from_args(args: argparse.Namespace, track_memory: bool = False):
-    from .engine.runtime import Runtime     # lazy: torch
+    from .engine.base.runtime import Runtime     # lazy: torch
 
     return Runtime(static_shapes=getattr(args, "static_shapes", False), compile=getattr(args, "compile", False),
                    cuda_graphs=getattr(args, "cuda_graphs", False), track_memory=track_memory)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .engine.context import DraftContext
-from .engine.draft import Draft, Drafter, Session
-from .engine.engine import Engine
+from .engine.api.engine import Engine
+from .engine.drafting.context import DraftContext
+from .engine.drafting.draft import Draft, Drafter, Session
 from .model.checkpoint import _parse_dtype, read_json
 from .model.config import LoopedConfig
 from .model.layers import rope_tables

@@ -4,7 +4,7 @@ method on many prompts at once (each result must equal that prompt's own batch-1
 from __future__ import annotations
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 
 
 def decode_together(model, requests: list[dict], method: str = "ar", knobs: dict | None = None, drafter=None,

@@ -92,7 +92,7 @@ def test_cuda_graphs_need_cuda() -> None:
 def test_peak_memory_is_measured_only_when_asked(monkeypatch) -> None:
     """A plain generate call leaves process-wide counters alone (no peak-memory window); a benchmark's Runtime
     with track_memory=True opens one and reports the peak."""
-    from dasspec.engine import engine
+    from dasspec.engine.api import engine
 
     opened = []
     monkeypatch.setattr(engine, "reset_peak_memory", lambda device: opened.append(device))

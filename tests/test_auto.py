@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.draft import Draft, Drafter, Session, Verdict
-from dasspec.engine.stats import GenerationStats
-from dasspec.engine.contract import PassTiming
+from dasspec.engine.api.stats import GenerationStats
+from dasspec.engine.drafting import Draft, Drafter, PassTiming, Session, Verdict
 from dasspec.methods import build_drafter
 from dasspec.methods.auto import TUNING, AutoDrafter, AutoKnobs, Sizing
 from dasspec.methods.auto import calibrate as cal_mod

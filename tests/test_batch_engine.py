@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
-from dasspec.engine.policy import SpeculationPolicy
+from dasspec.engine.api.engine import Engine
+from dasspec.engine.core.policy import SpeculationPolicy
 from dasspec.model.cache import CacheCapacityError
 from dasspec.testing import random_model
 
@@ -167,7 +167,7 @@ def test_pool_refuses_only_what_never_fits_alone_and_runs_the_rest_together():
 def test_block_pool_references_lru_and_eviction():
     """Blocks are referenced, freed, kept keyed while unreferenced (least recently freed evicted first), found by
     key only along an unbroken run, never freed twice; consecutive blocks are handed out in order."""
-    from dasspec.engine.blocks import BlockPool, block_keys
+    from dasspec.engine.core.blocks import BlockPool, block_keys
 
     model = random_model("huginn", mean_recurrence=2)
     pool = BlockPool(model, 2, 64, block_size=16)               # 4 blocks (+ the null block)
@@ -230,7 +230,7 @@ def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps.  The
     executor asks its own request state (``Request.stopping``: the cancel that reached it, the deadline the plan
     carried) before every round."""
-    from dasspec.engine.request import Request
+    from dasspec.engine.base.request import Request
 
     model = random_model("huginn", seed=3, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     engine = Engine(model, "das-wave", {"gamma": 8, "rounds": 10, "w_init": 8, "k": 1}, max_batch=2)
@@ -263,7 +263,7 @@ def test_a_failing_request_fails_alone_and_a_failing_step_keeps_what_it_had_done
     """A request whose streamer raises fails alone (reason error, the error kept); the others decode on.  A step
     that raises keeps the events it had made (a cancelled request's), the running requests are aborted (and their
     results can be discarded unread), and every block comes back to the pool."""
-    import dasspec.engine.executor as executor_mod
+    import dasspec.engine.core.executor as executor_mod
 
     model = random_model("huginn", seed=4, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
     engine = Engine(model, "pld", max_batch=3)

@@ -13,7 +13,7 @@ from dasspec.eval.bench.folder import RunFolder, clear_results
 from dasspec.eval.bench.lock import FolderBusy
 from dasspec.eval.bench.records import REJECTED, RecordsError, read_records
 from dasspec.eval.bench.runner import BenchPlan, load_records, parse_knobs, run_bench
-from dasspec.engine.draft import Drafter, Session
+from dasspec.engine.drafting.draft import Drafter, Session
 from dasspec.methods import METHODS, Method
 from dasspec.methods.ar import ARKnobs
 from dasspec.eval.tasks import Example, Task, select

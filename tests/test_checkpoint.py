@@ -197,7 +197,7 @@ def test_peak_memory_stays_near_the_loaded_size(tmp_path):
     script = textwrap.dedent(f"""
         import json, torch, dasspec
         import dasspec.model.safetensors_io as sio
-        from dasspec.engine.memory import _proc_bytes, peak_memory, reset_peak_memory
+        from dasspec.model.memory import _proc_bytes, peak_memory, reset_peak_memory
         torch.set_num_threads(1)
         sio.CHUNK_BYTES = 1 << 20
         dasspec.load_model(device="cpu", dtype=torch.bfloat16)       # warm-up (the bundled model): imports, kernels
@@ -478,7 +478,7 @@ def test_config_sizes_are_pinned_to_the_weights_before_building(tmp_path, no_wei
 
 
 def test_weights_larger_than_free_memory_are_refused_before_reading(folders, monkeypatch, no_weight_reads):
-    import dasspec.engine.memory as memory
+    import dasspec.model.memory as memory
     monkeypatch.setattr(memory, "available_memory", lambda device: 10_000_000)  # the RoPE table fits, not the rest
     expect_clean_failure(folders["sharded"], CheckpointError, r"loading needs 1\d.\d MiB for the weights in float32 "
                                                               r"and the RoPE table, but only 9.5 MiB is available",

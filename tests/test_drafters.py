@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.draft import TreeLayout
+from dasspec.engine.drafting.draft import TreeLayout
 from dasspec.methods import lookahead as la
 from dasspec.methods import recycling as tr
 from dasspec.methods.pld import find_copy, find_draft

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from dasspec.testing import random_model
 
 CONTEXT = 96

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 import dasspec
-from dasspec.engine.draft import Draft, Drafter, Session, TreeLayout
-from dasspec.engine.request import DraftCapacityError
+from dasspec.engine.drafting.draft import Draft, Drafter, Session, TreeLayout
+from dasspec.engine.base.request import DraftCapacityError
 from dasspec.methods import METHODS, Method
 from dasspec.methods.knobs import Knobs, knob, positive_int
 from dasspec.testing import random_model
@@ -57,8 +57,8 @@ class RepeatDrafter(Drafter):
 
 @pytest.fixture
 def repeat_method(monkeypatch):
-    from dasspec import methods
-    methods._load()
+    from dasspec.methods import registry
+    registry._load()
     method = Method("repeat", RepeatKnobs, RepeatDrafter)
     monkeypatch.setitem(METHODS, "repeat", method)
     return method
@@ -180,7 +180,7 @@ def test_knobs_whose_drafts_cannot_fit_the_context_are_named():
     with pytest.raises(ValueError, match=r"tree=.* is above its ceiling of 64 .*context nodes"):
         dasspec.build_drafter(model, "token-recycling", {"tree": [[0], [1]] + [[0] * d for d in range(2, 70)]})
 
-    class Wide(dasspec.engine.draft.Drafter):       # a method without ceilings is still held to the context
+    class Wide(dasspec.engine.drafting.draft.Drafter):       # a method without ceilings is still held to the context
         width = 100
     from dasspec.methods import METHODS, Method, register
     from dasspec.methods.ar import ARKnobs

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.contract import StepOutput, StepPlan
-from dasspec.engine.engine import Engine
+from dasspec.engine.base.contract import StepOutput, StepPlan
+from dasspec.engine.api.engine import Engine
 from dasspec.testing import random_model
 
 METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 3}), ("mature-spec", {"draft_depth": 2, "block": 3}),
@@ -44,7 +44,7 @@ def _plain(x, where: str, trace: bool = False) -> None:
         return
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         mod = type(x).__module__
-        assert mod in ("dasspec.engine.contract", "dasspec.engine.sampling", "dasspec.model.exit"), \
+        assert mod in ("dasspec.engine.base.contract", "dasspec.engine.base.sampling", "dasspec.model.exit"), \
             f"{where}: a {type(x).__name__} from {mod} is not part of the contract"
         for f in dataclasses.fields(x):
             _plain(getattr(x, f.name), f"{where}.{f.name}", trace or f.name == "trace")
@@ -119,7 +119,7 @@ def test_preempted_requests_plans_are_plain_data(model):
 def test_a_drafter_object_is_named_by_a_handle_and_refused_elsewhere(model):
     """A drafter handed in (``generate(drafter=)``) crosses the contract as a handle; a cache in another process
     (another ``DrafterCache``) refuses it with a message instead of guessing."""
-    from dasspec.engine.drafters import DrafterCache
+    from dasspec.engine.core.drafters import DrafterCache
     from dasspec.methods import build_drafter
 
     d = build_drafter(model, "pld", {}, model.R)
@@ -136,7 +136,7 @@ def test_a_drafter_object_is_named_by_a_handle_and_refused_elsewhere(model):
 
 
 def test_only_the_output_processor_writes_statistics():
-    """``GenerationStats`` is made and written by ``engine/output.py`` alone (the scheduler, the executor, the
+    """``GenerationStats`` is made and written by ``engine/api/output.py`` alone (the scheduler, the executor, the
     verifier and the drafters report plain counts)."""
     root = pathlib.Path(dasspec.__file__).parent
     users = set()
@@ -205,7 +205,7 @@ def test_a_script_read_from_stdin_starts_the_executor_process():
     import subprocess
     import sys
 
-    script = ("import dasspec\nfrom dasspec.engine.engine import Engine\nfrom dasspec.testing import random_model\n"
+    script = ("import dasspec\nfrom dasspec.engine.api.engine import Engine\nfrom dasspec.testing import random_model\n"
               "m = random_model('huginn', seed=1, mean_recurrence=2, n_prelude=1, n_core=1, n_coda=1)\n"
               "with Engine(m, executor='process') as e:\n"
               "    rid = e.add([3, 4, 5], max_new_tokens=4, eos=False)\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.generate import default_stop_ids
+from dasspec.engine.api.generate import default_stop_ids
 from reference_impl import write_checkpoint, write_tokenizer
 
 TEXT = "The quick brown fox"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from iquest_reference import IQuestReference, write_iquest_checkpoint
 from reference_impl import write_tokenizer
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from dasspec.testing import random_model
 
 NEW = 8                      # new tokens per request

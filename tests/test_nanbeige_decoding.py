@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from reference_impl import write_nanbeige_checkpoint, write_tokenizer
 
 SAMPLED = {"do_sample": True, "temperature": 0.8, "seed": 5}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from reference_impl import write_ouro_checkpoint, write_tokenizer
 
 TARGETS = [{}, {"exit_threshold": 0.6}, {"exit_at_step": 1}]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from dasspec.testing import random_model
 
 METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 3}), ("mature-spec", {"draft_depth": 2, "block": 3}),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
+from dasspec.engine.api.engine import Engine
 from dasspec.testing import random_model
 
 METHODS = [("ar", {}), ("mature-spec", {"draft_depth": 2, "block": 3}),
@@ -96,7 +96,7 @@ def test_the_step_budget_decides_when_prompt_blocks_run_not_where_they_are_cut(m
     """Each step verifies the running requests' drafts first, then prompt blocks with what is left of
     max_step_tokens; prefill ranges start on block boundaries; a decoding request commits a token at every step
     while a long prompt prefills beside it; the long prompt's answer is its own AR decode."""
-    from dasspec.engine import scheduler as sched
+    from dasspec.engine.core import scheduler as sched
 
     short = [5, 6, 7, 8]
     long = _prompts(model.config.vocab_size, 1, seed=5, lo=180, hi=181)[0]
@@ -226,7 +226,7 @@ def test_requests_that_grow_side_by_side_keep_their_blocks_in_order(model):
 def test_a_sequence_that_starts_anew_gets_its_blocks_in_order():
     """Halfway into the longest free run, but never so far that ``n`` blocks taken at once leave the run: a swap-in
     or a multi-block admission stays one slice of the pool."""
-    from dasspec.engine.blocks import BlockPool
+    from dasspec.engine.core.blocks import BlockPool
 
     pool = BlockPool.accounting(40 * 16, 16, 1)
     held = pool.allocate(pool.capacity_blocks)
@@ -303,7 +303,7 @@ def test_a_request_that_fills_the_whole_pool_finishes(model):
 def test_generate_batchs_default_pool_holds_every_running_request_without_preemption(model, method, monkeypatch):
     """``generate_batch``'s default ``kv_budget`` is room for the ``max_batch`` largest requests at once, counted in
     whole blocks (a request holds its rows in blocks), so no request is preempted and each still gets its own AR."""
-    import dasspec.engine.generate as gen
+    import dasspec.engine.api.generate as gen
     engines = []
     monkeypatch.setattr(gen, "Engine", lambda *a, **k: engines.append(Engine(*a, **k)) or engines[-1])
     prompts = _prompts(model.config.vocab_size, 6, seed=11, lo=17, hi=47)     # lengths that are not whole blocks

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.engine import Engine
-from dasspec.engine.prefix_cache import common_prefix
+from dasspec.engine.api.engine import Engine
+from dasspec.engine.api.prefix_cache import common_prefix
 from dasspec.eval.bench.runner import dev_prompts
 from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.testing import random_model
@@ -128,7 +128,7 @@ def test_requests_whose_rows_differ_share_nothing(model, change):
     if "num_steps" in change:
         eng = Engine(model, "ar", max_batch=2, block_size=B, num_steps=4)
         assert eng.R == 4                             # an engine has one depth: compare keys across engines
-        from dasspec.engine.blocks import prefix_salt
+        from dasspec.engine.core.blocks import prefix_salt
         assert prefix_salt(4, 1.0, 0, None, model.dtype, B) != prefix_salt(6, 1.0, 0, None, model.dtype, B)
         return
     rows, entry, _ = _shared_run(model, p1, p2, **change)
@@ -238,7 +238,7 @@ def _serves(engine: Engine, pc, model, prompt: list[int]) -> None:
 def test_blocks_copied_from_a_prefix_cache_are_keyed_only_once_they_hold_the_rows(model, monkeypatch):
     """A request whose set-up fails before its PrefixCache blocks are copied leaves them unkeyed: the next request
     with that prefix copies (or computes) them again instead of sharing blocks that never got their rows."""
-    from dasspec.engine import executor as ex
+    from dasspec.engine.core import executor as ex
 
     prefix, (prompt, *_) = _prompts(model.config.vocab_size, 40, 1)
     pc = dasspec.PrefixCache(model, prefix, block_size=B)
@@ -263,7 +263,7 @@ def test_blocks_copied_from_a_prefix_cache_are_keyed_only_once_they_hold_the_row
 def test_caches_that_do_not_fit_fail_before_any_work(model, monkeypatch):
     """A pool whose depth cache would exceed 90% of the free memory is refused up front, with the bytes it needs in
     the message."""
-    from dasspec.engine import memory
+    from dasspec.model import memory
     from dasspec.model.cache import bytes_per_token
 
     per = bytes_per_token(model.config, model.R, model.dtype)

@@ -1,5 +1,5 @@
 """Sampling stays lossless: for a given seed every method emits exactly the tokens AR sampling emits (Gumbel-max
-with noise keyed by absolute position, ``dasspec.engine.sampling``); the sampled tokens follow
+with noise keyed by absolute position, ``dasspec.engine.base.sampling``); the sampled tokens follow
 softmax(warp(logits)); Hugging Face's conventions; bad options are refused before anything runs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.sampling import Sampling
+from dasspec.engine.base.sampling import Sampling
 from dasspec.model.checkpoint import BUNDLED_DIR
 from dasspec.testing import random_model
 from batched import decode_together

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dasspec.engine.blocks import BlockPool
+from dasspec.engine.core.blocks import BlockPool
 
 
 def _sim():
@@ -94,7 +94,7 @@ def test_the_fake_executor_answers_as_the_real_one():
     swaps - so the fake executor's answers drive the scheduler exactly as the real executor's do."""
     import torch
 
-    from dasspec.engine.engine import Engine
+    from dasspec.engine.api.engine import Engine
     from dasspec.testing import random_model
 
     sim = _sim()

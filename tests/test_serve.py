@@ -613,8 +613,8 @@ def test_a_failed_step_still_answers_every_request_it_touched(monkeypatch):
     forever, the worker's counts come back to zero and no request is left in the engine's table."""
     import asyncio
 
-    import dasspec.engine.executor as engine_mod
-    from dasspec.engine.engine import Engine
+    import dasspec.engine.core.executor as engine_mod
+    from dasspec.engine.api.engine import Engine
     from dasspec.serve.worker import Cancelled, Done, DecodeWorker, Failed, Job
     from dasspec.testing import random_model
 

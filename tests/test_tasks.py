@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dasspec.engine.stopping import StopRule
+from dasspec.engine.core.stopping import StopRule
 from dasspec.eval.tasks import DataError, get_task, select, task_names
 from dasspec.eval.tasks import gsm8k, math500, mbpp
 

@@ -1,4 +1,4 @@
-"""Tree verification (``engine.verify`` with a ``TreeLayout``): the layout (mask, depths, candidate paths) and greedy acceptance against
+"""Tree verification (``engine.core.verify`` with a ``TreeLayout``): the layout (mask, depths, candidate paths) and greedy acceptance against
 brute force; one tree pass gives every node the logits of its root path run as a plain sequence; the compacted
 cache equals the cache of AR decoding the same tokens; the stop rule applies inside the committed chunk."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dasspec
-from dasspec.engine.draft import Draft, TreeLayout
-from dasspec.engine.verify import accept
+from dasspec.engine.drafting.draft import Draft, TreeLayout
+from dasspec.engine.core.verify import accept
 from dasspec.testing import Stepper, random_model
 
 
@@ -171,7 +171,7 @@ def test_stop_rule_inside_tree_chunk() -> None:
 
 
 def test_a_tree_deeper_than_the_budget_is_refused() -> None:
-    """The budget rule (engine/draft.py): every verifier input lies at depth <= room - 1, so a tree that reaches
+    """The budget rule (engine/drafting/draft.py): every verifier input lies at depth <= room - 1, so a tree that reaches
     past the tokens max_new_tokens still allows is the drafter's error, named - never computed and dropped."""
     model = random_model("raven-olmo", seed=1)
     parents, toks, _ = _tree_with_truth([3, 4, 5, 6], model.config.vocab_size)     # depth 4

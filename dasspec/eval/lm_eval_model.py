@@ -48,8 +48,8 @@ from lm_eval.api.registry import model_registry
 
 import dasspec
 
-from ..engine.generate import generate_batch
-from ..engine.prefix_cache import PrefixCache
+from ..engine.api.generate import generate_batch
+from ..engine.api.prefix_cache import PrefixCache
 from ..host import set_threads
 from ..methods import build_drafter, get_method
 from .logprobs import score

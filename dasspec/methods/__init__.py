@@ -1,4 +1,4 @@
-"""The decoding methods: one module each, every one a drafter for the one decode loop (``dasspec.engine.loop``).
+"""The decoding methods: one module each, every one a drafter for the one decode loop (``dasspec.engine.core.loop``).
 
     ar.py            full-depth AR (the drafter that proposes nothing)
     sequential.py    self-spec and Mature-Spec (depth-d sequential drafts, a prefix read policy)
@@ -7,79 +7,23 @@
     recycling.py     Token Recycling      sam.py         SAM-Decoding
     tree.py          static draft trees (for Token Recycling)
 
-A method is a ``Method``: its name, its knobs dataclass (``knobs.py``) and how to build its drafter from them.
-Every module in this folder is imported on first use, so a new method is one new file that calls ``register``;
-packages outside dasspec can add methods through the ``dasspec.methods`` entry-point group.
+A method is a ``Method``: its name, its knobs dataclass (``knobs.py``) and how to build its drafter from them,
+kept by the registry (``registry.py``).  Every module in this folder is imported on first use, so a new method is
+one new file that calls ``register``; packages outside dasspec can add methods through the ``dasspec.methods``
+entry-point group.  Methods are written against the drafter interface (``dasspec.engine.drafting``) alone.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from ..engine.draft import Drafter
+from ..engine.drafting import Drafter
 from .knobs import SAMPLED, Knobs, Scope
+from .registry import METHODS, ORDER, Method, all_knobs, get_method, method_names, register
 
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    knobs: type[Knobs]
-    drafter: Callable[[Knobs], Drafter]       # a fresh drafter from validated knobs
-    aliases: tuple[str, ...] = ()
-    stateful: bool = False                    # its drafter keeps state across requests (Token Recycling)
-
-
-METHODS: dict[str, Method] = {}
-_loaded = False
-
-
-def register(method: Method) -> Method:
-    for name in (method.name, *method.aliases):
-        if name in METHODS and METHODS[name] is not method:
-            raise ValueError(f"method name {name!r} is already registered")
-        METHODS[name] = method
-    return method
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for info in pkgutil.iter_modules(__path__):
-        if info.name != "knobs":
-            importlib.import_module(f"{__name__}.{info.name}")
-    from importlib.metadata import entry_points
-    for ep in entry_points(group="dasspec.methods"):
-        ep.load()
-
-
-def get_method(name: str) -> Method:
-    _load()
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
-    return METHODS[name]
-
-
-def method_names() -> list[str]:
-    _load()
-    return sorted({m.name for m in METHODS.values()})
-
-
-# The paper's order (Table 1): the target-model decoders, then the model-agnostic baselines.
-ORDER = ("ar", "self-spec", "mature-spec", "das-wave", "pld", "lookahead", "token-recycling", "sam", "auto")
-
-
-def all_knobs() -> list[type[Knobs]]:
-    """Every registered method's knobs class (once each, in the paper's order), for deriving CLI flags."""
-    names = method_names()
-    names.sort(key=lambda m: ORDER.index(m) if m in ORDER else len(ORDER))
-    return list(dict.fromkeys(METHODS[m].knobs for m in names))
+__all__ = ["METHODS", "ORDER", "Knobs", "Method", "all_knobs", "build_drafter", "get_method", "method_names",
+           "register", "resolve_knobs"]
 
 
 def resolve_knobs(model, method: str, user: dict | None = None, num_steps: int | None = None,

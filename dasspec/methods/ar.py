@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.draft import Drafter
+from ..engine.drafting import Drafter
 from . import Method, register
 from .knobs import Knobs
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, ClassVar
 
+from .registry import get_method, method_names
+
 SAMPLED = ":sampled"          # generation_config.json section suffix: a method's defaults for sampled decoding
 FAMILY = object()             # a knob default that is the model family's (``Family.knob_defaults``)
 
@@ -455,7 +457,6 @@ def knobs_from_args(args, classes: list[type[Knobs]], extra: list[str] = (), gri
 def elsewhere(names: list[str], method: str) -> str:
     """The other methods that take each of ``names`` (knobs ``method`` lacks), for an error's end: the server's and
     lm-eval's default method, auto, takes few knobs, so DAS-Wave's sent to it must point there ("" if none)."""
-    from . import get_method, method_names          # lazy: the registry imports this module (a circle)
     said = []
     for name in names:
         owners = [m for m in method_names() if m != method and name in get_method(m).knobs.names()]

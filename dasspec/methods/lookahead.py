@@ -22,7 +22,7 @@ Differences from the reference (``hao-ai-lab/LookaheadDecoding``), on purpose:
 * the window starts full - every level drawn from the prompt tokens with a fixed seed - rather than being grown
   one level per forward; n-grams enter the pool only after N-2 passes, when levels 1..N-2 hold model outputs,
   which is when the reference's pool receives its first entries.  Warm-up passes are therefore full-width;
-* where the window would reach past the tokens that may still be committed (the budget rule, ``draft.py``) a step
+* where the window would reach past the tokens that may still be committed (the budget rule, ``drafting/draft.py``) a step
   is a plain AR step.
 
 Knobs: ``window`` W (7), ``ngram`` N (5), ``guess_set`` G (7) - the README / Spec-Bench setting - and
@@ -37,8 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.context import DraftContext
+from ..engine.drafting import Draft, DraftContext, Drafter, Session, TreeLayout, Verdict
 from . import Method, register
 from .knobs import Knobs, Most, boolean, knob, positive_int
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine.draft import Draft, Drafter, Session
-from ..engine.context import DraftContext
+from ..engine.drafting import Draft, DraftContext, Drafter, Session
 from . import Method, register
 from .knobs import Knobs, Most, knob, positive_int
 

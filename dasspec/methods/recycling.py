@@ -26,8 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.context import DraftContext
+from ..engine.drafting import Draft, DraftContext, Drafter, Session, TreeLayout, Verdict
 from . import Method, register
 from .knobs import Knobs, Most, boolean, brief, knob, positive_int
 from .tree import StaticTree, TreeFiller, tree_from_choices

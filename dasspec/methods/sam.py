@@ -35,8 +35,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from ..engine.draft import Draft, Drafter, Session, TreeLayout
-from ..engine.context import DraftContext
+from ..engine.drafting import Draft, DraftContext, Drafter, Session, TreeLayout
 from . import Method, register
 from .knobs import Knobs, Most, brief, knob, positive_int
 

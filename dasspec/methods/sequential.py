@@ -14,10 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from ..engine.batch import Batch
-from ..engine.draft import Draft, Drafter, Session
-from ..engine.context import DraftContext
-from ..engine.request import greedy
+from ..engine.drafting import Batch, Draft, DraftContext, Drafter, Session, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, knob, positive_int

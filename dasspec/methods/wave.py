@@ -9,7 +9,7 @@ One block, anchor x_t fixed at position n (``refine``):
         e = P(Z[:W_j])                  guesses changed, so the prelude is recomputed
         k times: H[:W_j] = F(H[:W_j], e)   all active positions in parallel, verified prefix read per policy
         Z[1:W_j+1] = H(H[:W_j])         shifted readout: position i proposes token i+1
-    verify(x_t, y_1..y_w = Z[1..w])     independent full-depth target (engine/verify.py)
+    verify(x_t, y_1..y_w = Z[1..w])     independent full-depth target (engine/core/verify.py)
 
 Latent states are carried across rounds (``carry=False`` re-initialises them every round); provisional K/V live
 in scratch rows and are overwritten by the next round.  Read depths: Deep K/V by default.  For the depth-relative
@@ -46,10 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.batch import Batch
-from ..engine.draft import Draft, Drafter, Session, TreeLayout, Verdict
-from ..engine.context import DraftContext
-from ..engine.request import greedy
+from ..engine.drafting import Batch, Draft, DraftContext, Drafter, Session, TreeLayout, Verdict, greedy
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, boolean, knob, one_of, positive_int

@@ -6,7 +6,7 @@ the materialised, verified prefix.  Rows >= n are scratch: draft and verificatio
 there and attend to it, and only ``commit`` turns rows into prefix (an index bump, no copy).  Tree verification
 commits a non-contiguous set of rows with ``compact``.
 
-The engine's pool (``dasspec.engine.blocks``) is one DepthCache allocated once and cut into blocks of B rows; a
+The engine's pool (``dasspec.engine.core.blocks``) is one DepthCache allocated once and cut into blocks of B rows; a
 sequence holds a ``BlockTable`` (its blocks, and the pool row of each of its rows) and reads and writes the pool
 through a ``PagedCache``, which it uses exactly like a cache of its own.  A ``BatchCache`` hands the layers every
 sequence's views at once (one batched call).

@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors.torch import save_file
 
+from . import memory          # memory.available_memory: one reading of free memory, the loader's and the cache's
 from .config import ConfigError, LoopedConfig
 from .layers import rope_tables
 from .looped import LoopedLM
@@ -223,13 +224,10 @@ def _check_sizes(cfg: LoopedConfig, shapes: dict[str, tuple[int, ...]], config_p
 def _check_memory(need: int, device: torch.device, what: str) -> None:
     """Refuse, before allocating, what cannot fit in the device's available memory (DASSPEC_IGNORE_MEMORY=1 skips
     the check, as for the depth cache)."""
-    # lazy: an upward import (model -> engine), kept out of the module level until engine/memory.py's device-memory
-    # helpers move below the model (docs/architecture.md, "Structure, measured")
-    from ..engine.memory import available_memory, format_bytes
-    free = available_memory(device)
+    free = memory.available_memory(device)
     if free is not None and need > free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
-        raise CheckpointError(f"loading needs {format_bytes(need)} for {what}, but only {format_bytes(free)} is "
-                              f"available on "
+        raise CheckpointError(f"loading needs {memory.format_bytes(need)} for {what}, but only "
+                              f"{memory.format_bytes(free)} is available on "
                               f"{device}; free memory or load in a smaller dtype (set DASSPEC_IGNORE_MEMORY=1 to "
                               "try anyway)")
 

@@ -34,7 +34,7 @@ from .noise import position_noise
 
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
-    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.runtime``), and the model's two
+    whatever provides them (the model, or its compiled primitives: ``dasspec.engine.base.runtime``), and the model's two
     hooks ``start_state`` and ``exit_logits``, which a wrapper holding the model as ``model`` takes from it."""
 
     R: int

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import dasspec
 
-from ..engine.policy import SpeculationPolicy
+from ..engine.core.policy import SpeculationPolicy
 from ..flags import add_exec_flags, runtime_from_args
 from ..host import THREADS_HELP, check_threads, set_threads
 from ..methods import get_method, method_names

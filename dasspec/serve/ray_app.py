@@ -44,8 +44,8 @@ from typing import Any, AsyncIterator
 
 import dasspec
 
-from ..engine.policy import SpeculationPolicy
-from ..engine.runtime import Runtime
+from ..engine.base.runtime import Runtime
+from ..engine.core.policy import SpeculationPolicy
 from ..host import set_threads
 from ..methods import get_method
 from ..model.checkpoint import read_json, resolve_source, weight_entries

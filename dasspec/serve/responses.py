@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.draft import Drafter
-from ..engine.generate import GenerationResult
+from ..engine.api.generate import GenerationResult
+from ..engine.drafting.draft import Drafter
 
 # every other stop (EOS, a stop string, ...) is OpenAI's "stop"; a request out of time (--request-timeout) ran out of
 # its budget like one out of tokens

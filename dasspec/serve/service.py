@@ -30,13 +30,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.draft import Drafter
-from ..engine.drafters import DrafterCache
-from ..engine.engine import MAX_STEP_TOKENS, Engine
-from ..engine.generate import generate
-from ..engine.policy import SpeculationPolicy
-from ..engine.runtime import Runtime
-from ..engine.sampling import Sampling
+from ..engine.api.engine import MAX_STEP_TOKENS, Engine
+from ..engine.api.generate import generate
+from ..engine.base.runtime import Runtime
+from ..engine.base.sampling import Sampling
+from ..engine.core.drafters import DrafterCache
+from ..engine.core.policy import SpeculationPolicy
+from ..engine.drafting.draft import Drafter
 from ..methods import build_drafter, get_method
 from ..model import decode_kernel
 from ..model.chat_template import TemplateLimit, TemplateSandbox

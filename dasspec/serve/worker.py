@@ -23,9 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.draft import Drafter
-from ..engine.engine import Engine, StepEvent
-from ..engine.generate import GenerationResult
+from ..engine.api.engine import Engine, StepEvent
+from ..engine.api.generate import GenerationResult
+from ..engine.drafting.draft import Drafter
 from ..model.cache import CacheCapacityError
 from .metrics import ServerMetrics
 from .schema import APIError

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 import dasspec
 
-from ...engine.runtime import Runtime
+from ...engine.base.runtime import Runtime
 from .runner import BenchRun, RunFolder, held
 from .setup import PINNED, BenchPlan, begin_session, environment
 from .work import Bench

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ...engine.runtime import Runtime
+from ...engine.base.runtime import Runtime
 from ...methods import get_method, resolve_knobs
 from ...model.looped import LoopedLM
 from ..tasks import Example, Task, get_task

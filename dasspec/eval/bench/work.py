@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ...engine.generate import GenerationResult, generate
-from ...engine.prefix_cache import PrefixCache, common_prefix
+from ...engine.api.generate import GenerationResult, generate
+from ...engine.api.prefix_cache import PrefixCache, common_prefix
 from ...methods import build_drafter, get_method
 from ...model.looped import LoopedLM
 from ..pairing import PairedRun, paired_runs

@@ -19,7 +19,7 @@ from ..bench import metrics
 from ..data import data_dir
 from ..pairing import paired_runs
 from ..tasks import gsm8k
-from ...engine.generate import GenerationResult, generate
+from ...engine.api.generate import GenerationResult, generate
 from ...model.looped import LoopedLM
 
 # --------------------------------------------------------------------------------------------------------------

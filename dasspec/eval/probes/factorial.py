@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from ...engine.generate import generate
+from ...engine.api.generate import generate
 from ...model.looped import LoopedLM
 from .common import bootstrap_ci, markdown_table, pyplot, write_report
 

@@ -17,9 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from ...engine.contract import PassTiming
-from ...engine.draft import Draft, Drafter, Session, Verdict
-from ...engine.timing import Lap
+from ...engine.drafting import Draft, Drafter, Lap, PassTiming, Session, Verdict
 from .. import build_drafter, resolve_knobs
 from .calibrate import Sizing, calibration
 from .costs import LOOKUP, CostModel

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..model.exit import ExitRule
+from ...model.exit import ExitRule
 from .sampling import Sampling
 
 

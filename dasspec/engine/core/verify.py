@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .batch import Batch
-from .contract import Phase
-from .draft import TreeLayout, Verdict
-from .request import Request, greedy
+from ..base.contract import Phase
+from ..base.request import Request, greedy
+from ..drafting.batch import Batch
+from ..drafting.draft import TreeLayout, Verdict
 
 
 @dataclass

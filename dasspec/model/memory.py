@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from ..model.cache import CacheCapacityError, bytes_per_token
-from ..model.looped import LoopedLM
+from .cache import CacheCapacityError, bytes_per_token
+from .looped import LoopedLM
 
 
 def _proc_bytes(path: str, key: str) -> int | None:

@@ -2,7 +2,7 @@
 
 The engine keeps the scheduler (on an accounting-only pool: the books of the blocks, no tensors) and the output
 processor; a child process holds the model, the depth cache and the drafters and answers every ``StepPlan`` with a
-``StepOutput`` over a pipe.  Only plain data crosses (``contract.py``), so what crosses here is what would cross to
+``StepOutput`` over a pipe.  Only plain data crosses (``base/contract.py``), so what crosses here is what would cross to
 a GPU runner or to the ranks of a tensor-parallel group.  The child builds its drafters from their registry keys,
 so a drafter object handed to ``add`` and a ``PrefixCache`` (rows held in the engine's process) are refused.
 
@@ -20,12 +20,12 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from ..model.looped import LoopedLM
+from ...model.looped import LoopedLM
+from ..base.contract import StepOutput, StepPlan
+from ..base.runtime import Runtime
 from .blocks import BlockPool
-from .contract import StepOutput, StepPlan
 from .drafters import DrafterCache
 from .executor import Executor
-from .runtime import Runtime
 
 
 class RemoteExecutorError(RuntimeError):

@@ -1,6 +1,6 @@
 """The output processor: turns what each step committed and measured into what users see - events, streamed
 tokens, detokenised text, statistics and results (vLLM v1's ``OutputProcessor`` is the shape).  It is the only
-writer of ``GenerationStats``; the scheduler and the executor exchange plain data (``contract.py``) and never call
+writer of ``GenerationStats``; the scheduler and the executor exchange plain data (``base/contract.py``) and never call
 a user's streamer."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from .contract import StepOutput
-from .memory import peak_memory
+from ...model.memory import peak_memory
+from ..base.contract import StepOutput
+from ..core.scheduler import Committed, Entry
 from .options import GenerationResult
-from .scheduler import Committed, Entry
 from .stats import GenerationStats
 
 

@@ -12,8 +12,8 @@ from typing import Iterable
 
 import torch
 
-from ..model.looped import LoopedLM
-from .sampling import Sampling
+from ...model.looped import LoopedLM
+from ..base.sampling import Sampling
 from .stats import GenerationStats
 
 

@@ -21,10 +21,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..model.attention import RaggedSpan, Span
-from ..model.cache import BatchCache
+from ...model.attention import RaggedSpan, Span
+from ...model.cache import BatchCache
+from ..base.request import Request
 from .context import DraftContext
-from .request import Request
 
 
 class Batch:

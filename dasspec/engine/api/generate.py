@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from ..model.looped import LoopedLM
-from .draft import Drafter
-from .blocks import BLOCK_SIZE
+from ...methods import build_drafter
+from ...methods.knobs import Scope
+from ...model.looped import LoopedLM
+from ..base.request import pool_share, rows_needed
+from ..base.runtime import Runtime
+from ..core.blocks import BLOCK_SIZE
+from ..core.stopping import Criterion, check_max_new_tokens
+from ..drafting.draft import Drafter
 from .engine import Engine
 from .options import (GenerationResult, as_token_list, default_stop_ids, drop_hf_options, is_token_id,  # noqa: F401
                       sampling_options, split_stop)
-from .request import pool_share, rows_needed
-from .runtime import Runtime
-from .stopping import Criterion, check_max_new_tokens
 
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
@@ -40,7 +42,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
              exit_threshold: float | None = None, exit_at_step: int | None = None, **knobs) -> GenerationResult:
     """Decoding with ``method``, greedy or (``do_sample=True``) sampled; every speculative method is verified by
     the same full-depth target, so its tokens equal ``method="ar"``'s - for sampling, AR's at the same ``seed``
-    (``dasspec.engine.sampling``).  ``seed``: the sampling noise; ``state_seed`` (with ``init_scale``): the latent
+    (``dasspec.engine.base.sampling``).  ``seed``: the sampling noise; ``state_seed`` (with ``init_scale``): the latent
     per-position initial states (Huginn, Raven).  ``input_ids``: text (with the model's tokenizer), a list / tuple / [T] or
     [1, T] tensor of ids, or a Hugging Face tokenizer's output (a mapping with input_ids).  ``stop``: extra stop
     token ids and/or stop strings (EOS always stops unless ``eos=False``).  ``stopping_criteria``: Hugging
@@ -54,8 +56,6 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     across requests.  ``runtime``: execution options (``dasspec.Runtime``).  ``trace``: record every block.
     ``exit_threshold`` / ``exit_at_step`` (0-based): the target's early exit, for models with an exit gate (Ouro);
     every method is lossless with respect to it."""
-    from ..methods import build_drafter       # lazy: the method registry imports the engine (a circle)
-
     drop_hf_options(knobs)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -96,7 +96,6 @@ def check_kept(model: LoopedLM, drafter: Drafter, R: int) -> None:
     if hasattr(kept, "validate"):
         kept = kept.validate(R)
     if hasattr(kept, "check_ceilings"):
-        from ..methods.knobs import Scope     # lazy: as above
         kept.check_ceilings(Scope.of(model, R))
 
 
@@ -164,8 +163,6 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
     exemplars once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
     token)."""
-    from ..methods import build_drafter       # lazy: the method registry imports the engine (a circle)
-
     drop_hf_options(knobs)
     ids = batch_prompts(model, prompts, tokenizer)
     if not ids:

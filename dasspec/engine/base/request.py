@@ -1,6 +1,6 @@
 """Request: the executor's state of one running request - its token buffer, its paged depth cache, its initial
 states, its token choice and its statistics.  The scheduler's row for the same request (prompt, stop rule, blocks,
-committed tokens) is ``scheduler.Entry``; drafters see neither, only a ``DraftContext`` (``context.py``).
+committed tokens) is ``core.scheduler.Entry``; drafters see neither, only a ``DraftContext`` (``drafting/context.py``).
 
 Invariant between steps: the committed tokens are ``tokens[:L]`` with ``L = cache.n + 1``; the last committed
 token (the *anchor*, at position ``n``) has been emitted but not yet materialised - the next target pass does
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
-from ..model.attention import Span
-from ..model.cache import CacheCapacityError, PagedCache
-from ..model.looped import LoopedLM
+from ...model.attention import Span
+from ...model.cache import CacheCapacityError, PagedCache
+from ...model.looped import LoopedLM
 from .contract import Counts, StopReason
 from .runtime import DEFAULT, Runtime
 
 if TYPE_CHECKING:
-    from ..model.exit import ExitRule
+    from ...model.exit import ExitRule
 
 # (logits [W, V], positions: the first row's position or a tensor of every row's) -> chosen tokens [W]
 TokenChoice = Callable[[Tensor, "int | Tensor"], Tensor]

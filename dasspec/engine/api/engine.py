@@ -9,8 +9,8 @@ gives that request alone.
             print(event.id, event.tokens, event.finished, event.reason)
     engine.result(a).text
 
-A step is a ``Scheduler`` plan run by an ``Executor`` (``scheduler.py``, ``executor.py``; they exchange plain data):
-the scheduler decides who runs, on which blocks of the paged depth cache (``blocks.py``: ``kv_budget`` positions
+A step is a ``Scheduler`` plan run by an ``Executor`` (``core/scheduler.py``, ``core/executor.py``; they exchange
+plain data): the scheduler decides who runs, on which blocks of the paged depth cache (``core/blocks.py``: ``kv_budget`` positions
 allocated once, in blocks of ``block_size``; prompt blocks shared across requests), under a per-step token budget
 (``max_step_tokens``; prompt blocks whole, or in depth slices when less than a block is left), preempting the most recently admitted request when blocks run out; the executor drafts and
 verifies every running request in one full-depth pass; the scheduler applies the stop rules and emits the events.
@@ -35,21 +35,22 @@ import time
 from typing import Iterable, Iterator
 
 
-from ..model.cache import bytes_per_token
-from ..model.looped import LoopedLM
-from .blocks import BLOCK_SIZE, BlockPool, prefix_salt
-from .contract import Status, StepPlan, StopReason
-from .draft import Drafter
-from .drafters import DrafterCache
-from .executor import Executor
-from .memory import available_memory, reset_peak_memory
+from ...model.cache import bytes_per_token
+from ...model.looped import LoopedLM
+from ...model.memory import available_memory, reset_peak_memory
+from ..base.contract import Status, StepPlan, StopReason
+from ..base.request import pool_share, rows_needed
+from ..base.runtime import DEFAULT, Runtime
+from ..core.blocks import BLOCK_SIZE, BlockPool, prefix_salt
+from ..core.drafters import DrafterCache
+from ..core.executor import Executor
+from ..core.policy import SpeculationPolicy
+from ..core.remote import RemoteExecutor
+from ..core.scheduler import Entry, Scheduler
+from ..core.stopping import Criterion, StopRule
+from ..drafting.draft import Drafter
 from .options import GenerationResult, as_token_list, default_stop_ids, sampling_options, split_stop
 from .output import OutputProcessor, StepEvent
-from .policy import SpeculationPolicy
-from .request import pool_share, rows_needed
-from .runtime import DEFAULT, Runtime
-from .scheduler import Entry, Scheduler
-from .stopping import Criterion, StopRule
 
 __all__ = ["Engine", "StepEvent", "default_kv_budget"]
 
@@ -79,7 +80,7 @@ class Engine:
         """``closed``: every request is added before the first step and the caller takes the results together
         (generate_batch) - drafters that weigh speed then plan for the batch's end (``DraftContext.closed``); a
         server leaves it False.  ``executor``: "local" (in this process) or "process" (the model, its cache and
-        the drafters in a child process fed by plans: ``remote.py``; call ``close`` when done).  ``overlap``: plan
+        the drafters in a child process fed by plans: ``core/remote.py``; call ``close`` when done).  ``overlap``: plan
         step n + 1 while step n executes (on the executor's thread, or in its process) and process step n's
         outputs while step n + 1 does - the plan counts on what step n surely does (its prompt rows; at least one
         token of each decoding request) and backs the most it may commit; a request that step n ends runs one
@@ -120,7 +121,6 @@ class Engine:
         self._prefix_users: Counter[int] = Counter()         # requests not yet finished that use each
         self.remote = executor == "process"
         if self.remote:                                      # the books here, the rows in the executor's process
-            from .remote import RemoteExecutor                # lazy: spawning needs torch.multiprocessing
             self.pool = BlockPool.accounting(kv_budget, block_size, bytes_per_token(model.config, self.R, model.dtype))
             self.executor = RemoteExecutor(model, self.R, kv_budget, block_size, self.runtime)
         else:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .contract import Phase
-from .request import greedy
+from ..base.contract import Phase
+from ..base.request import greedy
 
 if TYPE_CHECKING:
-    from ..model.config import LoopedConfig
-    from .request import Request, TokenChoice
+    from ...model.config import LoopedConfig
+    from ..base.request import Request, TokenChoice
 
 
 class DraftContext:

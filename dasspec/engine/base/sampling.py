@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..model.noise import gumbel_noise
+from ...model.noise import gumbel_noise
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..model.cache import CacheCapacityError
-from ..model.exit import ExitRule
+from ...model.cache import CacheCapacityError
+from ...model.exit import ExitRule
+from ..base.contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
+from ..base.sampling import Sampling
+from ..drafting.draft import Drafter
 from .blocks import BlockPool, block_keys
-from .contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
-from .draft import Drafter
 from .policy import SpeculationPolicy
-from .sampling import Sampling
 from .stopping import StopRule
 
 

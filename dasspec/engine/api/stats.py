@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .contract import Counts
+from ..base.contract import Counts
 
 
 @dataclass

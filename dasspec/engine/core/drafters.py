@@ -13,9 +13,10 @@ import json
 from collections import OrderedDict
 from typing import Callable
 
-from ..model.looped import LoopedLM
-from .contract import DrafterKey
-from .draft import Drafter
+from ...methods import build_drafter, get_method
+from ...model.looped import LoopedLM
+from ..base.contract import DrafterKey
+from ..drafting.draft import Drafter
 
 # (model, method name or alias, knobs, R, sampled) -> a validated drafter
 BuildDrafter = Callable[..., Drafter]
@@ -34,8 +35,6 @@ class DrafterCache:
     def of_registry(cls, model: LoopedLM, R: int, keep: int | None = None) -> "DrafterCache":
         """A cache that builds drafters with the methods' registry (``dasspec.methods``): the engine's default, the
         server's and the executor process's."""
-        from ..methods import build_drafter, get_method   # lazy: the registry imports the engine (a circle)
-
         def build(model, name, knobs, R, sampled=False):
             return build_drafter(model, name, knobs, R, sampled=sampled)
         return cls(model, R, build, lambda m: get_method(m).name, keep)

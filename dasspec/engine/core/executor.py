@@ -18,17 +18,17 @@ from typing import Mapping
 
 import torch
 
-from ..model.cache import BlockTable, PagedCache
-from ..model.looped import LoopedLM
+from ...model.cache import BlockTable, PagedCache
+from ...model.looped import LoopedLM
 from .blocks import BlockPool
-from .context import DraftContext
-from .contract import Counts, PassTiming, Phase, RequestOutput, StepOutput, StepPlan
-from .draft import Drafter, Session
+from ..drafting.context import DraftContext
+from ..base.contract import Counts, PassTiming, Phase, RequestOutput, StepOutput, StepPlan
+from ..drafting.draft import Drafter, Session
 from .drafters import DrafterCache
 from .loop import step as loop_step
-from .request import Request, greedy
-from .runtime import Runtime
-from .timing import Lap
+from ..base.request import Request, greedy
+from ..base.runtime import Runtime
+from ..base.timing import Lap
 from .verify import PrefillChunk, prefill_slice
 
 

@@ -14,7 +14,7 @@ what they share must stay valid whatever the others do (it only ever changes how
 The contract, enforced by ``DraftContext``: a session may read of its request ``n`` (the anchor's position = the
 verified rows), ``P`` and ``prompt``, ``generated`` (committed tokens, the anchor last), ``R``, ``room``, ``cap``,
 ``config``, ``device``, ``choose`` (the request's token choice: greedy or its seeded sampler), ``stopping()``; it
-may write proposals into ``scratch(w)`` and run the model only through ``dasspec.engine.batch`` over contexts (the
+may write proposals into ``scratch(w)`` and run the model only through ``dasspec.engine.drafting.batch`` over contexts (the
 three primitives on the scratch rows past ``n``, counted with ``count``).  Nothing else of the request.
 
 The budget rule, stated once: a verifier input at depth D below the anchor yields the target's token for depth
@@ -38,7 +38,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from .context import DraftContext
-    from .contract import PassTiming
+    from ..base.contract import PassTiming
 
 
 class TreeLayout:

@@ -22,9 +22,9 @@ from collections import OrderedDict
 
 import torch
 
-from ..model.cache import DepthCache, bytes_per_token
-from ..model.looped import LoopedLM
-from .memory import check_cache_fits, format_bytes
+from ...model.cache import DepthCache, bytes_per_token
+from ...model.looped import LoopedLM
+from ...model.memory import check_cache_fits, format_bytes
 
 BLOCK_SIZE = 16     # positions per block (docs/performance-journal.md, "Choosing the block size")
 

@@ -17,9 +17,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .contract import Phase
-from .draft import Draft, Drafter, Session, TreeLayout, Verdict
-from .request import Request
+from ..base.contract import Phase
+from ..drafting.draft import Draft, Drafter, Session, TreeLayout, Verdict
+from ..base.request import Request
 from .verify import Placed, PrefillChunk, verify_step
 
 
@@ -46,7 +46,7 @@ def place(req: Request, draft: Draft) -> Placed:
         if layout.candidate_depth > req.room - 1:
             raise ValueError(f"a draft tree's candidates reach depth {layout.candidate_depth} below the anchor, but "
                              f"only {req.room} more tokens may be committed: candidates must lie at depth <= room - 1 "
-                             "(the budget rule in dasspec/engine/draft.py)")
+                             "(the budget rule in dasspec/engine/drafting/draft.py)")
         if layout.max_depth > req.depth_limit:
             raise ValueError(f"a draft tree reaches position {req.n + layout.max_depth}, beyond the model context "
                              f"({req.model.config.block_size})")

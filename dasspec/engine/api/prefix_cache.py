@@ -5,7 +5,7 @@
     out = dasspec.generate(model, tok.encode(few_shot_exemplars + question), "das-wave", prefix_cache=pc)
 
 Within one engine (``generate_batch``, ``dasspec serve``) nothing needs to be asked: prompt blocks are shared
-automatically (``blocks.py``).  A ``PrefixCache`` is an engine of its own that prefilled the prefix and holds its
+automatically (``core/blocks.py``).  A ``PrefixCache`` is an engine of its own that prefilled the prefix and holds its
 full blocks; a request that starts with them gets copies of their rows in its engine's blocks (registered there for
 sharing too) and prefills only the rest.  The rows are computed exactly as a request computes its own prompt blocks
 (one attention segment per block), so they are the rows it would have computed: the request's tokens are its own
@@ -20,13 +20,13 @@ from typing import Sequence
 
 import torch
 
-from ..model import decode_kernel
-from ..model.cache import PagedCache
-from ..model.looped import LoopedLM
-from .blocks import BLOCK_SIZE, block_keys, prefix_salt
+from ...model import decode_kernel
+from ...model.cache import PagedCache
+from ...model.looped import LoopedLM
+from ..base.runtime import DEFAULT, Runtime
+from ..core.blocks import BLOCK_SIZE, block_keys, prefix_salt
 from .engine import Engine
 from .options import as_token_list
-from .runtime import DEFAULT, Runtime
 
 
 def _execution(rt: Runtime) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..model.looped import LoopedLM, Recurrence
+from ...model.looped import LoopedLM, Recurrence
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Runtime:
             object.__setattr__(self, "static_shapes", True)
 
     def __reduce__(self):
-        # the options cross a process boundary (``remote.py``); compiled graphs are per process, made again there
+        # the options cross a process boundary (``core/remote.py``); compiled graphs are per process, made again there
         return Runtime, (self.static_shapes, self.compile, self.cuda_graphs, self.track_memory)
 
     @property
