@@ -81,7 +81,7 @@ def _check(model, prompts, cases, max_new: int) -> dict[str, int]:
     return accepted
 
 
-@pytest.mark.parametrize("family", ["huginn", "raven-llama", "raven-olmo", "nanbeige"])
+@pytest.mark.parametrize("family", ["huginn", "raven-llama", "raven-olmo", "ouro", "iquest-loop", "nanbeige"])
 def test_random_checkpoints_match_ar(family: str) -> None:
     """20 prompts per method and family with the default knobs (Token Recycling's table stays hot across them)."""
     model = random_model(family, seed=4)

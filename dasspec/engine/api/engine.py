@@ -29,9 +29,11 @@ Threads: one thread steps the engine; ``add``, ``cancel`` and ``step`` are calle
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections import Counter
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator
 
 
@@ -91,7 +93,9 @@ class Engine:
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.overlap = overlap
-        self._inflight: StepPlan | None = None  # overlap: the plan the executor is running
+        self._inflight: StepPlan | None = None  # overlap: the plan the executor runs next
+        self._pending = None                    # overlap: an applied step's outputs, processed beside the next
+        self._host: ThreadPoolExecutor | None = None   # overlap: the thread of the engine's own work
         for name, v in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
@@ -239,7 +243,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or self._pending is not None
 
     def cache_usage(self) -> dict[str, int]:
         """Blocks held, cached for sharing and in all; requests preempted so far (read from another thread: a
@@ -269,8 +273,11 @@ class Engine:
         return self.take_events()
 
     def _step_overlapped(self) -> list[StepEvent]:
-        """One step of the pipeline: plan the next step while the one in flight runs, take its output, apply it,
-        start the next, then process the outputs (events, streamers) while it runs."""
+        """One step of the pipeline: the executor runs the step in flight on this thread (or in its process) while
+        the engine's own work - the last step's outputs (events, streamers), then the next plan - runs on the
+        engine's host thread; then the step's output is applied.  (The model stays on the caller's thread: a second
+        thread running torch ops would bring a second OpenMP team, and two teams spinning on the same cores slowed
+        every step down on a 2-core CPU.)"""
         t0 = time.perf_counter()
         if self._inflight is None:                    # the pipeline's first step (or after it drained)
             plan = self._plan(inflight=False)
@@ -278,24 +285,39 @@ class Engine:
                 self._release_idle()
                 self.host_seconds += time.perf_counter() - t0
                 return self.take_events()
-            self.executor.submit(plan)
             self._inflight = plan
-        nxt = self._plan(inflight=True)               # while the executor runs the step in flight
+        if self._host is None:
+            self._host = ThreadPoolExecutor(1, thread_name_prefix="dasspec-engine")
+        pending, self._pending = self._pending, None
+        job = self._host.submit(self._host_work, pending)
         t1 = time.perf_counter()
-        out = self.executor.collect()
+        # the executor's own copy of the plan: the host thread goes on planning (and growing its lists) meanwhile
+        plan = self._inflight if self.remote else copy.deepcopy(self._inflight)
+        try:
+            out = self.executor.execute(plan)
+        except BaseException:
+            job.result()                              # the host work is done before anything else goes on
+            self._inflight = None                     # (its plan is dropped: abort_running ends what it started)
+            raise
+        nxt = job.result()
         t2 = time.perf_counter()
         self.execute_seconds += t2 - t1
         t0 += t2 - t1
         done, self._inflight = self._inflight, None
-        outputs = self._apply(done, out, process=False)
+        self._pending = self._apply(done, out, process=False)
         if not nxt.empty:
-            self.executor.submit(nxt)
             self._inflight = nxt
-        self._process(*outputs)                       # while the next step runs
-        if self._inflight is None:
+        else:                                         # drained: nothing to overlap the outputs with
+            self._process(*self._pending)
+            self._pending = None
             self._release_idle()
         self.host_seconds += time.perf_counter() - t0
         return self.take_events()
+
+    def _host_work(self, pending) -> StepPlan:
+        if pending is not None:
+            self._process(*pending)
+        return self._plan(inflight=True)
 
     def _plan(self, inflight: bool) -> StepPlan:
         """The scheduler's next plan, with the ids to release; the requests it ended first are finished now."""
@@ -334,7 +356,10 @@ class Engine:
             self._release = []
 
     def close(self) -> None:
-        """End the executor's process (``executor="process"``) or its thread (``overlap``)."""
+        """End the executor's process (``executor="process"``) and the host thread (``overlap``)."""
+        if self._host is not None:
+            self._host.shutdown(wait=True)
+            self._host = None
         self.executor.close()
 
     def __enter__(self) -> "Engine":

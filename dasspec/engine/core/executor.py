@@ -11,8 +11,6 @@ A block planned as a depth slice (``Work.depths``) runs its core steps in a call
 
 from __future__ import annotations
 
-import copy
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Mapping
 
@@ -73,8 +71,6 @@ class Executor:
         self.sessions: dict[int, Session] = {}
         self.drafters: dict[int, Drafter] = {}
         self._saved: dict[int, list[torch.Tensor]] = {}       # swapped-out rows, on the host
-        self._thread: ThreadPoolExecutor | None = None          # ``submit``: steps run there, one at a time
-        self._future = None
 
     def release(self, rid: int) -> None:
         """Drop a finished request's state (its blocks are the scheduler's)."""
@@ -90,22 +86,8 @@ class Executor:
         if req is not None:
             req.cancelled = True
 
-    def submit(self, plan: StepPlan) -> None:
-        """Start executing ``plan`` on the executor's thread (``collect`` takes its output): the engine plans the
-        next step meanwhile (``Engine(overlap=True)``)."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="dasspec-executor")
-        # the executor's own copy: the scheduler goes on planning (and growing its lists) while this one runs
-        self._future = self._thread.submit(self.execute, copy.deepcopy(plan))
-
-    def collect(self) -> StepOutput:
-        future, self._future = self._future, None
-        return future.result()
-
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        """Nothing to end in process (the remote executor ends its child)."""
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -81,17 +81,10 @@ class RemoteExecutor:
         self._answer()                                   # raises if the child could not set up
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        self.submit(plan)
-        return self.collect()
-
-    def submit(self, plan: StepPlan) -> None:
-        """Send ``plan``; the child runs it while the engine plans the next (``collect`` takes its output)."""
         try:
             self._conn.send(plan)
         except (BrokenPipeError, OSError) as err:
             raise RemoteExecutorError(f"the executor's process is gone ({err})") from None
-
-    def collect(self) -> StepOutput:
         return self._answer()
 
     def cancel(self, rid: int) -> None:
