@@ -1,4 +1,4 @@
-"""Method ``auto`` (dasspec/methods/auto.py): whatever it chooses, every output is full-depth AR's (greedy, sampled
+"""Method ``auto`` (dasspec/methods/auto/): whatever it chooses, every output is full-depth AR's (greedy, sampled
 per seed, batched; random checkpoints and the bundled model, float32); it records what it chose; its chooser
 switches back to a drafter that starts paying (re-measured by probes, or scored off-policy for the lookup
 drafters); its calibration is cached, skippable, and only lowers DAS-Wave's window where the model's own knobs are
