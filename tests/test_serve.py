@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -221,6 +222,32 @@ def test_a_server_that_names_no_method_decodes_with_auto(checkpoint, model, tmp_
         assert all(o.dasspec["method"] == "auto" for o in outs) and all(c and set(c) <= set(arms) for c in choices)
         counted = [srv.metric(f'dasspec_auto_steps_total{{method="auto",drafter="{a}"}}') for a in arms]
         assert sum(counted) >= sum(sum(c.values()) for c in choices) + 1        # the chat's steps too
+    finally:
+        srv.stop()
+
+
+def test_a_server_with_overlap_answers_with_ar_tokens(checkpoint, model, tmp_path):
+    # --overlap: each step planned while the one before runs; four concurrent requests (greedy, sampled, streamed
+    # chat, a stop string) get AR's text all the same
+    srv = start_server(checkpoint, tmp_path / "server.log", "--served-model-name", "tiny", "--overlap")
+    try:
+        assert srv.health()["overlap"] is True
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ids = model.tokenizer.encode(PROMPT)
+        sampled = dict(temperature=0.8, top_p=0.9, seed=5)
+        messages = [{"role": "user", "content": "Two plus two"}]
+        with ThreadPoolExecutor(4) as pool:
+            greedy = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=14)
+            sample = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=14, **sampled)
+            chat = pool.submit(lambda: list(client.chat.completions.create(model="tiny", messages=messages,
+                                                                           max_tokens=10, stream=True)))
+            plain = ar(model, ids, 14).text
+            stop = plain[3:6]
+            cut = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=14, stop=[stop])
+        assert greedy.result().choices[0].text == plain
+        assert sample.result().choices[0].text == ar(model, ids, 14, do_sample=True, **sampled).text
+        assert stream_text(chat.result(), chat=True) == ar(model, chat_ids(model, messages), 10).text
+        assert cut.result().choices[0].text == plain[:plain.index(stop)]
     finally:
         srv.stop()
 

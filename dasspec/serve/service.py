@@ -88,6 +88,10 @@ class ServeOptions:
         "blocks with what is left (less than a block left: a slice of a block's depths), so a long prompt "
         "arriving never stalls the streams already running; lower it for steadier streams, raise it for faster "
         "prefill")})
+    overlap: bool = field(default=False, metadata={"help": (
+        "plan each decode step while the one before it runs, and make its events meanwhile (the same tokens; the "
+        "engine's own work leaves the critical path - worth it where steps are short and requests many, as on a "
+        "GPU; on a CPU within the noise, docs/performance.md)")})
     request_timeout: float | None = field(default=None, metadata={"help": (
         "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
@@ -240,7 +244,8 @@ class Service(Frontend):
                                      lambda: self.engine.cache_usage())
         self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
                              max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
-                             max_step_tokens=options.max_step_tokens, drafters=self.drafters)
+                             max_step_tokens=options.max_step_tokens, drafters=self.drafters,
+                             overlap=options.overlap)
         self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
 
     def warmup(self) -> None:
@@ -308,11 +313,12 @@ class Service(Frontend):
         ok = self.worker.alive
         return {"status": "ok" if ok else "the decode worker has stopped", "model": self.model_name,
                 "method": self.method, "queue_length": self.worker.queue_length,
-                "running": self.worker.running, "exactness": self.exactness}, ok
+                "running": self.worker.running, "exactness": self.exactness, "overlap": self.engine.overlap}, ok
 
     async def metrics_text(self) -> str:
         return self.metrics.render()
 
     def close(self) -> None:
         self.worker.close()
+        self.engine.close()
         super().close()
