@@ -82,3 +82,48 @@ def test_overlap_with_the_executor_in_its_own_process(model):
     plain, _ = _run(model, False, kv_budget=168)
     got, _ = _run(model, True, executor="process", kv_budget=168)
     assert got == plain
+
+
+def test_a_request_whose_setup_fails_fails_alone_with_a_step_in_flight(model, monkeypatch):
+    """The plan made beside the step in which a request's setup fails still holds its next prompt block; the
+    executor skips what it does not hold and the request fails alone (fails when the executor looks it up)."""
+    import dasspec.engine.core.executor as executor_mod
+
+    real = executor_mod.Request
+
+    def setup(model_, tokens, *a, **k):
+        if len(tokens) == 41:                         # the long prompt: three blocks and more to prefill
+            raise RuntimeError("no room for it")
+        return real(model_, tokens, *a, **k)
+    plain, _ = _run(model, False)
+    monkeypatch.setattr(executor_mod, "Request", setup)
+    got, _ = _run(model, True)
+    failed = [i for i, p in enumerate(_prompts()) for j in range(len(METHODS)) if j % len(_prompts()) == i
+              and len(p) == 41]
+    assert failed and all(got[j][1] == "error" and not got[j][0] for j in failed)
+    assert [g for j, g in enumerate(got) if j not in failed] == [p for j, p in enumerate(plain) if j not in failed]
+
+
+def test_a_failing_step_with_a_step_planned_ahead_aborts_cleanly(model, monkeypatch):
+    """A step that raises with the next one planned beside it: ``abort_running`` ends every request, the pool gets
+    every block back and the engine is idle (nothing replays the dropped plan)."""
+    import dasspec.engine.core.executor as executor_mod
+
+    engine = Engine(model, "das-wave", {"gamma": 4, "rounds": 3, "w_init": 2, "k": 1}, max_batch=3, block_size=8,
+                    overlap=True)
+    ids = [engine.add(p, max_new_tokens=20, eos=False) for p in _prompts()[:5]]
+    for _ in range(3):
+        engine.step()
+    monkeypatch.setattr(executor_mod, "loop_step", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    aborted = engine.abort_running()
+    assert aborted
+    monkeypatch.undo()
+    while engine.has_work:                            # the requests that never started run now
+        engine.step()
+    for i in ids:
+        r = engine.result(i)
+        assert (r.stats.stop_reason == "error") == (i in aborted)
+    assert engine.pool.available == engine.pool.capacity_blocks
+    engine.close()

@@ -114,8 +114,12 @@ class Executor:
         return out
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> None:
+        # (ids it does not hold: requests whose setup failed in a step the plan was made beside - ``overlap`` -,
+        # ended by the scheduler once that step is applied)
         for rid in plan.swap_out:                     # before anything else writes the blocks they held
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:
+                continue
             self._saved[rid] = req.cache.save()
             req.depth_slice = None                    # a block in flight starts over when it is back
             req.cache.table.clear()
@@ -143,10 +147,12 @@ class Executor:
             self.requests[s.id] = req
             self.drafters[s.id] = drafter
         for rid, blocks in plan.swap_in:
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:
+                continue
             req.cache.table.append(blocks)
             req.cache.restore(self._saved.pop(rid))
-        work = [w for w in plan.work if w.id not in failed]
+        work = [w for w in plan.work if w.id in self.requests]
         for w in work:
             table = self.requests[w.id].cache.table
             if w.keep is not None:
