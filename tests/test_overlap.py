@@ -127,3 +127,110 @@ def test_a_failing_step_with_a_step_planned_ahead_aborts_cleanly(model, monkeypa
         assert (r.stats.stop_reason == "error") == (i in aborted)
     assert engine.pool.available == engine.pool.capacity_blocks
     engine.close()
+
+
+def _all(model, method, knobs, overlap, prompts, new, **kw):
+    with Engine(model, method, knobs, max_batch=4, block_size=8, overlap=overlap, **kw) as engine:
+        ids = [engine.add(p, max_new_tokens=new, eos=False) for p in prompts]
+        while engine.has_work:
+            engine.step()
+        null = max(float(t[..., :engine.pool.B, :].abs().max()) for t in engine.pool.tensors())
+        return [engine.result(i).tokens for i in ids], engine.scheduler.preemptions, null
+
+
+@pytest.mark.parametrize("method,knobs,kv_budget", [
+    ("self-spec", {"draft_depth": 3, "block": 8}, 88), ("pld", {}, 128),
+    ("das-wave", {"gamma": 4, "rounds": 3, "w_init": 2, "k": 1, "copy_run": True, "guesses": "copy"}, 120)],
+    ids=["swapped-beside-its-step", "swapped-back-at-once", "copy-runs"])
+def test_a_plan_made_ahead_backs_what_the_step_in_flight_may_leave(model, method, knobs, kv_budget):
+    """Pools tight enough that the plan made beside a step preempts a request whose step is in flight (and would
+    swap it straight back in, sized from rows not yet applied), and DAS-Wave copy runs committing past the drafter's
+    width: the same tokens as without overlap, nothing written to the null block (fails when a request swapped out
+    beside its step is swapped back in by the same plan, or when a step's most is counted from its most rows)."""
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10] * 3 + [11, 12], [5, 6, 7] * 6, [8, 9, 4], [2, 3] * 10, [9, 1, 9, 1] * 4,
+               list(range(20, 61)), [7, 7, 8] * 5]
+    plain, _, _ = _all(model, method, knobs, False, prompts, 40, kv_budget=kv_budget)
+    got, preempted, null = _all(model, method, knobs, True, prompts, 40, kv_budget=kv_budget)
+    assert got == plain and null == 0.0
+    assert preempted > 0
+
+
+def test_a_prefix_cache_outlives_the_plan_that_names_it(model, monkeypatch):
+    """A request copying from a prefix cache starts in the plan in flight and is cancelled meanwhile: the host thread
+    ends it (the cache's last user) while the executor sets it up - the cache stays until the executor is done with
+    that plan (fails when it is dropped at once: the step raises KeyError)."""
+    import time
+
+    import dasspec.engine.core.executor as executor_mod
+    from dasspec.engine.api.prefix_cache import PrefixCache
+
+    prefix = list(range(30, 54))
+    pc = PrefixCache(model, prefix, block_size=8)
+    with Engine(model, "ar", max_batch=4, block_size=8, overlap=True) as engine:
+        a = engine.add(list(range(1, 10)), max_new_tokens=30, eos=False)
+        engine.step()
+        engine.step()
+        s = engine.add(prefix + [7, 8, 9], max_new_tokens=5, eos=False, prefix_cache=pc)
+        engine.step()                                 # the plan made beside this step starts s: in flight now
+        assert [x.id for x in engine._inflight.start] == [s]
+        engine.cancel(s)
+        real = executor_mod.Executor._execute
+
+        def late(self, plan, out):
+            time.sleep(0.3)                           # the host thread ends s first
+            return real(self, plan, out)
+        monkeypatch.setattr(executor_mod.Executor, "_execute", late)
+        engine.step()
+        monkeypatch.undo()
+        while engine.has_work:
+            engine.step()
+        assert engine.result(s).stats.stop_reason == "cancelled"
+        assert engine.result(a).stats.stop_reason == "max_new_tokens" and not engine._prefix_caches
+
+
+def test_a_streamer_that_fails_at_its_end_fails_nothing_else(model):
+    """A streamer whose ``end`` raises (on the engine's host thread under overlap): its error is kept in its
+    result, no step is replayed, the other request decodes to its end (fails when the host thread's error drops the
+    step's output and leaves its plan in flight)."""
+    class Bad:
+        def put(self, t):
+            pass
+
+        def end(self):
+            raise ValueError("streamer end failed")
+
+    for overlap in (False, True):
+        with Engine(model, "ar", max_batch=4, block_size=8, overlap=overlap) as engine:
+            a = engine.add([1, 2, 3], max_new_tokens=2, eos=False, streamer=Bad())
+            b = engine.add(list(range(20, 45)), max_new_tokens=12, eos=False)
+            while engine.has_work:
+                engine.step()
+            ra, rb = engine.result(a), engine.result(b)
+            assert "streamer end failed" in str(ra.error) and len(ra.tokens) == 2, overlap
+            assert rb.error is None and len(rb.tokens) == 12, overlap
+
+
+def test_no_step_commits_more_than_the_plan_made_beside_it_backed(model, monkeypatch):
+    """The invariant the plans made ahead rest on: what a step commits for a request is at most the most its flight
+    recorded (DAS-Wave's copy runs commit past its width; fails when that most is counted from the most rows the
+    steps before may leave instead of the fewest)."""
+    from dasspec.engine.core import scheduler as scheduler_mod
+
+    over, seen = [], []
+    real = scheduler_mod.Scheduler.update
+
+    def update(self, plan, out):
+        table = {x.id: x for x in list(self.running) + list(self.waiting)}
+        for w in plan.work:
+            e, o = table.get(w.id), out.requests.get(w.id)
+            if e is not None and o is not None and plan.step in e.flight and w.prefill is None:
+                seen.append(len(o.tokens))
+                if len(o.tokens) > e.flight[plan.step][2]:
+                    over.append((plan.step, w.id, len(o.tokens), e.flight[plan.step][2]))
+        return real(self, plan, out)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "update", update)
+    prompts = [[5, 6, 7] * 6, [2, 3] * 10, [9, 1, 9, 1] * 4, [7, 7, 8] * 5, [4] * 6, [1, 2, 3, 4] * 5]
+    knobs = {"gamma": 4, "rounds": 3, "w_init": 2, "k": 1, "copy_run": True, "guesses": "copy"}
+    for kv_budget in (120, 160):
+        _all(model, "das-wave", knobs, True, prompts, 60, kv_budget=kv_budget)
+    assert not over and max(seen) > 5                 # (copy runs did commit past the width of 5)

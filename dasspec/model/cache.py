@@ -223,6 +223,8 @@ class PagedCache:
     def restore(self, saved: list[Tensor]) -> None:
         """Write rows saved by ``save`` back as this (empty) cache's verified prefix."""
         m = saved[0].shape[-2]
+        if m > self.table.backed:
+            raise ValueError(f"{m} saved rows do not fit the {self.table.backed} rows its blocks back")
         idx = self.table.rows[:m]
         for t, s in zip(self.pool.tensors(), saved):
             t.index_copy_(-2, idx, s.to(t.device))

@@ -133,6 +133,7 @@ class Engine:
             self.executor = Executor(model, self.R, self.pool, self.runtime, self.drafters, self._prefix_caches)
         self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R, closed=closed)
         self.output = OutputProcessor(model.device, self.runtime.track_memory, self.pool.bytes_per_block)
+        self.output.sync = not overlap         # a finishing request's wall time must not wait for the step in flight
         self._ids = itertools.count()
         self._table: dict[int, Entry] = {}
         self._results = self.output.results
@@ -268,51 +269,66 @@ class Engine:
             self.execute_seconds += t2 - t1
             t0 += t2 - t1
             self._apply(plan, out)
-        self._release_idle()
+        self._idle()
         self.host_seconds += time.perf_counter() - t0
         return self.take_events()
 
     def _step_overlapped(self) -> list[StepEvent]:
         """One step of the pipeline: the executor runs the step in flight on this thread (or in its process) while
-        the engine's own work - the last step's outputs (events, streamers), then the next plan - runs on the
-        engine's host thread; then the step's output is applied.  (The model stays on the caller's thread: a second
-        thread running torch ops would bring a second OpenMP team, and two teams spinning on the same cores slowed
-        every step down on a 2-core CPU.)"""
+        the engine's own work - the last step's outputs (events, streamers: they run on the engine's host thread),
+        then the next plan - runs on the host thread; then the step's output is applied.  (The model stays on the
+        caller's thread: a second thread running torch ops would bring a second OpenMP team, and two teams spinning
+        on the same cores slowed every step down on a 2-core CPU.)"""
         t0 = time.perf_counter()
         if self._inflight is None:                    # the pipeline's first step (or after it drained)
             plan = self._plan(inflight=False)
             if plan.empty:
-                self._release_idle()
+                self._idle()
                 self.host_seconds += time.perf_counter() - t0
                 return self.take_events()
             self._inflight = plan
         if self._host is None:
             self._host = ThreadPoolExecutor(1, thread_name_prefix="dasspec-engine")
+        done, self._inflight = self._inflight, None
+        # the executor's own copy of the plan (the remote executor pickles it), taken before the host thread plans on
+        plan = done if self.remote else copy.deepcopy(done)
         pending, self._pending = self._pending, None
         job = self._host.submit(self._host_work, pending)
         t1 = time.perf_counter()
-        # the executor's own copy of the plan: the host thread goes on planning (and growing its lists) meanwhile
-        plan = self._inflight if self.remote else copy.deepcopy(self._inflight)
         try:
             out = self.executor.execute(plan)
         except BaseException:
-            job.result()                              # the host work is done before anything else goes on
-            self._inflight = None                     # (its plan is dropped: abort_running ends what it started)
+            self.execute_seconds += time.perf_counter() - t1
+            self._host_failed(job)
             raise
-        nxt = job.result()
         t2 = time.perf_counter()
         self.execute_seconds += t2 - t1
         t0 += t2 - t1
-        done, self._inflight = self._inflight, None
+        try:
+            nxt = job.result()
+        except BaseException:                         # the step ran: its outcome is applied, then the error raised
+            self._process(*self._apply(done, out, process=False))
+            raise
         self._pending = self._apply(done, out, process=False)
+        self._drop_unused_caches()                    # (the executor is done with the plan that named them)
         if not nxt.empty:
             self._inflight = nxt
         else:                                         # drained: nothing to overlap the outputs with
             self._process(*self._pending)
             self._pending = None
-            self._release_idle()
+            self._idle()
         self.host_seconds += time.perf_counter() - t0
         return self.take_events()
+
+    def _host_failed(self, job) -> None:
+        """The step failed: the plan made beside it never runs - what it assumed is forgotten, the requests it
+        started go back to the queue and the ids it was to release wait for the next plan."""
+        try:
+            nxt = job.result()
+        except BaseException:                         # noqa: BLE001 - the step's own error is the one raised
+            return
+        self.scheduler.withdraw(nxt)
+        self._release[:0] = nxt.release
 
     def _host_work(self, pending) -> StepPlan:
         if pending is not None:
@@ -350,10 +366,18 @@ class Engine:
         for e in finished + stopped:
             self._events.append(self._finish(e))
 
-    def _release_idle(self) -> None:
-        if self._release and not self.scheduler.has_work:   # nothing more to run: the executor drops their state now
+    def _idle(self) -> None:
+        """Nothing more to run: the executor drops the ended requests' state now, and unused prefix caches go."""
+        if self._release and not self.scheduler.has_work:
             self.executor.execute(StepPlan(self.scheduler.steps, release=self._release))
             self._release = []
+        self._drop_unused_caches()
+
+    def _drop_unused_caches(self) -> None:
+        """Forget the prefix caches no unfinished request uses - only between executions (a plan in flight may
+        still name one whose last request ended meanwhile, on the host thread)."""
+        for key in [k for k, n in self._prefix_users.items() if n <= 0]:
+            del self._prefix_users[key], self._prefix_caches[key]
 
     def close(self) -> None:
         """End the executor's process (``executor="process"``) and the host thread (``overlap``)."""
@@ -386,6 +410,11 @@ class Engine:
             self.scheduler._end(e, reason)
             self._events.append(self._finish(e))
             ids.append(e.id)
+        if not self.scheduler.has_work:              # no next plan would carry their release: send it now
+            try:
+                self._idle()
+            except Exception:                        # noqa: BLE001 - an executor that failed may fail this too;
+                pass                                 # the states it held go with it
         return ids
 
     def _finish(self, e: Entry) -> StepEvent:
@@ -394,7 +423,5 @@ class Engine:
         self._release.append(e.id)
         if e.prefix_cache is not None:
             key = id(e.prefix_cache)
-            self._prefix_users[key] -= 1
-            if not self._prefix_users[key]:
-                del self._prefix_users[key], self._prefix_caches[key]
+            self._prefix_users[key] -= 1               # (dropped between executions: _drop_unused_caches)
         return self.output.finish(e)

@@ -6,7 +6,7 @@ a user's streamer."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -39,12 +39,14 @@ class _Output:
     decode: Callable[[list[int]], str] | None = None
     trace: list | None = None
     sent: int = 0                  # generated tokens already reported in events
+    started: bool = False          # its prompt went to its streamer
     t0: float = field(default_factory=time.perf_counter)
 
 
 class OutputProcessor:
     def __init__(self, device: torch.device, track_memory: bool, bytes_per_block: int):
         self.device, self.track_memory, self.bytes_per_block = device, track_memory, bytes_per_block
+        self.sync = True             # wall times wait for the device (not with overlap: a step is in flight then)
         self._out: dict[int, _Output] = {}
         self.results: dict[int, GenerationResult] = {}
 
@@ -58,9 +60,11 @@ class OutputProcessor:
 
     def started(self, entries: list[Entry]) -> list[StepEvent]:
         """Requests admitted this step: their prompts go to their streamers first (as in Hugging Face generate)."""
-        for e in entries:
+        fresh = [e for e in entries if not self._out[e.id].started]     # (a plan that never ran started it once)
+        for e in fresh:
+            self._out[e.id].started = True
             self._stream(e, e.prompt)
-        return [StepEvent(e.id, [], started=True) for e in entries]
+        return [StepEvent(e.id, [], started=True) for e in fresh]
 
     def measured(self, out: StepOutput) -> None:
         """What the executor measured per request this step, and the blocks of any trace."""
@@ -93,7 +97,7 @@ class OutputProcessor:
         stats.stop_reason = str(e.reason or "")
         stats.cached_tokens = e.cached
         stats.cache_bytes = e.peak_blocks * self.bytes_per_block
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.sync:
             torch.cuda.synchronize()
         stats.wall_time = time.perf_counter() - r.t0
         stats.new_tokens = len(e.generated)
@@ -107,7 +111,11 @@ class OutputProcessor:
         self.results[e.id] = GenerationResult(tokens=list(e.generated), stats=stats, text=text, trace=r.trace,
                                               error=e.error)
         if r.streamer is not None:
-            r.streamer.end()
+            try:
+                r.streamer.end()
+            except Exception as err:      # noqa: BLE001 - the user's callback: kept in its result, the engine goes on
+                if self.results[e.id].error is None:
+                    self.results[e.id] = replace(self.results[e.id], error=err)
         return StepEvent(e.id, e.generated[r.sent:], True, e.reason)
 
     def _stream(self, e: Entry, tokens: list[int]) -> None:

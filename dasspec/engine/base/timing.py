@@ -13,17 +13,18 @@ class Lap:
     on the current stream, read by ``seconds()`` only once the device has passed the second (after the engine's one
     synchronisation per step), so timing a drafter never stalls the host."""
 
-    __slots__ = ("cuda", "clock", "_a", "_b", "_t")
+    __slots__ = ("cuda", "clock", "device", "_a", "_b", "_t")
 
-    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter):
-        self.cuda, self.clock = cuda, clock
+    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter, device=None):
+        """``device``: the CUDA device whose current stream the events are recorded on (the model's)."""
+        self.cuda, self.clock, self.device = cuda, clock, device
         self._a = self._b = None
         self._t = 0.0
 
     def start(self) -> "Lap":
         if self.cuda:
             self._a = torch.cuda.Event(enable_timing=True)
-            self._a.record()
+            self._a.record(torch.cuda.current_stream(self.device))
         else:
             self._t = self.clock()
         return self
@@ -31,7 +32,7 @@ class Lap:
     def stop(self) -> "Lap":
         if self.cuda:
             self._b = torch.cuda.Event(enable_timing=True)
-            self._b.record()
+            self._b.record(torch.cuda.current_stream(self.device))
         else:
             self._t = self.clock() - self._t
         return self

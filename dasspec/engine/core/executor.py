@@ -35,8 +35,8 @@ class StepClock:
     CUDA its laps are events read once at the step's end (the step's verification already waited for the device
     when its verdicts came to the host)."""
 
-    def __init__(self, out: StepOutput, cuda: bool):
-        self.out, self.cuda = out, cuda
+    def __init__(self, out: StepOutput, cuda: bool, device=None):
+        self.out, self.cuda, self.device = out, cuda, device
         self._laps: list[tuple[Phase, list[Request], Lap]] = []
 
     @contextmanager
@@ -44,7 +44,7 @@ class StepClock:
         if not reqs:
             yield
             return
-        lap = Lap(self.cuda).start()
+        lap = Lap(self.cuda, device=self.device).start()
         yield
         self._laps.append((phase, reqs, lap.stop()))
 
@@ -71,6 +71,7 @@ class Executor:
         self.sessions: dict[int, Session] = {}
         self.drafters: dict[int, Drafter] = {}
         self._saved: dict[int, list[torch.Tensor]] = {}       # swapped-out rows, on the host
+        self._failed: set[int] = set()                         # requests whose setup failed (until released)
 
     def release(self, rid: int) -> None:
         """Drop a finished request's state (its blocks are the scheduler's)."""
@@ -78,6 +79,7 @@ class Executor:
         self.sessions.pop(rid, None)
         self.drafters.pop(rid, None)
         self._saved.pop(rid, None)
+        self._failed.discard(rid)
 
     def cancel(self, rid: int) -> None:
         """Stop request ``rid`` at its next drafting round (called between steps, or from the thread a step runs
@@ -94,7 +96,7 @@ class Executor:
         out = StepOutput()
         for rid in plan.release:
             self.release(rid)
-        clock = self._clock = StepClock(out, self.model.device.type == "cuda")
+        clock = self._clock = StepClock(out, self.model.device.type == "cuda", self.model.device)
         self._pass = None
         try:
             self._execute(plan, out)
@@ -114,12 +116,12 @@ class Executor:
         return out
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> None:
-        # (ids it does not hold: requests whose setup failed in a step the plan was made beside - ``overlap`` -,
-        # ended by the scheduler once that step is applied)
+        # (requests whose setup failed are skipped: a plan made beside that step - ``overlap`` - still names them,
+        # and the scheduler ends them once the step is applied)
         for rid in plan.swap_out:                     # before anything else writes the blocks they held
-            req = self.requests.get(rid)
-            if req is None:
+            if rid in self._failed:
                 continue
+            req = self.requests[rid]
             self._saved[rid] = req.cache.save()
             req.depth_slice = None                    # a block in flight starts over when it is back
             req.cache.table.clear()
@@ -141,18 +143,19 @@ class Executor:
             except Exception as err:              # noqa: BLE001 - this request fails, the others go on
                 out.failed.append((s.id, f"{type(err).__name__}: {err}"))
                 failed.add(s.id)
+                self._failed.add(s.id)
                 continue
             req.trace = [] if s.trace else None
             req.rid = s.id
             self.requests[s.id] = req
             self.drafters[s.id] = drafter
         for rid, blocks in plan.swap_in:
-            req = self.requests.get(rid)
-            if req is None:
+            if rid in self._failed:
                 continue
+            req = self.requests[rid]
             req.cache.table.append(blocks)
             req.cache.restore(self._saved.pop(rid))
-        work = [w for w in plan.work if w.id in self.requests]
+        work = [w for w in plan.work if w.id not in self._failed]
         for w in work:
             table = self.requests[w.id].cache.table
             if w.keep is not None:

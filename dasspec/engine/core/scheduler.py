@@ -105,6 +105,11 @@ class Entry:
         return self.P + len(self.generated) + sum(hi for _, _, hi in self.flight.values()) - 1
 
     @property
+    def n_least(self) -> int:
+        """The fewest verified rows a decoding request holds once the steps in flight are done."""
+        return self.P + len(self.generated) + sum(lo for _, lo, _ in self.flight.values()) - 1
+
+    @property
     def left(self) -> int:
         """Tokens max_new_tokens surely leaves once the steps in flight are done (each commits at least its
         fewest)."""
@@ -207,14 +212,15 @@ class Scheduler:
         for e in list(self.running):                      # then prompts still prefilling
             if e.status is Status.RUNNING and not e.decoding and e.computed_ahead < e.P:
                 budget = self._prefill(e, budget, plan, planned)
-        claimed = {k for x in self.running if x.computed_ahead < x.P for k in x.keys[x.computed_ahead // B:]}
+        # (from the applied rows: a block a step in flight computes is claimed too - it is registered once applied)
+        claimed = {k for x in self.running if x.computed < x.P for k in x.keys[x.computed // B:]}
         held: list[Entry] = []                            # waiting requests passed this step (their prompt did not fit)
         for e in list(self.waiting):                      # first in, first served (for memory)
             if len(self.running) >= self.max_batch:
                 break
             if e.status is Status.SWAPPED:
-                if not self._swap_in(e, plan, planned):
-                    break
+                if e.flight or not self._swap_in(e, plan, planned):
+                    break                                 # (swapped out beside its step in flight: back once applied)
                 continue
             if plan.rows and (budget <= 0 if self._sliced(e) else budget < B):   # it would only hold blocks
                 break
@@ -235,12 +241,26 @@ class Scheduler:
             budget = self._prefill(e, budget, plan, planned)
             if e.status is not Status.RUNNING:           # it preempted itself: the pool is full for now
                 break
-            claimed.update(e.keys[e.computed_ahead // B:])
+            claimed.update(e.keys[e.computed // B:])
         # closed once nobody waits for a slot and every running request decodes (a prompt still prefilling is the
         # batch's end, and the drafters do not see it)
         plan.closed = self.closed and not self.waiting and all(e.decoding for e in self.running)
         self._assume(plan)
         return plan, ended
+
+    def withdraw(self, plan: StepPlan) -> None:
+        """A plan made beside a step that failed is never run: what it assumed is forgotten, and the requests it
+        started go back to the head of the queue (nothing of theirs was computed)."""
+        for e in list(self.running) + list(self.waiting):
+            e.flight.pop(plan.step, None)
+        running = {x.id: x for x in self.running}
+        for s in reversed(plan.start):
+            e = running.get(s.id)
+            if e is not None:
+                self.pool.free(e.blocks)
+                e.blocks, e.computed, e.depth_done, e.cached, e.status = [], 0, 0, 0, Status.WAITING
+                self.running.remove(e)
+                self.waiting.appendleft(e)
 
     def _assume(self, plan: StepPlan) -> None:
         """Record per request what the plan will do that the next plan may count on before this one's outcome is
@@ -259,7 +279,8 @@ class Scheduler:
                 e.flight[plan.step] = (rows, first, first)
             else:
                 room = w.room if not w.cap else min(w.room, w.cap + 1)
-                e.flight[plan.step] = (0, 1, max(1, min(room, len(e.blocks) * B - e.n_ahead)))
+                # the most it may commit: what its blocks back past the fewest rows it may hold when the step runs
+                e.flight[plan.step] = (0, 1, max(1, min(room, len(e.blocks) * B - e.n_least)))
 
     def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,
               preempt: bool = True) -> list[int] | None:

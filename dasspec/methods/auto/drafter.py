@@ -85,11 +85,12 @@ class AutoSession(Session):
 
     def choose(self, B: int) -> Choice:
         sit = self.situation(B)
-        got = choose(sit, self.drafter.budget, self.drafter.tuning)
+        d = self.drafter
+        got = choose(sit, d.budget, d.tuning)
         if got.rule == "hint-probe":
             self.hint_level = sit.look
-        elif sit.look < self.hint_level - self.drafter.tuning.hint_fall:
-            self.hint_level = sit.look
+        elif got.rule in ("best", "margin") and d.budget.explore > 0 and sit.look < self.hint_level - d.tuning.hint_fall:
+            self.hint_level = sit.look                 # the lookups fell back: a new rise may hint again
         self.seen = sit.values
         return got
 
@@ -132,11 +133,13 @@ class AutoDrafter(Drafter):
         self._laps: list[tuple[str, int, Lap]] = []          # this step's drafting, per arm and group
         self.bound = False
         self.cuda = False
+        self.device = None
 
     # -- building --
     def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
         """Build the sub-drafters on ``model`` and size DAS-Wave's window from the calibration."""
         self.cuda = model.device.type == "cuda"
+        self.device = model.device
         R = model.depth(num_steps)
         sizing = None
         if self.knobs.calibrate:
@@ -246,13 +249,16 @@ class AutoDrafter(Drafter):
         self.budget.elapsed += timing.seconds + timing.draft_seconds
         if self.step_n:
             self.last = (self.step_n, self.step_tok, self.step_rows, spent)
-            if not timing.prefill_rows:
+            # fitted only on a pass of auto's own requests alone: prices are asked of auto's rows (``others``)
+            if not timing.prefill_rows and timing.requests == self.step_n and timing.rows == self.step_rows:
                 self.costs.add_pass(timing.seconds, timing.rows, timing.requests)
         self.step_tok = self.step_rows = self.step_n = 0
 
     def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
         t = self.tuning
         self.budget.probed = set()
+        self._laps = []                                  # (a step that never reached ``measured``: its own are lost)
+        self.step_tok = self.step_rows = self.step_n = 0
         B = len(sessions)
         picks = [s.choose(B) for s in sessions]
         if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
@@ -275,7 +281,7 @@ class AutoDrafter(Drafter):
                 if sessions[i].prev != arm and hasattr(sub, "copying"):
                     sub.copying = False           # DAS-Wave's copy run follows its own last block only
             self.budget.drafted[arm] = self.budget.elapsed
-            lap = Lap(self.cuda and arm not in LOOKUP, self.clock).start()    # a lookup's drafting is host work
+            lap = Lap(self.cuda and arm not in LOOKUP, self.clock, self.device).start()    # a lookup's drafting is host work
             got = self.subs[arm].propose_batch(subs)
             self._laps.append((arm, len(idx), lap.stop()))
             for i, dr in zip(idx, got):

@@ -96,7 +96,8 @@ def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]], memo:
 
 
 def _keep_probes(picks: Sequence[Choice], arms: Sequence[str], rule: str) -> list[Choice]:
-    return [p if p.probe else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
+    """The planner's arms, probes kept; a choice it changed names the plan's rule."""
+    return [p if p.probe or p.arm == a else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
 
 
 def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Choice], subs: Sequence[str],
@@ -176,4 +177,4 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
     if best is None:
         return picks, rule
     name, arms = best
-    return [p if p.probe else replace(p, arm=a, plan=name) for p, a in zip(picks, arms)], name
+    return _keep_probes(picks, arms, name), name
