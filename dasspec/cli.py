@@ -99,6 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = exit_from_args(args)
     if args.stats_json:
         check_out_file(args.stats_json, "--stats-json")
+    if args.trace:
+        check_out_file(args.trace, "--trace")
     set_threads(args.threads)
     model = load_for_args(args)
     if model.tokenizer is None:
@@ -113,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         res = dasspec.generate(model, ids, method=args.method, max_new_tokens=args.max_new_tokens,
                                num_steps=args.num_steps, init_scale=args.init_scale, stop=stops or None,
                                seed=args.seed, streamer=streamer, runtime=runtime_from_args(args),
-                               **target, **sampling_from_args(args), **knobs_from_args(args))
+                               trace=bool(args.trace), **target, **sampling_from_args(args), **knobs_from_args(args))
     except KeyboardInterrupt:
         if streamer is not None and streamer.prompt_seen:
             print(flush=True)                   # end the streamed line: the message goes on a line of its own
@@ -127,7 +129,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump({"tokens": res.tokens, "text": res.text, **s.to_dict()}, f, indent=2)
+    if args.trace:
+        write_trace(args.trace, res.trace)
     return 0
+
+
+def write_trace(path: str, trace: list) -> None:
+    """One JSON line per verified block: the draft's tokens, what the target accepted and committed, and the
+    drafter's notes (method auto: the arm, the rule that decided, the batch plan, the estimates compared)."""
+    def plain(x):
+        if hasattr(x, "tolist"):
+            return x.tolist()
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
+    with open(path, "w") as f:
+        for i, (draft, verdict) in enumerate(trace):
+            f.write(json.dumps({"block": i, "draft": plain(draft.tokens), "accepted": verdict.accepted,
+                                "committed": list(verdict.tokens), "notes": plain(draft.notes or {})}) + "\n")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -161,6 +182,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     g.add_argument("--quiet", action="store_true", help="print only the final text, no streaming")
     g.add_argument("--stats-json", default=None, help="write tokens, text and statistics to this JSON file")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every verified block to this JSONL file: its draft, what was accepted and committed, "
+                        "and the drafter's notes (method auto: the arm, the rule that decided and the estimates it "
+                        "compared)")
     add_knob_flags(g)
     add_exec_flags(g)
     g.set_defaults(func=cmd_generate)

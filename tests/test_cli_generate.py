@@ -66,6 +66,23 @@ def test_quiet_stats_json_and_stdin(folder, api, capsys, monkeypatch, tmp_path):
     assert data["tokens"] == api.tokens and data["text"] == api.text and data["method"] == "ar"
 
 
+def test_trace_explains_every_block_of_auto(folder, capsys, tmp_path):
+    """``--trace FILE``: a JSON line per verified block; under auto each names its arm, the rule that decided and the
+    estimates it compared, and the committed tokens add up to the output."""
+    trace, stats = tmp_path / "trace.jsonl", tmp_path / "stats.json"
+    rc = main(["generate", "--model", str(folder), "--prompt", TEXT, "--max-new-tokens", "12", "--num-steps", "2",
+               "--method", "auto", "--no-calibrate", "--quiet", "--trace", str(trace), "--stats-json",
+               str(stats)])
+    capsys.readouterr()
+    assert rc == 0
+    blocks = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert blocks and all(b["notes"]["auto"] in ("ar", "das-wave", "sam", "pld") and b["notes"]["rule"] for b in blocks)
+    assert any("estimates" in b["notes"] for b in blocks)
+    tokens = json.loads(stats.read_text())["tokens"]
+    committed = [t for b in blocks for t in b["committed"]]       # (the first token comes from the prefill)
+    assert committed[: len(tokens) - 1] == tokens[1:]
+
+
 def test_hf_repo_id_from_cache(folder, api, capsys, monkeypatch, tmp_path):
     fake_hf_cache(tmp_path / "hub", "someone/tiny-raven", folder)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
