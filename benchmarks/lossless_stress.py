@@ -4,7 +4,8 @@ thread, whatever method drafted it, whatever shared its batch, at whatever threa
     python benchmarks/lossless_stress.py --out runs/lossless_stress --quick
     python benchmarks/lossless_stress.py --out runs/lossless_stress --prompts 8 --models ouro-mid
 
-Cells: method (every method, ``auto``, and ``mixed``: all of them as requests of one ``Engine``) x batch size
+Cells: method (every method, ``auto``, ``mixed``: all of them as requests of one ``Engine``, and ``mixed-overlap``:
+the same with ``Engine(overlap=True)``, each step planned while the one before runs) x batch size
 (``generate_batch(..., max_batch=B)`` of all the prompts; ``mixed``: the Engine's ``max_batch``) x thread count
 (``torch.set_num_threads``) x model x decoding (greedy; sampled: temperature 0.7, the prompt's index as its seed).
 Models (``--models``):
@@ -158,7 +159,7 @@ def decode(model, prompts: list[list[int]], method: str, B: int, mode: str, new:
     import torch
     import dasspec
     opts = dict(SAMPLING) if mode == "sampled" else {}
-    if method != "mixed":
+    if method not in ("mixed", "mixed-overlap"):
         outs = dasspec.generate_batch(model, prompts, method, max_new_tokens=new, eos=False, max_batch=B,
                                       seed=list(range(len(prompts))), **opts)
         return [(i, method, o.tokens) for i, o in enumerate(outs)]
@@ -167,12 +168,14 @@ def decode(model, prompts: list[list[int]], method: str, B: int, mode: str, new:
     plan = [(i % len(prompts), methods[i % len(methods)]) for i in range(count)]
     longest = max(len(p) for p in prompts)
     budget = B * (-(-(longest + new + 320) // BLOCK_SIZE) + 1) * BLOCK_SIZE
-    engine = dasspec.Engine(model, "ar", max_batch=B, kv_budget=budget)
+    engine = dasspec.Engine(model, "ar", max_batch=B, kv_budget=budget, overlap=method == "mixed-overlap")
     with torch.inference_mode():
         rids = [engine.add(prompts[j], method=m, max_new_tokens=new, eos=False, seed=j, **opts) for j, m in plan]
         while engine.has_work:
             engine.step()
-    return [(j, m, engine.result(r).tokens) for (j, m), r in zip(plan, rids)]
+    out = [(j, m, engine.result(r).tokens) for (j, m), r in zip(plan, rids)]
+    engine.close()
+    return out
 
 
 def cpu_info() -> dict:
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"a small run: {QUICK}, the bf16 stack on "
                    f"{QUICK_BF16_METHODS} (options given explicitly win)")
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--methods", default=None, help="default: every method and auto, then mixed")
+    p.add_argument("--methods", default=None, help="default: every method and auto, then mixed and mixed-overlap")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batches", default=None, help="default 1,4,8")
     p.add_argument("--threads", default="1,2")
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def methods_of(model_name: str) -> list[str]:
         given = args.methods or (QUICK_BF16_METHODS if args.quick and model_name == "bf16-stack" else None)
-        return [m.strip() for m in given.split(",")] if given else all_methods + ["mixed"]
+        return [m.strip() for m in given.split(",")] if given else all_methods + ["mixed", "mixed-overlap"]
 
     tag = f"@tie{args.near_tie:g}" if args.near_tie else ""
     plan = [(m + tag, mode, method, B, t) for m in models for mode in modes for method in methods_of(m)
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(t)
         t0 = time.perf_counter()
         try:
-            mixed = [m for m in methods_of(name) if m != "mixed"] or all_methods
+            mixed = [m for m in methods_of(name) if not m.startswith("mixed")] or all_methods
             got = decode(model, prompts, method, B, mode, args.new_tokens, mixed)
             error = None
         except Exception as e:                          # a crash is a finding too: recorded, the run goes on

@@ -380,7 +380,9 @@ class Engine:
             del self._prefix_users[key], self._prefix_caches[key]
 
     def close(self) -> None:
-        """End the executor's process (``executor="process"``) and the host thread (``overlap``)."""
+        """End the executor's process (``executor="process"``) and the host thread (``overlap``).  Requests still
+        running are left as they are (a step in flight under ``overlap`` is not run): step until ``has_work`` is
+        False first to finish them."""
         if self._host is not None:
             self._host.shutdown(wait=True)
             self._host = None
