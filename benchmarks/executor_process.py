@@ -56,6 +56,18 @@ def one_run(model, prompts: list[list[int]], method: str, B: int, executor: str,
     return {"seconds": seconds, "steps": steps, "host": host, "tokens": tokens}
 
 
+def model_and_prompts(name: str, args) -> tuple:
+    """``bundled``, or ``ouro-mid`` (``auto_speed.py``'s builder, into ``args.work``), with the first ``args.prompts``
+    GSM8K test questions (``args.data``) as its token ids (``overlap.py`` uses it too)."""
+    if name == "bundled":
+        model = dasspec.load_model()
+    else:
+        from auto_speed import build_ouro
+        model = dasspec.load_model(str(build_ouro(args.ouro_src, args.work / name, 512)))
+    lines = (args.data / "gsm8k" / "test.jsonl").read_text().splitlines()[: args.prompts]
+    return model, [model.tokenizer.encode(json.loads(line)["question"]) for line in lines]
+
+
 def round_trip_ms(model, n: int = 200) -> float:
     """The pipe alone: the median time to send an empty plan to the executor's process and get its output back."""
     from dasspec.engine.base.contract import StepPlan
@@ -82,17 +94,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = (args.data / "gsm8k" / "test.jsonl").read_text().splitlines()[: args.prompts]
-    questions = [json.loads(line)["question"] for line in lines]
     rows = []
     for name in args.models.split(","):
-        if name == "bundled":
-            model = dasspec.load_model()
-        else:
-            from auto_speed import build_ouro
-            model = dasspec.load_model(str(build_ouro(args.ouro_src, args.work / name, 512)))
-        tok = model.tokenizer
-        prompts = [tok.encode(q) for q in questions]
+        model, prompts = model_and_prompts(name, args)
         rt = round_trip_ms(model)
         print(f"{name}: an empty plan's round trip {rt:.3f} ms", flush=True)
         for method in METHODS:

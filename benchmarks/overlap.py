@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import dasspec  # noqa: E402
 from dasspec.engine.api.engine import Engine  # noqa: E402
+from executor_process import model_and_prompts  # noqa: E402
 
 ARMS = [("local", False), ("local", True), ("process", False), ("process", True)]
 
@@ -72,8 +72,6 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = (args.data / "gsm8k" / "test.jsonl").read_text().splitlines()[: args.prompts]
-    questions = [json.loads(line)["question"] for line in lines]
     rows = []
     for name in args.models.split(","):
         if name == "tiny":
@@ -83,12 +81,7 @@ def main() -> None:
             prompts = [torch.randint(2, 256, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
                        for _ in range(args.tiny_prompts)]
         else:
-            if name == "bundled":
-                model = dasspec.load_model()
-            else:
-                from auto_speed import build_ouro
-                model = dasspec.load_model(str(build_ouro(args.ouro_src, args.work / name, 512)))
-            prompts = [model.tokenizer.encode(q) for q in questions]
+            model, prompts = model_and_prompts(name, args)
         for method in args.methods.split(","):
             for B in ((len(prompts),) if name == "tiny" else (1, len(prompts))):
                 runs = []

@@ -268,7 +268,7 @@ class Engine:
             t2 = time.perf_counter()
             self.execute_seconds += t2 - t1
             t0 += t2 - t1
-            self._apply(plan, out)
+            self._process(*self._apply(plan, out))
         self._idle()
         self.host_seconds += time.perf_counter() - t0
         return self.take_events()
@@ -307,9 +307,9 @@ class Engine:
         try:
             nxt = job.result()
         except BaseException:                         # the step ran: its outcome is applied, then the error raised
-            self._process(*self._apply(done, out, process=False))
+            self._process(*self._apply(done, out))
             raise
-        self._pending = self._apply(done, out, process=False)
+        self._pending = self._apply(done, out)
         self._drop_unused_caches()                    # (the executor is done with the plan that named them)
         if not nxt.empty:
             self._inflight = nxt
@@ -349,15 +349,11 @@ class Engine:
         plan.release, self._release = self._release, []
         return plan
 
-    def _apply(self, plan: StepPlan, out, process: bool = True):
-        """Apply a step's output to the scheduler; its outputs (events, streamers) now, or later (``_process``)."""
+    def _apply(self, plan: StepPlan, out) -> tuple:
+        """Apply a step's output to the scheduler; returns what ``_process`` turns into events and streams."""
         self.output.measured(out)
         committed, finished = self.scheduler.update(plan, out)
-        stopped = self.scheduler.stopped()
-        if process:
-            self._process(committed, finished, stopped)
-            return None
-        return committed, finished, stopped
+        return committed, finished, self.scheduler.stopped()
 
     def _process(self, committed, finished, stopped) -> None:
         """Events and streamers of an applied step: its tokens, then the requests that ended (by their stop rule,

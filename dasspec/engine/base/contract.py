@@ -103,6 +103,11 @@ class Work:
     cap: int | None = None
     keep: int | None = None            # its table keeps only its first ``keep`` blocks (scratch handed back)
 
+    @property
+    def most(self) -> int:
+        """The most tokens its verification may commit: its room, and at most one past its cap of proposals."""
+        return self.room if not self.cap else min(self.room, self.cap + 1)
+
 
 @dataclass
 class StepPlan:

@@ -9,15 +9,16 @@ import torch
 
 
 class Lap:
-    """The seconds of the work between ``start()`` and ``stop()``: host time on a CPU; on CUDA two events recorded
-    on the current stream, read by ``seconds()`` only once the device has passed the second (after the engine's one
-    synchronisation per step), so timing a drafter never stalls the host."""
+    """The seconds of the work between ``start()`` and ``stop()`` on ``device``: on a CUDA device two events recorded
+    on its current stream, read by ``seconds()`` only once the device has passed the second (after the engine's one
+    synchronisation per step), so timing a drafter never stalls the host; otherwise (a CPU, or None: host work) the
+    host ``clock``."""
 
     __slots__ = ("cuda", "clock", "device", "_a", "_b", "_t")
 
-    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter, device=None):
-        """``device``: the CUDA device whose current stream the events are recorded on (the model's)."""
-        self.cuda, self.clock, self.device = cuda, clock, device
+    def __init__(self, device: torch.device | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.clock, self.device = clock, device
         self._a = self._b = None
         self._t = 0.0
 

@@ -35,8 +35,8 @@ class StepClock:
     CUDA its laps are events read once at the step's end (the step's verification already waited for the device
     when its verdicts came to the host)."""
 
-    def __init__(self, out: StepOutput, cuda: bool, device=None):
-        self.out, self.cuda, self.device = out, cuda, device
+    def __init__(self, out: StepOutput, device: torch.device):
+        self.out, self.device = out, device
         self._laps: list[tuple[Phase, list[Request], Lap]] = []
 
     @contextmanager
@@ -44,7 +44,7 @@ class StepClock:
         if not reqs:
             yield
             return
-        lap = Lap(self.cuda, device=self.device).start()
+        lap = Lap(self.device).start()
         yield
         self._laps.append((phase, reqs, lap.stop()))
 
@@ -96,10 +96,10 @@ class Executor:
         out = StepOutput()
         for rid in plan.release:
             self.release(rid)
-        clock = self._clock = StepClock(out, self.model.device.type == "cuda", self.model.device)
-        self._pass = None
+        clock = self._clock = StepClock(out, self.model.device)
+        verified = None
         try:
-            self._execute(plan, out)
+            verified = self._execute(plan, out)
         finally:
             clock.settle()
             for rid, req in self.requests.items():           # what each request spent, and its trace
@@ -108,14 +108,16 @@ class Executor:
                     o.counts, req.counts = req.counts, Counts()
                     if req.trace:
                         o.trace, req.trace = req.trace, []
-        if self._pass is not None:                   # what the pass cost, to the drafters that drafted for it
-            drafters, n, prefill_rows = self._pass
-            timing = PassTiming(out.verify_time, out.rows_verified, n, prefill_rows, out.draft_time)
-            for d in drafters:
+        if verified:                                 # what the pass cost, to the drafters that drafted for it
+            sessions, prefill_rows = verified
+            timing = PassTiming(out.verify_time, out.rows_verified, len(sessions), prefill_rows, out.draft_time)
+            for d in dict.fromkeys(s.drafter for s in sessions if s is not None):
                 d.measured(timing)
         return out
 
-    def _execute(self, plan: StepPlan, out: StepOutput) -> None:
+    def _execute(self, plan: StepPlan, out: StepOutput) -> tuple[list, int] | None:
+        """Run the plan; returns the verification pass's sessions (None for a request not asked to draft) and the
+        prompt rows that rode in it, or None when no pass ran."""
         # (requests whose setup failed are skipped: a plan made beside that step - ``overlap`` - still names them,
         # and the scheduler ends them once the step is applied)
         for rid in plan.swap_out:                     # before anything else writes the blocks they held
@@ -130,7 +132,6 @@ class Executor:
             fresh = [b for w in plan.work for b in w.new_blocks] + [b for _, bl in plan.swap_in for b in bl]
             shared = {b for s in plan.start for b in self._shared_blocks(plan, s)}
             self._zero([b for b in fresh if b not in shared])
-        failed = set()
         for s in plan.start:
             try:
                 table = BlockTable(self.pool.B, self.pool.blocks_for(s.max_rows) * self.pool.B, self.model.device,
@@ -142,7 +143,6 @@ class Executor:
                               choose=s.sampling or greedy, exit=s.exit, deadline=s.deadline)
             except Exception as err:              # noqa: BLE001 - this request fails, the others go on
                 out.failed.append((s.id, f"{type(err).__name__}: {err}"))
-                failed.add(s.id)
                 self._failed.add(s.id)
                 continue
             req.trace = [] if s.trace else None
@@ -162,7 +162,7 @@ class Executor:
                 table.truncate(w.keep)
             table.append(w.new_blocks)
         for s in plan.start:                          # shared rows are in place; copied ones are copied now
-            if s.id in failed:
+            if s.id in self._failed:
                 continue
             req = self.requests[s.id]
             rows = s.cached
@@ -189,19 +189,17 @@ class Executor:
             elif w.id in self.sessions:
                 if req.budget <= 0:                   # planned before its last step was applied: it has ended
                     continue
-                req.room = min(req.budget, w.room if not w.cap else min(w.room, w.cap + 1))
+                req.room = min(req.budget, w.most)
                 req.cap = w.cap
                 req.closed = plan.closed
                 s = self.sessions[w.id]
                 sessions.append(s)
                 out_of[s] = req
         if not sessions and not chunks and not sliced:
-            return
+            return None
         clock = self._clock
         verified, first = loop_step(sessions, out_of, chunks, clock) if sessions or chunks else ([], [])
-        if verified:
-            drafting = {s.drafter: None for s, _, _ in verified if s is not None}
-            self._pass = (list(drafting), len(verified), sum(c.size for c in chunks))
+        passed = ([s for s, _, _ in verified], sum(c.size for c in chunks)) if verified else None
         for s, p, v in verified:
             o = out.requests[p.req.rid]
             o.tokens = list(v.tokens)
@@ -230,6 +228,7 @@ class Executor:
             with clock(Phase.DRAFT, [c.req]):
                 self.sessions[rid] = self.drafters[rid].start(DraftContext(c.req))
         out.rows_drafted = sum(r.counts.draft_updates for r in self.requests.values())
+        return passed
 
     def _shared_blocks(self, plan: StepPlan, s) -> list[int]:
         w = next((w for w in plan.work if w.id == s.id), None)

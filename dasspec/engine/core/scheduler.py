@@ -255,12 +255,8 @@ class Scheduler:
             e.flight.pop(plan.step, None)
         running = {x.id: x for x in self.running}
         for s in reversed(plan.start):
-            e = running.get(s.id)
-            if e is not None:
-                self.pool.free(e.blocks)
-                e.blocks, e.computed, e.depth_done, e.cached, e.status = [], 0, 0, 0, Status.WAITING
-                self.running.remove(e)
-                self.waiting.appendleft(e)
+            if s.id in running:
+                self._unstart(running[s.id])
 
     def _assume(self, plan: StepPlan) -> None:
         """Record per request what the plan will do that the next plan may count on before this one's outcome is
@@ -278,9 +274,8 @@ class Scheduler:
                 first = 1 if complete and b == e.P else 0
                 e.flight[plan.step] = (rows, first, first)
             else:
-                room = w.room if not w.cap else min(w.room, w.cap + 1)
                 # the most it may commit: what its blocks back past the fewest rows it may hold when the step runs
-                e.flight[plan.step] = (0, 1, max(1, min(room, len(e.blocks) * B - e.n_least)))
+                e.flight[plan.step] = (0, 1, max(1, min(w.most, len(e.blocks) * B - e.n_least)))
 
     def _grow(self, e: Entry, rows: int, plan: StepPlan, planned: dict, spare: bool = False,
               preempt: bool = True) -> list[int] | None:
@@ -314,13 +309,18 @@ class Scheduler:
         started = [s for s in plan.start if s.id == e.id]
         if started:                            # admitted this very step: nothing was computed, start over
             plan.start.remove(started[0])
-            self.pool.free(e.blocks)
-            e.blocks, e.computed, e.depth_done, e.status = [], 0, 0, Status.WAITING
-            e.cached = 0
-        else:
-            plan.swap_out.append(e.id)          # a depth slice in flight is dropped: its block starts over
-            self.pool.free(e.blocks)
-            e.blocks, e.depth_done, e.status = [], 0, Status.SWAPPED
+            self._unstart(e)
+            return
+        plan.swap_out.append(e.id)              # a depth slice in flight is dropped: its block starts over
+        self.pool.free(e.blocks)
+        e.blocks, e.depth_done, e.status = [], 0, Status.SWAPPED
+        self.running.remove(e)
+        self.waiting.appendleft(e)
+
+    def _unstart(self, e: Entry) -> None:
+        """Undo an admission whose plan never ran: its blocks back, its prompt rows none, first in the queue."""
+        self.pool.free(e.blocks)
+        e.blocks, e.computed, e.depth_done, e.cached, e.status = [], 0, 0, 0, Status.WAITING
         self.running.remove(e)
         self.waiting.appendleft(e)
 

@@ -132,13 +132,11 @@ class AutoDrafter(Drafter):
         self.last: tuple[int, int, int, float] | None = None   # the last step: sessions, tokens, rows, drafting s
         self._laps: list[tuple[str, int, Lap]] = []          # this step's drafting, per arm and group
         self.bound = False
-        self.cuda = False
-        self.device = None
+        self.device = None                       # the model's: drafting laps are timed on it
 
     # -- building --
     def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
         """Build the sub-drafters on ``model`` and size DAS-Wave's window from the calibration."""
-        self.cuda = model.device.type == "cuda"
         self.device = model.device
         R = model.depth(num_steps)
         sizing = None
@@ -281,7 +279,7 @@ class AutoDrafter(Drafter):
                 if sessions[i].prev != arm and hasattr(sub, "copying"):
                     sub.copying = False           # DAS-Wave's copy run follows its own last block only
             self.budget.drafted[arm] = self.budget.elapsed
-            lap = Lap(self.cuda and arm not in LOOKUP, self.clock, self.device).start()    # a lookup's drafting is host work
+            lap = Lap(None if arm in LOOKUP else self.device, self.clock).start()    # a lookup's drafting is host work
             got = self.subs[arm].propose_batch(subs)
             self._laps.append((arm, len(idx), lap.stop()))
             for i, dr in zip(idx, got):
