@@ -7,6 +7,7 @@ defaults.  No timing assertions: the choice tests run on a simulated clock."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -69,10 +70,13 @@ def test_random_checkpoints_match_ar(family: str) -> None:
         outs = dasspec.generate_batch(model, prompts, "auto", max_new_tokens=20, eos=False, max_batch=3,
                                       seed=list(range(len(prompts))), explore=1.0, **opts)
         assert [o.tokens for o in outs] == refs, (family, sampled)
-        # the same on a clock that ticks per reading, so the choices are deterministic: several drafters' drafts
-        # are verified, not only AR steps
+        # the same on a clock that ticks per reading and passes priced by their rows, so the choices are
+        # deterministic: several drafters' drafts are verified, not only AR steps
         ticking = build_drafter(model, "auto", {"explore": 1.0, "calibrate": False}, sampled=sampled)
         ticking.clock = TickClock()
+        # the executor's measured pass, replaced by the uncalibrated shape of its rows (4 + rows, 5 ms a unit)
+        measured = ticking.measured
+        ticking.measured = lambda t: measured(replace(t, seconds=5e-3 * (4 + t.rows), draft_seconds=0.0))
         outs = dasspec.generate_batch(model, prompts, drafter=ticking, max_new_tokens=20, eos=False, max_batch=3,
                                       seed=list(range(len(prompts))), **opts)
         assert [o.tokens for o in outs] == refs, (family, sampled)

@@ -286,7 +286,7 @@ class AutoDrafter(Drafter):
                 drafts[i] = dr
         out = []
         for s, dr in zip(sessions, drafts):
-            s.earnings.shadow(s.subs, s.arm, len(s.ctx.generated), s.ctx.room, self.costs.add_draft)
+            s.earnings.shadow(s.subs, s.arm, len(s.ctx.generated), s.ctx.room, self.costs.add_draft, self.clock)
             out.append(replace(dr, notes={**(dr.notes or {}), **_notes(s.choice, s.seen)}))
         self.groups_last = {arm: len(idx) for arm, idx in groups.items()}
         return out

@@ -6,7 +6,6 @@ matching what was committed, plus one) are known exactly once the next tokens ar
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from .costs import LOOKUP, ema
@@ -82,17 +81,17 @@ class Earnings:
         self.pending.pop(arm, None)
 
     def shadow(self, subs: dict, used: str, generated: int, room: int,
-               charge: Callable[[str, float], None]) -> None:
-        """Ask each lookup arm not ``used`` this step for its draft (host work only, ``charge``d to its drafting
-        cost) and keep it, to score once the next tokens are committed."""
+               charge: Callable[[str, float], None], clock: Callable[[], float]) -> None:
+        """Ask each lookup arm not ``used`` this step for its draft (host work only, timed by ``clock`` and
+        ``charge``d to its drafting cost) and keep it, to score once the next tokens are committed."""
         if room <= 1:                      # an empty draft would score as a miss
             return
         for arm in LOOKUP:
             if arm not in subs or arm == used or arm in self.pending:
                 continue
-            t0 = time.perf_counter()
+            t0 = clock()
             draft = subs[arm].propose()
-            charge(arm, time.perf_counter() - t0)
+            charge(arm, clock() - t0)
             if draft.layout is not None:              # a tree (SAM's static corpus): not scored off-policy
                 continue
             toks = draft.tokens
