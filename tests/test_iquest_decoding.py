@@ -70,17 +70,22 @@ def test_every_method_equals_ar_greedy_and_sampled_alone_and_batched(model):
 
 
 def test_every_method_equals_ar_with_shared_prompt_blocks(model):
-    """Six requests behind a 32-token prefix (2 blocks of 16, 4 windows): later ones share the first's blocks -
-    loop 1's and loop 2's rows alike - and every answer is still its own AR decode."""
+    """Six requests behind a 32-token prefix (2 blocks of 16, 4 windows), in an engine that keeps every loop's
+    rows (``window_kv=False``; the windowed pool shares no prompt blocks: tests/test_window_kv.py): later ones share
+    the first's blocks - loop 1's and loop 2's rows alike - and every answer is still its own AR decode."""
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, model.config.vocab_size, (8,), generator=g).repeat(4).tolist()
     ps = [prefix + torch.randint(2, model.config.vocab_size, (int(n),), generator=g).tolist()
           for n in torch.randint(1, 9, (6,), generator=g)]
     refs = [dasspec.generate(model, p, "ar", max_new_tokens=12, eos=False).tokens for p in ps]
-    for method, knobs in [("ar", {}), ("self-spec", {}), ("das-wave", {}), ("pld", {}), ("auto", {})]:
-        eng_outs = dasspec.generate_batch(model, ps, method, max_batch=3, max_new_tokens=12, eos=False, **knobs)
-        assert [o.tokens for o in eng_outs] == refs, method
-        assert sum(o.stats.cached_tokens for o in eng_outs) >= 3 * 32, method
+    for method in ("ar", "self-spec", "das-wave", "pld", "auto"):
+        engine = Engine(model, method, max_batch=3, window_kv=False)
+        ids = [engine.add(p, max_new_tokens=12, eos=False) for p in ps]
+        while engine.has_work:
+            engine.step()
+        outs = [engine.result(i) for i in ids]
+        assert [o.tokens for o in outs] == refs, method
+        assert sum(o.stats.cached_tokens for o in outs) >= 3 * 32, method
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])

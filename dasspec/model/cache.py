@@ -10,6 +10,13 @@ The engine's pool (``dasspec.engine.core.blocks``) is one DepthCache allocated o
 sequence holds a ``BlockTable`` (its blocks, and the pool row of each of its rows) and reads and writes the pool
 through a ``PagedCache``, which it uses exactly like a cache of its own.  A ``BatchCache`` hands the layers every
 sequence's views at once (one batched call).
+
+Windowed depths (``window``: IQuest-Loop, whose depths r >= 2 read their own K/V only within the last ``window``
+positions).  A position's depth-r rows then matter to the next ``window`` positions only, so the pool keeps one
+depth per row (``slots`` = 1): a sequence's depth-1 rows (and prelude / coda rows) lie in its ``BlockTable`` as
+above, and each depth r >= 2 in a ``RingTable`` of a few blocks that position p reuses modulo their rows - as many
+as the window and the widest call's rows need.  Reads of the verified prefix at another depth than the call's own
+are then aligned (``PagedCache.core_kv``): the rows they would read past the window are gone.
 """
 
 from __future__ import annotations
@@ -25,34 +32,36 @@ class CacheCapacityError(RuntimeError):
     """The requested generation does not fit in the context or in memory."""
 
 
-def bytes_per_token(cfg: LoopedConfig, R: int, dtype: torch.dtype) -> int:
-    """Bytes of K+V one position occupies: every core layer at every depth, plus prelude and coda layers."""
+def bytes_per_token(cfg: LoopedConfig, R: int, dtype: torch.dtype, window: int | None = None) -> int:
+    """Bytes of K+V one pool row occupies: every core layer at every depth (at one depth with ``window``: a row
+    then holds one depth of a position), plus prelude and coda layers."""
     per_layer = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-    return per_layer * (cfg.n_core * R + cfg.n_prelude + cfg.n_coda)
+    return per_layer * (cfg.n_core * (1 if window else R) + cfg.n_prelude + cfg.n_coda)
 
 
 class DepthCache:
     def __init__(self, cfg: LoopedConfig, R: int, capacity: int, device: torch.device | str,
-                 dtype: torch.dtype, zeroed: bool = False):
-        self.R, self.capacity = R, capacity
+                 dtype: torch.dtype, zeroed: bool = False, window: int | None = None):
+        self.R, self.capacity, self.window = R, capacity, window
+        self.slots = 1 if window else R        # depths a row holds (windowed: depth r's rows are rows of its ring)
         hkv, hd = cfg.n_kv_heads, cfg.head_dim
         shape = (hkv, capacity, hd)
         # Static-shape attention reads every row (masked); rows never written must hold finite values, since a
         # masked weight of 0 times a garbage NaN is still NaN.
         new = torch.zeros if zeroed else torch.empty
         try:
-            self.core_k = new(cfg.n_core, R, *shape, device=device, dtype=dtype)
-            self.core_v = new(cfg.n_core, R, *shape, device=device, dtype=dtype)
+            self.core_k = new(cfg.n_core, self.slots, *shape, device=device, dtype=dtype)
+            self.core_v = new(cfg.n_core, self.slots, *shape, device=device, dtype=dtype)
             self.pre_k = new(cfg.n_prelude, *shape, device=device, dtype=dtype)
             self.pre_v = new(cfg.n_prelude, *shape, device=device, dtype=dtype)
             self.coda_k = new(cfg.n_coda, *shape, device=device, dtype=dtype)
             self.coda_v = new(cfg.n_coda, *shape, device=device, dtype=dtype)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError subclasses RuntimeError
-            need = bytes_per_token(cfg, R, dtype) * capacity
+            per = bytes_per_token(cfg, R, dtype, window)
             raise CacheCapacityError(
-                f"cannot allocate the depth cache: {capacity} positions x {bytes_per_token(cfg, R, dtype)} B/token"
-                f" = {need / 2**20:.1f} MiB on {device} ({err})") from err
-        self.bytes_per_token = bytes_per_token(cfg, R, dtype)
+                f"cannot allocate the depth cache: {capacity} positions x {per} B/token"
+                f" = {per * capacity / 2**20:.1f} MiB on {device} ({err})") from err
+        self.bytes_per_token = bytes_per_token(cfg, R, dtype, window)
         self.n = 0
         self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
 
@@ -89,9 +98,10 @@ class DepthCache:
                 if not 1 <= depth <= self.R:
                     raise ValueError(f"read/store depth {depth} outside 1..R={self.R}")
             K, V = self.core_k[layer], self.core_v[layer]
-            kp, vp = K[kappa - 1], V[nu - 1]
-            ko = kp if ok == kappa else K[ok - 1]
-            vo = vp if ov == nu else V[ov - 1]
+            slot = (lambda d: 0) if self.slots == 1 else (lambda d: d - 1)   # windowed: the table picks the depth
+            kp, vp = K[slot(kappa)], V[slot(nu)]
+            ko = kp if ok == kappa else K[slot(ok)]
+            vo = vp if ov == nu else V[slot(ov)]
             kv = self._views[key] = LayerKV(kp, vp, ko, vo)
         return kv
 
@@ -165,15 +175,50 @@ class BlockTable:
         return blocks
 
 
+class RingTable(BlockTable):
+    """One windowed depth's rows of a sequence (``DepthCache.window``): a few blocks that position p reuses, row p
+    in block ``blocks[(p // B) % len(blocks)]`` at offset p % B.  Every position is "backed"; two positions share a
+    row when they are a multiple of the ring's rows apart, so the ring must hold every position a call may read or
+    write at that depth (``BlockPool.ring_blocks``).  Reads go through ``rows`` (a gather, never a slice)."""
+
+    def __init__(self, block_size: int, max_rows: int, device: torch.device | str, static: bool = False):
+        super().__init__(block_size, max_rows, device, static)
+        self._max_rows = max_rows
+
+    @property
+    def backed(self) -> int:
+        return self._max_rows if self.blocks else 0
+
+    def append(self, blocks: list[int]) -> None:
+        if self.blocks:
+            raise ValueError("a ring's blocks are given once (clear it first)")
+        B = self.B
+        ids = torch.tensor(blocks, dtype=torch.long)
+        p = torch.arange(self._max_rows)
+        self.rows.copy_((ids[(p // B) % len(blocks)] * B + p % B).to(self.rows.device))
+        self.blocks, self.base = list(blocks), None
+
+    def truncate(self, k: int) -> None:
+        raise ValueError("a ring is kept whole while its sequence runs")
+
+    def span_rows(self) -> int:
+        """Positions the ring holds apart (a call may touch at most this many consecutive positions)."""
+        return len(self.blocks) * self.B
+
+
 class PagedCache:
     """A sequence's depth cache in a paged pool (a ``DepthCache`` cut into blocks): the interface of a
     ``DepthCache`` of its own - ``n`` verified rows, ``commit``, ``compact``, per-layer views - over the rows its
     ``BlockTable`` names.  ``capacity``: the rows backed by its blocks now (the engine adds blocks before a step
-    writes past them)."""
+    writes past them).  ``rings`` (a pool with windowed depths): depth r >= 2's ``RingTable``, r = 2..R."""
 
-    def __init__(self, pool: DepthCache, table: BlockTable):
+    def __init__(self, pool: DepthCache, table: BlockTable, rings: list[RingTable] | None = None):
         self.pool, self.table = pool, table
         self.R, self.bytes_per_token = pool.R, pool.bytes_per_token
+        self.window = pool.window
+        if self.window and (rings is None or len(rings) != pool.R - 1):
+            raise ValueError(f"a pool with windowed depths needs one ring per depth 2..{pool.R}")
+        self.rings = rings or []
         self.n = 0
         self._views: dict[tuple, PagedKV] = {}
 
@@ -184,12 +229,16 @@ class PagedCache:
     def tensors(self) -> tuple[Tensor, ...]:
         return self.pool.tensors()
 
-    def _paged(self, key: tuple, pool_kv: LayerKV) -> PagedKV:
+    def table_of(self, depth: int) -> BlockTable:
+        """The table of a core depth's rows."""
+        return self.rings[depth - 2] if self.window and depth > 1 else self.table
+
+    def _paged(self, key: tuple, pool_kv: LayerKV, table: BlockTable | None = None) -> PagedKV:
         """The pool's view of a layer and depths, read and written through this sequence's table (built once)."""
         kv = self._views.get(key)
         if kv is None:
             p = pool_kv
-            kv = self._views[key] = PagedKV(p.k_prefix, p.v_prefix, p.k_own, p.v_own, self.table)
+            kv = self._views[key] = PagedKV(p.k_prefix, p.v_prefix, p.k_own, p.v_own, table or self.table)
         return kv
 
     def prelude_kv(self, layer: int) -> PagedKV:
@@ -199,35 +248,71 @@ class PagedCache:
         return self._paged(("coda", layer), self.pool.coda_kv(layer))
 
     def core_kv(self, layer: int, read: tuple[int, int], own: tuple[int, int]) -> PagedKV:
-        return self._paged((layer, read, own), self.pool.core_kv(layer, read, own))
+        if self.window and (read != own or own[0] != own[1]) and max(*read, *own) > 1:
+            # Windowed depths keep only the window's rows: a call reads the prefix at the depth it stores at (a
+            # Deep K/V draft at depth 1 reads depth 1, the target's own loop-1 rows), keys and values alike.
+            read = own = (own[0], own[0])
+        key = (layer, read, own)
+        kv = self._views.get(key)
+        if kv is None:
+            kv = self._paged(key, self.pool.core_kv(layer, read, own), self.table_of(own[0]))
+        return kv
 
     def commit(self, m: int) -> None:
         if self.n + m > self.capacity:
             raise CacheCapacityError(f"commit past the {self.capacity} rows backed by blocks")
         self.n += m
 
+    def _depth_tables(self) -> list[tuple[list[Tensor], BlockTable]]:
+        """(pool tensors, the table their rows go through): one pair, or depth 1 and each ring apart."""
+        pool = self.pool
+        if not self.window:
+            return [(list(pool.tensors()), self.table)]
+        return [([pool.core_k, pool.core_v, pool.pre_k, pool.pre_v, pool.coda_k, pool.coda_v], self.table)] + [
+            ([pool.core_k, pool.core_v], ring) for ring in self.rings]
+
     def compact(self, rows: Tensor) -> None:
         """Commit scratch rows ``rows`` (ascending, each >= n) as rows [n, n + len(rows)) at every depth."""
         m = int(rows.numel())
         n = self.n
-        src, dst = self.table.rows[rows], self.table.rows[n: n + m]
-        for t in self.pool.tensors():
-            t.index_copy_(-2, dst, t.index_select(-2, src))
+        for tensors, table in self._depth_tables():
+            src, dst = table.rows[rows], table.rows[n: n + m]
+            for t in tensors:
+                t.index_copy_(-2, dst, t.index_select(-2, src))
         self.commit(m)
 
+    def check_ring(self, end: int) -> None:
+        """A call over rows up to ``end`` must find every row it reads or writes at a windowed depth in the rings:
+        rows [n - window + 1, end) in one ring's span (else two of them share a row)."""
+        if end - self._kept(self.n) > self.rings[0].span_rows():
+            raise CacheCapacityError(
+                f"rows [{self._kept(self.n)}, {end}) of a windowed depth do not fit its ring of "
+                f"{self.rings[0].span_rows()} rows (the engine sizes rings for its steps' widest calls)")
+
+    def _kept(self, n: int) -> int:
+        """The first verified row a windowed depth still needs (rows before it are never read again)."""
+        return max(0, n - self.window + 1)
+
     def save(self, device: torch.device | str = "cpu") -> list[Tensor]:
-        """The verified rows [0, n) at every depth, copied off the pool (a preempted sequence swapped out)."""
-        idx = self.table.rows[: self.n]
-        return [t.index_select(-2, idx).to(device) for t in self.pool.tensors()]
+        """The verified rows [0, n) at every depth (a windowed depth's last ``window`` - 1 of them), copied off the
+        pool (a preempted sequence swapped out)."""
+        out = []
+        for i, (tensors, table) in enumerate(self._depth_tables()):
+            idx = table.rows[(self._kept(self.n) if i else 0): self.n]
+            out += [t.index_select(-2, idx).to(device) for t in tensors]
+        return out
 
     def restore(self, saved: list[Tensor]) -> None:
         """Write rows saved by ``save`` back as this (empty) cache's verified prefix."""
         m = saved[0].shape[-2]
         if m > self.table.backed:
             raise ValueError(f"{m} saved rows do not fit the {self.table.backed} rows its blocks back")
-        idx = self.table.rows[:m]
-        for t, s in zip(self.pool.tensors(), saved):
-            t.index_copy_(-2, idx, s.to(t.device))
+        at = 0
+        for i, (tensors, table) in enumerate(self._depth_tables()):
+            idx = table.rows[(self._kept(m) if i else 0): m]
+            for t in tensors:
+                t.index_copy_(-2, idx, saved[at].to(t.device))
+                at += 1
         self.n = m
 
 

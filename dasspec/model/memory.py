@@ -58,10 +58,10 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_cache_fits(model: LoopedLM, R: int, positions: int, advice: str) -> None:
+def check_cache_fits(model: LoopedLM, R: int, positions: int, advice: str, window: int | None = None) -> None:
     """Raise ``CacheCapacityError`` naming the memory needed when a depth cache of ``positions`` rows at depth R
     would take more than 90% of the device's free memory (before allocating anything)."""
-    per = bytes_per_token(model.config, R, model.dtype)
+    per = bytes_per_token(model.config, R, model.dtype, window)
     need, free = per * positions, available_memory(model.device)
     if free is not None and need > 0.9 * free and not os.environ.get("DASSPEC_IGNORE_MEMORY"):
         raise CacheCapacityError(

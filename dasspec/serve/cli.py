@@ -63,6 +63,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--overlap", action="store_true",
                    help=next(f for f in dataclasses.fields(ServeOptions) if f.name == "overlap").metadata["help"])
+    p.add_argument("--full-depth-kv", action="store_true",
+                   help=next(f for f in dataclasses.fields(ServeOptions) if f.name == "full_depth_kv").metadata["help"])
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; beyond it the server answers 429 at once")
     p.add_argument("--max-tokens-cap", type=int, default=None,
@@ -166,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = None if args.speculate_up_to is None else SpeculationPolicy(off_above=args.speculate_up_to)
     service = Service(model, ServeOptions(model_name=name, method=args.method, knobs=knobs, max_queue=args.max_queue,
                                           max_tokens_cap=args.max_tokens_cap, runtime=runtime_from_args(args),
-                                          policy=policy, overlap=args.overlap, **options))
+                                          policy=policy, overlap=args.overlap,
+                                          full_depth_kv=args.full_depth_kv, **options))
     if args.warmup:       # first-call costs (allocator, kernels) before the first client, not in its latency
         service.warmup()
     print(f"dasspec serve: {name} ({model.config.family}, R={service.depth}, context {service.context}) with "

@@ -92,6 +92,10 @@ class ServeOptions:
         "plan each decode step while the one before it runs, and make its events meanwhile (the same tokens; the "
         "engine's own work leaves the critical path - worth it where steps are short and requests many, as on a "
         "GPU; on a CPU within the noise, docs/performance.md)")})
+    full_depth_kv: bool = field(default=False, metadata={"help": (
+        "on a model whose loops >= 2 attend within a window (IQuest-Loop), keep every loop's K/V of every position "
+        "instead of only the window's (about twice the pool memory at T = 2), so that requests that start alike "
+        "share their prompt blocks; other models keep every depth anyway")})
     request_timeout: float | None = field(default=None, metadata={"help": (
         "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})
@@ -245,7 +249,7 @@ class Service(Frontend):
         self.engine = Engine(model, self.method, {**options.knobs}, runtime=options.runtime,
                              max_batch=options.max_batch, kv_budget=options.kv_budget, policy=options.policy,
                              max_step_tokens=options.max_step_tokens, drafters=self.drafters,
-                             overlap=options.overlap)
+                             overlap=options.overlap, window_kv=not options.full_depth_kv)
         self.worker = DecodeWorker(self.engine, options.max_queue, self.metrics, options.request_timeout)
 
     def warmup(self) -> None:

@@ -43,7 +43,7 @@ from ...model.memory import available_memory, reset_peak_memory
 from ..base.contract import Status, StepPlan, StopReason
 from ..base.request import pool_share, rows_needed
 from ..base.runtime import DEFAULT, Runtime
-from ..core.blocks import BLOCK_SIZE, BlockPool, prefix_salt
+from ..core.blocks import BLOCK_SIZE, BlockPool, call_rows, prefix_salt, ring_blocks
 from ..core.drafters import DrafterCache
 from ..core.executor import Executor
 from ..core.policy import SpeculationPolicy
@@ -60,7 +60,8 @@ MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
 
 
-def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block_size: int = BLOCK_SIZE) -> int:
+def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block_size: int = BLOCK_SIZE,
+                      window: int | None = None) -> int:
     """``max_batch`` requests of the whole context (``pool_share`` each), or as many positions as ``MEMORY_SHARE``
     of the free memory holds, whichever is less (a larger request is then refused with a message naming
     kv_budget)."""
@@ -69,7 +70,7 @@ def default_kv_budget(model: LoopedLM, R: int, max_batch: int, width: int, block
     free = available_memory(model.device)
     if free is None:
         return want
-    return max(1, min(want, int(MEMORY_SHARE * free // bytes_per_token(model.config, R, model.dtype))))
+    return max(1, min(want, int(MEMORY_SHARE * free // bytes_per_token(model.config, R, model.dtype, window))))
 
 
 class Engine:
@@ -78,7 +79,7 @@ class Engine:
                  kv_budget: int | None = None, block_size: int = BLOCK_SIZE, max_step_tokens: int = MAX_STEP_TOKENS,
                  policy: SpeculationPolicy | None = None, tokenizer=None, drafter: Drafter | None = None,
                  drafters: DrafterCache | None = None, closed: bool = False, executor: str = "local",
-                 overlap: bool = False):
+                 overlap: bool = False, window_kv: bool = True):
         """``closed``: every request is added before the first step and the caller takes the results together
         (generate_batch) - drafters that weigh speed then plan for the batch's end (``DraftContext.closed``); a
         server leaves it False.  ``executor``: "local" (in this process) or "process" (the model, its cache and
@@ -87,11 +88,15 @@ class Engine:
         outputs while step n + 1 does - the plan counts on what step n surely does (its prompt rows; at least one
         token of each decoding request) and backs the most it may commit; a request that step n ends runs one
         wasted step whose tokens are dropped.  The tokens are the same; ``step`` returns each step's events one call
-        later."""
+        later.  ``window_kv``: on a model whose depths r >= 2 read their own K/V within a window (IQuest-Loop), keep
+        only the window's rows of those depths (a ring per request, on top of ``kv_budget``; no prompt-block
+        sharing, and a draft reads the prefix at its own depth: ``core/blocks.py``); False keeps every depth of every
+        row."""
         if executor not in ("local", "process"):
             raise ValueError(f"executor must be 'local' or 'process', got {executor!r}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        for name, v in (("overlap", overlap), ("window_kv", window_kv)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
         self.overlap = overlap
         self._inflight: StepPlan | None = None  # overlap: the plan the executor runs next
         self._pending = None                    # overlap: an applied step's outputs, processed beside the next
@@ -117,18 +122,26 @@ class Engine:
         else:
             self.method, self.knobs = method, dict(knobs or {})
             self._default = self.drafter(method, self.knobs)  # the default method's knobs fail here, not later
+        window = model.family.kv_window(model.config) if window_kv and self.R > 1 else None
+        self.window = window or None
         if kv_budget is None:
-            kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size)
+            kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size, self.window)
+        if self.window:                                       # the running requests' rings, on top
+            d = self._default
+            kv_budget += max_batch * block_size * ring_blocks(
+                self.window, self.R, block_size, call_rows(block_size, d.width, getattr(d, "reach", None) or 0))
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
         self._prefix_caches: dict[int, object] = {}         # by id: what a plan's prefix-cache copies name
         self._prefix_users: Counter[int] = Counter()         # requests not yet finished that use each
         self.remote = executor == "process"
         if self.remote:                                      # the books here, the rows in the executor's process
-            self.pool = BlockPool.accounting(kv_budget, block_size, bytes_per_token(model.config, self.R, model.dtype))
-            self.executor = RemoteExecutor(model, self.R, kv_budget, block_size, self.runtime)
+            self.pool = BlockPool.accounting(kv_budget, block_size,
+                                             bytes_per_token(model.config, self.R, model.dtype, self.window),
+                                             self.R, self.window)
+            self.executor = RemoteExecutor(model, self.R, kv_budget, block_size, self.runtime, self.window)
         else:
-            self.pool = BlockPool(model, self.R, kv_budget, block_size)
+            self.pool = BlockPool(model, self.R, kv_budget, block_size, self.window)
             self.runtime.prepare_cache(self.pool.tensors())
             self.executor = Executor(model, self.R, self.pool, self.runtime, self.drafters, self._prefix_caches)
         self.scheduler = Scheduler(self.pool, max_batch, max_step_tokens, policy, R=self.R, closed=closed)
@@ -200,6 +213,9 @@ class Engine:
                              f"{P + rule.max_new_tokens} exceeds the model context of {ctx} positions")
         if not (isinstance(init_scale, (int, float)) and init_scale >= 0 and init_scale == init_scale):
             raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
+        if prefix_cache is not None and self.window:
+            raise ValueError("this engine keeps only the window's rows of the model's depths >= 2 (window_kv): a "
+                             "prefix cache cannot hold them; build the engine with window_kv=False to use one")
         if prefix_cache is not None:
             prefix_cache.check(self.model, self.R, init_scale, state_seed, self.pool.B, exit, self.runtime)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):

@@ -70,7 +70,8 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     else:
         check_kept(model, drafter, R)
     rows = rows_needed(model.config.block_size, len(prompt), max_new_tokens, drafter.width)
-    engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer)
+    engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer,
+                    window_kv=prefix_cache is None)
     with torch.inference_mode():
         rid = engine.add(prompt, max_new_tokens=max_new_tokens, stop=stop, eos=eos, seed=seed, state_seed=state_seed,
                          init_scale=init_scale,
@@ -189,7 +190,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                       reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
-                    tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True)
+                    tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True,
+                    window_kv=all(pc is None for pc in prefixes))
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, state_seed=state_seed, init_scale=init_scale,
                            do_sample=do_sample,

@@ -62,7 +62,8 @@ class PrefixCache:
         self.runtime = runtime or DEFAULT
         self.threads = torch.get_num_threads()      # torch's kernels (not ours) may round by thread count
         self.engine = Engine(model, "ar", num_steps=self.R, runtime=self.runtime, max_batch=1,
-                             kv_budget=m + 2 * block_size, block_size=block_size, max_step_tokens=max(m, block_size))
+                             kv_budget=m + 2 * block_size, block_size=block_size, max_step_tokens=max(m, block_size),
+                             window_kv=False)        # every depth of every row: what an engine's pool copies
         rid = self.engine.add(tokens, max_new_tokens=1, eos=False, init_scale=init_scale, state_seed=state_seed)
         with torch.inference_mode():
             while self.engine.has_work:

@@ -115,6 +115,8 @@ class StepPlan:
     start: list[StartRequest] = field(default_factory=list)
     swap_out: list[int] = field(default_factory=list)     # rows to host memory, blocks released, state kept
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (id, blocks to restore its rows into)
+    rings: dict[int, list[int]] = field(default_factory=dict)   # windowed depths: the rings of requests that start
+                                                                # or are swapped in (``core/blocks.py``)
     work: list[Work] = field(default_factory=list)
     release: list[int] = field(default_factory=list)      # finished or aborted since the last plan: state dropped
     closed: bool = False               # a closed batch (``Scheduler.closed``) in which no request waits for a slot

@@ -133,6 +133,8 @@ class Request:
     def span(self, start: int, W: int, positions: Tensor | None = None, mask: Tensor | None = None) -> Span:
         """The model span for queries at rows [start, start+W) over the current verified prefix (the static-shape
         form when the runtime asks for it)."""
+        if self.cache.rings:
+            self.cache.check_ring(start + W)
         return self.model.span(self.cache.n, start, W, positions=positions, mask=mask,
                                static_capacity=self.cache.table.capacity if self.runtime.static_shapes else None)
 

@@ -13,6 +13,12 @@ own attention segment (``executor.py``), so a block's rows depend on its key alo
 nobody references stays cached, keyed, until its memory is needed (least recently freed first).
 
 Block 0 is the null block: never handed out, zeroed, where rows not yet backed point (static-shape reads).
+
+Windowed depths (``window``; ``model/cache.py``): a block then holds its B positions at one depth.  A request's
+depth-1 blocks are handed out as above; each depth r >= 2 takes a ring of ``ring_blocks`` blocks when the request
+starts (or is swapped back in) and returns it when it ends - what the window and its widest call need, however long
+the request grows.  Prompt blocks are not shared then: a later request would need the depth-r rows of the shared
+prompt's last ``window`` positions, which its ring does not hold.
 """
 
 from __future__ import annotations
@@ -27,6 +33,24 @@ from ...model.looped import LoopedLM
 from ...model.memory import check_cache_fits, format_bytes
 
 BLOCK_SIZE = 16     # positions per block (docs/performance-journal.md, "Choosing the block size")
+# Prompt rows one step prefills of a request whose depths are windowed: each windowed depth's ring holds them and the
+# window before them, so a longer chunk costs ring memory for every running request (docs/families.md).
+WINDOW_PREFILL_ROWS = 64
+
+
+def call_rows(B: int, width: int, reach: int = 0) -> int:
+    """The most rows one step writes for a request whose depths are windowed: a prompt chunk
+    (``WINDOW_PREFILL_ROWS``, whole blocks), or its anchor and its drafter's longest scratch."""
+    return max(-(-WINDOW_PREFILL_ROWS // B) * B, 1 + max(width, reach))
+
+
+def ring_blocks(window: int | None, R: int | None, B: int, call_rows: int) -> int:
+    """Blocks of a request's rings (every windowed depth's; 0 without windowed depths) when no call of it writes
+    more than ``call_rows`` rows: a call at position n reads depth r's rows from n - window + 1 and writes up to
+    n + call_rows - 1, so a ring must hold window - 1 + call_rows positions apart."""
+    if not window:
+        return 0
+    return (R - 1) * -(-(window - 1 + call_rows) // B)
 
 
 def prefix_salt(R: int, init_scale: float, state_seed: int, exit, dtype, B: int) -> bytes:
@@ -45,28 +69,34 @@ def block_keys(tokens: list[int], B: int, salt: bytes, count: int) -> list[bytes
 
 
 class BlockPool:
-    def __init__(self, model: LoopedLM, R: int, positions: int, block_size: int = BLOCK_SIZE):
-        self._books(positions, block_size, bytes_per_token(model.config, R, model.dtype))
+    def __init__(self, model: LoopedLM, R: int, positions: int, block_size: int = BLOCK_SIZE,
+                 window: int | None = None):
+        """``positions``: pool rows (with ``window``, rows of one depth: a request's depth-1 rows and its rings)."""
+        window = window if window and R > 1 else None
+        self._books(positions, block_size, bytes_per_token(model.config, R, model.dtype, window), R, window)
         check_cache_fits(model, R, self.num_blocks * block_size,
-                         "lower kv_budget (positions kept for running requests) or use bfloat16")
-        self.R = R
-        self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype)
+                         "lower kv_budget (positions kept for running requests) or use bfloat16", window)
+        self.cache = DepthCache(model.config, R, self.num_blocks * block_size, model.device, model.dtype,
+                                window=window)
         for t in self.cache.tensors():
             t[..., :block_size, :].zero_()                          # the null block
 
     @classmethod
-    def accounting(cls, positions: int, block_size: int, bytes_per_token: int) -> "BlockPool":
+    def accounting(cls, positions: int, block_size: int, bytes_per_token: int, R: int | None = None,
+                   window: int | None = None) -> "BlockPool":
         """A pool that keeps the books only - no depth cache, no model: the scheduler runs on it unchanged
         (``benchmarks/sched_sim.py`` simulates a GPU's pool with it).  ``tensors`` raises."""
         pool = cls.__new__(cls)
-        pool._books(positions, block_size, bytes_per_token)
-        pool.R, pool.cache = None, None
+        pool._books(positions, block_size, bytes_per_token, R, window if window and (R or 0) > 1 else None)
+        pool.cache = None
         return pool
 
-    def _books(self, positions: int, block_size: int, bytes_per_token: int) -> None:
+    def _books(self, positions: int, block_size: int, bytes_per_token: int, R: int | None,
+               window: int | None) -> None:
         for name, v in (("kv_budget", positions), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+        self.R, self.window = R, window
         self.B = block_size
         self.num_blocks = -(-positions // block_size) + 1          # + the null block
         self.bytes_per_block = bytes_per_token * block_size
@@ -99,19 +129,29 @@ class BlockPool:
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.B)
 
+    def ring_blocks(self, call_rows: int) -> int:
+        return ring_blocks(self.window, self.R, self.B, call_rows)
+
     def describe(self) -> str:
         return (f"{self.capacity_blocks} blocks of {self.B} positions "
                 f"({self.capacity_blocks * self.B} positions, {format_bytes(self.num_blocks * self.bytes_per_block)})")
 
     # --- taking and returning blocks ----------------------------------------------------------------------------
-    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+    def allocate(self, n: int, after: int | None = None, tail: bool = False) -> list[int] | None:
         """``n`` blocks, or None when fewer are available.  Free blocks first - ``after + 1``, ``after + 2``, ...
         while free (a sequence's blocks in order read as a slice, not a gather), else from the middle of the
         longest free run, so requests that grow side by side each have room to grow in order - then the least
-        recently freed cached ones (their keys forgotten)."""
+        recently freed cached ones (their keys forgotten).  ``tail``: the last free blocks (a ring, read through
+        its table whatever its order: kept out of the runs sequences grow in)."""
         if n > self.available:
             return None
         out: list[int] = []
+        if tail and n <= len(self._free):
+            out = sorted(self._free)[len(self._free) - n:]
+            self._free.difference_update(out)
+            for b in out:
+                self._ref[b] = 1
+            return out
         nxt = after + 1 if after is not None and after + 1 in self._free else self._room_start(n)
         while len(out) < n and nxt is not None and nxt in self._free:
             out.append(nxt)

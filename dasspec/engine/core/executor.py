@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from ...model.cache import BlockTable, PagedCache
+from ...model.cache import BlockTable, PagedCache, RingTable
 from ...model.looped import LoopedLM
 from .blocks import BlockPool
 from ..drafting.context import DraftContext
@@ -127,9 +127,12 @@ class Executor:
             self._saved[rid] = req.cache.save()
             req.depth_slice = None                    # a block in flight starts over when it is back
             req.cache.table.clear()
+            for ring in req.cache.rings:
+                ring.clear()
             req.cache.n = 0
         if self.runtime.static_shapes:                # static reads see every row of a block: no stale values
             fresh = [b for w in plan.work for b in w.new_blocks] + [b for _, bl in plan.swap_in for b in bl]
+            fresh += [b for ring in plan.rings.values() for b in ring]
             shared = {b for s in plan.start for b in self._shared_blocks(plan, s)}
             self._zero([b for b in fresh if b not in shared])
         for s in plan.start:
@@ -137,7 +140,8 @@ class Executor:
                 table = BlockTable(self.pool.B, self.pool.blocks_for(s.max_rows) * self.pool.B, self.model.device,
                                    static=self.runtime.static_shapes)
                 drafter = self.drafter_cache.resolve(s.drafter)
-                req = Request(self.model, s.tokens, PagedCache(self.pool.cache, table), R=self.R,
+                rings = self._rings(s.max_rows, plan.rings.get(s.id))
+                req = Request(self.model, s.tokens, PagedCache(self.pool.cache, table, rings), R=self.R,
                               max_rows=s.max_rows, max_new_tokens=s.max_new_tokens, width=s.width,
                               init_scale=s.init_scale, state_seed=s.state_seed, runtime=self.runtime,
                               choose=s.sampling or greedy, exit=s.exit, deadline=s.deadline)
@@ -154,6 +158,7 @@ class Executor:
                 continue
             req = self.requests[rid]
             req.cache.table.append(blocks)
+            self._rings(req.max_rows, plan.rings.get(rid), req.cache.rings)
             req.cache.restore(self._saved.pop(rid))
         work = [w for w in plan.work if w.id not in self._failed]
         for w in work:
@@ -229,6 +234,22 @@ class Executor:
                 self.sessions[rid] = self.drafters[rid].start(DraftContext(c.req))
         out.rows_drafted = sum(r.counts.draft_updates for r in self.requests.values())
         return passed
+
+    def _rings(self, max_rows: int, blocks: list[int] | None, rings: list[RingTable] | None = None):
+        """A request's windowed depths' rings over ``blocks`` (split evenly, depth 2 first): new ones, or
+        ``rings`` given blocks again (swapped back in).  None without windowed depths."""
+        if not self.pool.window:
+            return None
+        if not blocks:
+            raise RuntimeError("a request of a pool with windowed depths was planned without its rings")
+        per = len(blocks) // (self.R - 1)
+        if rings is None:
+            B = self.pool.B
+            rings = [RingTable(B, self.pool.blocks_for(max_rows) * B, self.model.device,
+                               static=self.runtime.static_shapes) for _ in range(self.R - 1)]
+        for i, ring in enumerate(rings):
+            ring.append(blocks[i * per: (i + 1) * per])
+        return rings
 
     def _shared_blocks(self, plan: StepPlan, s) -> list[int]:
         w = next((w for w in plan.work if w.id == s.id), None)

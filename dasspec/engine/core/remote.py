@@ -32,14 +32,15 @@ class RemoteExecutorError(RuntimeError):
     """The executor's process failed a step (its traceback is the message) or is gone."""
 
 
-def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runtime: Runtime, threads: int) -> None:
+def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runtime: Runtime, threads: int,
+           window: int | None = None) -> None:
     torch.set_num_threads(threads)
     with torch.no_grad():        # CPU weights into this process's own memory: read from the shared segment they
         for t in list(model.parameters()) + list(model.buffers()):   # arrived in, steps ran slower (docs/performance.md)
             if t.device.type == "cpu":
                 t.data = t.data.clone()
     try:
-        pool = BlockPool(model, R, kv_budget, block_size)
+        pool = BlockPool(model, R, kv_budget, block_size, window)
         runtime.prepare_cache(pool.tensors())
         executor = Executor(model, R, pool, runtime, DrafterCache.of_registry(model, R))
     except BaseException:                        # noqa: BLE001 - reported to the engine, which raises it
@@ -62,11 +63,12 @@ def _serve(conn, model: LoopedLM, R: int, kv_budget: int, block_size: int, runti
 class RemoteExecutor:
     """``execute(plan) -> StepOutput`` in a child process (the in-process ``Executor``'s interface)."""
 
-    def __init__(self, model: LoopedLM, R: int, kv_budget: int, block_size: int, runtime: Runtime):
+    def __init__(self, model: LoopedLM, R: int, kv_budget: int, block_size: int, runtime: Runtime,
+                 window: int | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, model, R, kv_budget, block_size, runtime,
-                                                       torch.get_num_threads()), daemon=True)
+                                                       torch.get_num_threads(), window), daemon=True)
         main = sys.modules.get("__main__")
         path = getattr(main, "__file__", None)
         hidden = path is not None and not os.path.isfile(path)

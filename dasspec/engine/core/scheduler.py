@@ -22,7 +22,10 @@ model's prefill splits along depth as well as along positions, and the rows are 
 them (each core step reads the prefix at its own depth, computed before).  A request whose prompt +
 max_new_tokens could never fit the pool alone is refused by ``add``.
 
-Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.
+Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.  A model whose
+depths r >= 2 are windowed (IQuest-Loop) shares none; each request holds, besides its blocks, a ring per windowed
+depth from its admission (or swap-in) to its end (or swap-out), and prefills at most ``WINDOW_PREFILL_ROWS`` rows
+a step, which its rings hold.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ...model.exit import ExitRule
 from ..base.contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
 from ..base.sampling import Sampling
 from ..drafting.draft import Drafter
-from .blocks import BlockPool, block_keys
+from .blocks import WINDOW_PREFILL_ROWS, BlockPool, block_keys, call_rows
 from .policy import SpeculationPolicy
 from .stopping import StopRule
 
@@ -63,7 +66,9 @@ class Entry:
     prefix_cache: object = None        # a PrefixCache (the plan names it by its id)
     status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)
-    peak_blocks: int = 0               # the most blocks it held at once
+    ring: list[int] = field(default_factory=list)   # its windowed depths' rings (``blocks.py``), while running
+    ring_need: int = 0                 # blocks of its rings (0: the model has no windowed depths)
+    peak_blocks: int = 0               # the most blocks it held at once (rings included)
     cached: int = 0                    # prompt rows it started with (shared blocks and prefix-cache copies)
     keys: list[bytes] = field(default_factory=list)   # its full prompt blocks' keys
     computed: int = 0                  # prompt rows materialised (shared ones included)
@@ -159,12 +164,15 @@ class Scheduler:
     def add(self, e: Entry) -> None:
         B = self.pool.B
         rows = e.P + e.rule.max_new_tokens        # alone, it can always decode (AR steps when drafts do not fit)
-        if self.pool.blocks_for(rows) > self.pool.capacity_blocks:
+        reach = getattr(e.drafter, "reach", None) or 0
+        e.ring_need = self.pool.ring_blocks(call_rows(B, e.drafter.width, reach))
+        if self.pool.blocks_for(rows) + e.ring_need > self.pool.capacity_blocks:
+            rings = f" and {e.ring_need} blocks of windowed-depth rings" if e.ring_need else ""
             raise CacheCapacityError(
                 f"the request needs up to {rows} cache positions (prompt {e.P} + max_new_tokens "
-                f"{e.rule.max_new_tokens}) but the engine's pool holds {self.pool.describe()}; lower "
+                f"{e.rule.max_new_tokens}){rings} but the engine's pool holds {self.pool.describe()}; lower "
                 "max_new_tokens or raise kv_budget")
-        e.keys = block_keys(e.prompt, B, e.salt, e.P // B)
+        e.keys = [] if self.pool.window else block_keys(e.prompt, B, e.salt, e.P // B)
         self.waiting.append(e)
 
     # --- planning ----------------------------------------------------------------------------------------
@@ -226,8 +234,8 @@ class Scheduler:
                 break
             usable = (e.P - 1) // B
             hit = self.pool.cached_run(e.keys[:usable])
-            if hit < usable and e.keys[hit] in claimed:   # its next block is being computed: share it next step
-                continue
+            if hit < min(usable, len(e.keys)) and e.keys[hit] in claimed:   # its next block is being computed:
+                continue                                                  # share it next step
             if any(x.passed >= self.max_batch for x in held):
                 break
             refused = self._admit(e, budget, plan, planned)
@@ -312,15 +320,15 @@ class Scheduler:
             self._unstart(e)
             return
         plan.swap_out.append(e.id)              # a depth slice in flight is dropped: its block starts over
-        self.pool.free(e.blocks)
-        e.blocks, e.depth_done, e.status = [], 0, Status.SWAPPED
+        self.pool.free(e.blocks + e.ring)
+        e.blocks, e.ring, e.depth_done, e.status = [], [], 0, Status.SWAPPED
         self.running.remove(e)
         self.waiting.appendleft(e)
 
     def _unstart(self, e: Entry) -> None:
         """Undo an admission whose plan never ran: its blocks back, its prompt rows none, first in the queue."""
-        self.pool.free(e.blocks)
-        e.blocks, e.computed, e.depth_done, e.cached, e.status = [], 0, 0, 0, Status.WAITING
+        self.pool.free(e.blocks + e.ring)
+        e.blocks, e.ring, e.computed, e.depth_done, e.cached, e.status = [], [], 0, 0, 0, Status.WAITING
         self.running.remove(e)
         self.waiting.appendleft(e)
 
@@ -343,11 +351,14 @@ class Scheduler:
         rows = min(e.P, (first + 1) * B)
         fresh = self.pool.blocks_for(rows) - len(shared)
         whole = self.pool.blocks_for(e.P) - len(shared)
-        if self.pool.available - whole < len(self.running):
-            why = "full" if self.pool.available - fresh < len(self.running) else "prompt"
+        if self.pool.available - whole - e.ring_need < len(self.running):
+            why = "full" if self.pool.available - fresh - e.ring_need < len(self.running) else "prompt"
             self.pool.free(shared)
             return why
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
+        if e.ring_need:
+            e.ring = self.pool.allocate(e.ring_need, tail=True)
+            plan.rings[e.id] = list(e.ring)
         self.waiting.remove(e)
         e.blocks = shared + got
         e.computed = first * B
@@ -383,6 +394,8 @@ class Scheduler:
                 if plan.rows:
                     return budget
                 k = 1                             # no prompt moved yet this step: one block, whatever the drafts took
+            if e.ring_need:                       # what its rings hold
+                k = min(k, self.pool.blocks_for(WINDOW_PREFILL_ROWS))
             end, depths = min(e.P, start + k * B), None
             cost = end - start
         w = planned.get(e.id)
@@ -413,9 +426,12 @@ class Scheduler:
             need = max(need, self.pool.blocks_for(e.n + 1))
         else:
             need = self.pool.blocks_for(max(e.computed, 1))
-        if self.pool.available - need < len(self.running):
+        if self.pool.available - need - e.ring_need < len(self.running):
             return False
         got = self.pool.allocate(need)
+        if e.ring_need:
+            e.ring = self.pool.allocate(e.ring_need, tail=True)
+            plan.rings[e.id] = list(e.ring)
         self.waiting.remove(e)
         e.blocks, e.status = got, Status.RUNNING
         self.running.append(e)
@@ -473,7 +489,7 @@ class Scheduler:
                     self._end(e, e.reason)
                     finished.append(e)
         for e in self.running:
-            e.peak_blocks = max(e.peak_blocks, len(e.blocks))
+            e.peak_blocks = max(e.peak_blocks, len(e.blocks) + len(e.ring))
         return committed, finished
 
     def stopped(self) -> list[Entry]:
@@ -494,6 +510,6 @@ class Scheduler:
                 self.running.remove(e)
             elif e in self.waiting:
                 self.waiting.remove(e)
-            self.pool.free(e.blocks)
-            e.blocks = []
+            self.pool.free(e.blocks + e.ring)
+            e.blocks, e.ring = [], []
         e.status = Status.FINISHED

@@ -135,6 +135,11 @@ class Family:
         depth-1 K/V) returns its own object."""
         return cache.core_kv(layer, read, own) if cache is not None else None
 
+    def kv_window(self, cfg: "LoopedConfig") -> int | None:
+        """Positions within which depths r >= 2 read their own K/V (None: every depth reads every row).  Given, the
+        engine's pool keeps only those rows of depths >= 2 (``engine/core/blocks.py``)."""
+        return None
+
     def start_state(self, h0: Tensor, inj: Tensor) -> Tensor:
         """The state the first core step reads: the position's initial state ``h0`` (Huginn, Raven)."""
         return h0

@@ -208,6 +208,9 @@ class IQuestLoop(Family):
             return LoopKV(own[0], None, None)
         return LoopKV(own[0], cache.core_kv(layer, read, own), cache.core_kv(layer, (1, 1), (1, 1)))
 
+    def kv_window(self, cfg: LoopedConfig) -> int | None:
+        return cfg.loop_window
+
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.gate_projections.") for n in names):
             raise ConfigError("checkpoint has no model.gate_projections.* weights: not an IQuest-Loop layout")

@@ -1,0 +1,114 @@
+"""IQuest-Loop's windowed depths in the engine's pool (``window_kv``, on by default): a row holds one depth, each
+request keeps its depth-1 rows in blocks and every depth r >= 2 in a ring of a few blocks that positions reuse past
+the window.  Every method must emit the tokens of the full layout (every depth of every row kept, ``window_kv=False``)
+on requests that run many rings past the window - prompts of two whole prefill chunks and more, several windowed
+depths (loop_num 3), trees (compacted rows), preemption (rows swapped out and back), depth slices, the executor in
+its own process and static shapes - while the pool holds fewer bytes.  AR on the full layout is the remote code's
+decode (tests/test_iquest_decoding.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dasspec
+from dasspec.engine.api.engine import Engine
+from dasspec.engine.base.runtime import Runtime
+from dasspec.engine.core.blocks import WINDOW_PREFILL_ROWS
+from iquest_reference import write_iquest_checkpoint
+
+B = 8                   # blocks of 8 positions: a ring is a few blocks, and a prompt spans several
+NEW = 48
+METHODS = [("ar", {}), ("self-spec", {}), ("mature-spec", {}), ("das-wave", {}), ("das-wave", {"k": 2, "rounds": 4}),
+           ("token-recycling", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("pld", {}),
+           ("auto", {})]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["loops2", "loops3"])
+def model(request, tmp_path_factory):
+    folder = write_iquest_checkpoint(tmp_path_factory.mktemp("iquest") / "m", vocab_size=320, seed=4, window=8,
+                                     loop_num=request.param)
+    return dasspec.load_model(folder, device="cpu", dtype=torch.float32)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Past two whole prefill chunks (a ring then holds a chunk and the window before it), a repetitive one (the
+    lookup drafters find copies), and a short one."""
+    assert WINDOW_PREFILL_ROWS < 70
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(3, vocab, (10,), generator=g).tolist()
+    return [torch.randint(3, vocab, (2 * WINDOW_PREFILL_ROWS + 22,), generator=g).tolist(), base * 14, base[:5]]
+
+
+def run(model, method, knobs=None, ps=None, window_kv=True, sampled=False, **engine):
+    eng = Engine(model, method, knobs, max_batch=3, block_size=B, window_kv=window_kv, **engine)
+    opts = dict(do_sample=True, temperature=0.8) if sampled else {}
+    try:
+        ids = [eng.add(p, max_new_tokens=NEW, eos=False, seed=i, **opts) for i, p in enumerate(ps)]
+        peak = 0
+        while eng.has_work:
+            eng.step()
+            peak = max(peak, eng.pool.in_use)
+        return [eng.result(i).tokens for i in ids], eng, peak
+    finally:
+        eng.close()
+
+
+def test_every_method_on_rings_equals_the_full_layout(model):
+    ps = prompts(model.config.vocab_size)
+    ref, full, full_peak = run(model, "ar", ps=ps, window_kv=False)
+    assert full.pool.cache.core_k.shape[1] == model.R
+    for method, knobs in METHODS:
+        got, eng, peak = run(model, method, knobs, ps)
+        assert got == ref, (method, knobs)
+        assert eng.pool.cache.core_k.shape[1] == 1 and eng.pool.window == 8
+        if method == "ar":    # the same requests in fewer bytes: depth >= 2 rows past the window are not kept
+            assert peak * eng.pool.bytes_per_block < full_peak * full.pool.bytes_per_block
+    for sampled_method in ("das-wave", "token-recycling"):
+        ref_s = run(model, "ar", ps=ps, window_kv=False, sampled=True)[0]
+        assert run(model, sampled_method, ps=ps, sampled=True)[0] == ref_s, sampled_method
+
+
+def test_swapped_out_sliced_and_remote_requests_keep_their_window_rows(model):
+    """A pool that swaps requests out past the window (their rings' last rows go to the host and come back), prompt
+    blocks run as depth slices under a small step budget, the executor in its own process, static shapes."""
+    ps = prompts(model.config.vocab_size)
+    ref = run(model, "ar", ps=ps, window_kv=False)[0]
+    swapped = 0
+    for method in ("ar", "das-wave", "token-recycling"):
+        got, eng, _ = run(model, method, ps=ps, kv_budget=2 * WINDOW_PREFILL_ROWS + 48, max_step_tokens=12)
+        assert got == ref, method
+        swapped += eng.scheduler.preemptions
+    assert swapped >= 2, "the pool never ran out: swapping rings went untested"
+    assert run(model, "das-wave", ps=ps, executor="process")[0] == ref
+    assert run(model, "das-wave", ps=ps[1:], runtime=Runtime(static_shapes=True))[0] == ref[1:]
+
+
+def test_a_draft_reads_the_prefix_at_its_own_depth(model):
+    """Rows of depth >= 2 past the window are gone: a Deep K/V read from depth 1 reads depth 1 (the target's own
+    loop-1 rows), through the depth-1 table; a call at depth 2 reads its ring."""
+    eng = Engine(model, "mature-spec", {"policy": "deep-kv"}, max_batch=1, block_size=B)
+    eng.add(prompts(model.config.vocab_size)[0], max_new_tokens=4, eos=False)
+    eng.step()
+    cache = eng.executor.requests[0].cache
+    deep = cache.core_kv(0, (model.R, model.R), (1, 1))
+    assert deep.one_source and deep.table is cache.table
+    ring = cache.core_kv(0, (2, 2), (2, 2))
+    assert ring.table is cache.rings[0] and ring.table is not cache.table
+    eng.close()
+
+
+def test_prompt_sharing_needs_the_full_layout(model):
+    """A windowed pool shares no prompt blocks (a later request would need the shared prompt's last window rows
+    at depth >= 2) and refuses a prefix cache with a message naming the switch; the full layout shares."""
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, model.config.vocab_size, (8,), generator=g).repeat(4).tolist()
+    ps = [prefix + torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 5, 7)]
+    ref, full, _ = run(model, "ar", ps=ps, window_kv=False)
+    got, eng, _ = run(model, "ar", ps=ps)
+    assert got == ref
+    assert eng.scheduler.shared_rows == 0 and full.scheduler.shared_rows > 0
+    pc = dasspec.PrefixCache(model, prefix)
+    with pytest.raises(ValueError, match="window_kv"):
+        Engine(model, "ar", block_size=B).add(ps[0], prefix_cache=pc)
+    assert dasspec.generate(model, ps[0], max_new_tokens=NEW, eos=False, prefix_cache=pc).tokens == ref[0]
