@@ -112,3 +112,13 @@ def test_prompt_sharing_needs_the_full_layout(model):
     with pytest.raises(ValueError, match="window_kv"):
         Engine(model, "ar", block_size=B).add(ps[0], prefix_cache=pc)
     assert dasspec.generate(model, ps[0], max_new_tokens=NEW, eos=False, prefix_cache=pc).tokens == ref[0]
+
+
+def test_a_window_as_long_as_the_context_keeps_the_full_layout(tmp_path):
+    """A ring that would hold the whole context saves nothing (and is taken whole at admission): such a model's
+    engine keeps every depth of every row, taken as tokens are written."""
+    folder = write_iquest_checkpoint(tmp_path / "m", vocab_size=320, seed=4, window=200,
+                                     config_edits={"max_position_embeddings": 256})
+    wide = dasspec.load_model(folder, device="cpu", dtype=torch.float32)
+    eng = Engine(wide, "ar", block_size=B)
+    assert eng.window is None and eng.pool.cache.core_k.shape[1] == wide.R

@@ -122,14 +122,15 @@ class Engine:
         else:
             self.method, self.knobs = method, dict(knobs or {})
             self._default = self.drafter(method, self.knobs)  # the default method's knobs fail here, not later
+        d = self._default
         window = model.family.kv_window(model.config) if window_kv and self.R > 1 else None
-        self.window = window or None
+        ring = ring_blocks(window, self.R, block_size, call_rows(block_size, d.width, getattr(d, "reach", None) or 0))
+        if ring * block_size >= (self.R - 1) * model.config.block_size:
+            window, ring = None, 0                            # a ring as long as the context saves nothing
+        self.window = window
         if kv_budget is None:
-            kv_budget = default_kv_budget(model, self.R, max_batch, self._default.width, block_size, self.window)
-        if self.window:                                       # the running requests' rings, on top
-            d = self._default
-            kv_budget += max_batch * block_size * ring_blocks(
-                self.window, self.R, block_size, call_rows(block_size, d.width, getattr(d, "reach", None) or 0))
+            kv_budget = default_kv_budget(model, self.R, max_batch, d.width, block_size, self.window)
+        kv_budget += max_batch * block_size * ring            # the running requests' rings, on top
         if self.runtime.track_memory:
             reset_peak_memory(model.device)
         self._prefix_caches: dict[int, object] = {}         # by id: what a plan's prefix-cache copies name

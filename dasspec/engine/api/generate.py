@@ -71,7 +71,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
         check_kept(model, drafter, R)
     rows = rows_needed(model.config.block_size, len(prompt), max_new_tokens, drafter.width)
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer,
-                    window_kv=prefix_cache is None)
+                    drafter=drafter, window_kv=prefix_cache is None)
     with torch.inference_mode():
         rid = engine.add(prompt, max_new_tokens=max_new_tokens, stop=stop, eos=eos, seed=seed, state_seed=state_seed,
                          init_scale=init_scale,

@@ -317,6 +317,7 @@ class Scheduler:
         started = [s for s in plan.start if s.id == e.id]
         if started:                            # admitted this very step: nothing was computed, start over
             plan.start.remove(started[0])
+            plan.rings.pop(e.id, None)
             self._unstart(e)
             return
         plan.swap_out.append(e.id)              # a depth slice in flight is dropped: its block starts over
