@@ -140,6 +140,7 @@ def test_served_in_its_chat_template(folder, model, tmp_path):
         for (m, _), text in zip(jobs, got):
             ids = chat_ids(served, m)
             assert text == dasspec.generate(served, ids, "ar", max_new_tokens=16).text, m
+        assert srv.health()["kv_window"] == served.config.loop_window     # loop 2 kept to its window
     finally:
         srv.stop()
         (folder / "chat_template.jinja").unlink()

@@ -317,7 +317,8 @@ class Service(Frontend):
         ok = self.worker.alive
         return {"status": "ok" if ok else "the decode worker has stopped", "model": self.model_name,
                 "method": self.method, "queue_length": self.worker.queue_length,
-                "running": self.worker.running, "exactness": self.exactness, "overlap": self.engine.overlap}, ok
+                "running": self.worker.running, "exactness": self.exactness, "overlap": self.engine.overlap,
+                "kv_window": self.engine.window}, ok
 
     async def metrics_text(self) -> str:
         return self.metrics.render()
