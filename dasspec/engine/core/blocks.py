@@ -133,8 +133,12 @@ class BlockPool:
         return ring_blocks(self.window, self.R, self.B, call_rows)
 
     def describe(self) -> str:
-        return (f"{self.capacity_blocks} blocks of {self.B} positions "
+        what = (f"{self.capacity_blocks} blocks of {self.B} positions "
                 f"({self.capacity_blocks * self.B} positions, {format_bytes(self.num_blocks * self.bytes_per_block)})")
+        if self.window:
+            depths = "depth 2" if self.R == 2 else f"depths 2..{self.R}"
+            what += f"; a row holds one depth, {depths} in rings per request (a window of {self.window} positions)"
+        return what
 
     # --- taking and returning blocks ----------------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None, tail: bool = False) -> list[int] | None:
