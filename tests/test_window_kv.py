@@ -122,3 +122,29 @@ def test_a_window_as_long_as_the_context_keeps_the_full_layout(tmp_path):
     wide = dasspec.load_model(folder, device="cpu", dtype=torch.float32)
     eng = Engine(wide, "ar", block_size=B)
     assert eng.window is None and eng.pool.cache.core_k.shape[1] == wide.R
+
+
+def test_a_ring_swapped_back_in_holds_what_it_held(model, monkeypatch):
+    """Torch's attention path (a GPU's; a CPU without the kernels) reads every ring row up to a call's end and masks
+    the window, so a swapped-in ring must hold again every row it held - not another request's values left in its
+    new blocks (NaN here, as a diverged request's would be).  (Found by review: only the last window - 1 rows came
+    back.)"""
+    from dasspec.model import cache as C
+    from dasspec.model import decode_kernel
+    monkeypatch.setattr(decode_kernel, "available", lambda: False)
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (60, 30, 30, 30, 30)]
+    ref = run(model, "ar", ps=ps, window_kv=False)[0]
+    save = C.PagedCache.save
+
+    def save_and_poison(self, device="cpu"):      # the blocks it leaves are written by a request gone wrong
+        out = save(self, device)
+        for tensors, table in self._depth_tables():
+            rows = torch.tensor([b * table.B + i for b in table.blocks for i in range(table.B)], dtype=torch.long)
+            for t in tensors:
+                t.index_fill_(-2, rows, float("nan"))
+        return out
+
+    monkeypatch.setattr(C.PagedCache, "save", save_and_poison)
+    got, eng, _ = run(model, "ar", ps=ps, kv_budget=160, max_step_tokens=16)
+    assert eng.scheduler.preemptions >= 1 and got == ref

@@ -293,12 +293,18 @@ class PagedCache:
         """The first verified row a windowed depth still needs (rows before it are never read again)."""
         return max(0, n - self.window + 1)
 
+    def _ring_saved(self, n: int) -> int:
+        """The first row a swap saves of a ring: its whole span, so that every ring row holds again what it held
+        (attention on torch's path reads every ring row up to a call's end and masks the window: a row left with
+        another request's values - a NaN - would reach the sum)."""
+        return max(0, n - self.rings[0].span_rows())
+
     def save(self, device: torch.device | str = "cpu") -> list[Tensor]:
-        """The verified rows [0, n) at every depth (a windowed depth's last ``window`` - 1 of them), copied off the
+        """The verified rows [0, n) at every depth (a windowed depth's ring: the rows of its span), copied off the
         pool (a preempted sequence swapped out)."""
         out = []
         for i, (tensors, table) in enumerate(self._depth_tables()):
-            idx = table.rows[(self._kept(self.n) if i else 0): self.n]
+            idx = table.rows[(self._ring_saved(self.n) if i else 0): self.n]
             out += [t.index_select(-2, idx).to(device) for t in tensors]
         return out
 
@@ -309,7 +315,7 @@ class PagedCache:
             raise ValueError(f"{m} saved rows do not fit the {self.table.backed} rows its blocks back")
         at = 0
         for i, (tensors, table) in enumerate(self._depth_tables()):
-            idx = table.rows[(self._kept(m) if i else 0): m]
+            idx = table.rows[(self._ring_saved(m) if i else 0): m]
             for t in tensors:
                 t.index_copy_(-2, idx, saved[at].to(t.device))
                 at += 1
