@@ -101,7 +101,8 @@ def test_preempted_requests_resume_with_their_own_tokens(model, sampled):
     refs = [dasspec.generate(model, p, "ar", seed=i, **kw).tokens for i, p in enumerate(ps)]
     preempted = 0
     for method in ("ar", "self-spec", "das-wave", "auto"):
-        engine = Engine(model, method, max_batch=6, block_size=8, kv_budget=160, max_step_tokens=32)
+        engine = Engine(model, method, max_batch=6, block_size=8, kv_budget=160, max_step_tokens=32,
+                        window_kv=False)             # (the windowed pool's swaps: tests/test_window_kv.py)
         ids = [engine.add(p, seed=i, **kw) for i, p in enumerate(ps)]
         while engine.has_work:
             engine.step()

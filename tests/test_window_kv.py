@@ -148,3 +148,29 @@ def test_a_ring_swapped_back_in_holds_what_it_held(model, monkeypatch):
     monkeypatch.setattr(C.PagedCache, "save", save_and_poison)
     got, eng, _ = run(model, "ar", ps=ps, kv_budget=160, max_step_tokens=16)
     assert eng.scheduler.preemptions >= 1 and got == ref
+
+
+def test_a_wider_method_than_the_engine_s_runs_on_rings_for_ar_steps(model):
+    """The engine adds rings for its default method on top of ``kv_budget``; a request with a wider method needs
+    longer rings for its drafts.  Where they do not fit it takes the rings of AR steps and decodes by AR steps (as a
+    request whose draft scratch does not fit does): accepted at any kv_budget the full layout accepts, swapped back
+    in alone in the pool, its tokens its own.  (Found by review: refused at such a budget, and once preempted never
+    swapped back in - "the engine planned a step that moves no request".)"""
+    wide = {"gamma": 64, "w_init": 64, "seed_branch": 64, "copy_run": False}
+    g = torch.Generator().manual_seed(20)
+    a, x = (torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (4, 40))
+    ref = dasspec.generate(model, x, max_new_tokens=30, eos=False).tokens
+    eng = Engine(model, "ar", max_batch=2, block_size=B, kv_budget=16 * B)
+    eng.add(a, max_new_tokens=6, eos=False)
+    rid = eng.add(x, max_new_tokens=30, eos=False, method="das-wave", knobs=wide)
+    while eng.has_work:
+        eng.step()
+    assert eng.result(rid).tokens == ref
+    prompt = list(range(3, 3 + 150))                 # fits the full layout's pool exactly: the windowed one too
+    rows = len(prompt) + 29
+    for window_kv in (False, True):
+        eng = Engine(model, "ar", max_batch=1, block_size=B, kv_budget=rows, window_kv=window_kv)
+        rid = eng.add(prompt, max_new_tokens=29, eos=False, method="token-recycling")
+        while eng.has_work:
+            eng.step()
+        assert len(eng.result(rid).tokens) == 29

@@ -309,15 +309,22 @@ class PagedCache:
         return out
 
     def restore(self, saved: list[Tensor]) -> None:
-        """Write rows saved by ``save`` back as this (empty) cache's verified prefix."""
+        """Write rows saved by ``save`` back as this (empty) cache's verified prefix (rings: as many of their last
+        rows as the rings it has now hold - they may be shorter than those it was swapped out with)."""
         m = saved[0].shape[-2]
         if m > self.table.backed:
             raise ValueError(f"{m} saved rows do not fit the {self.table.backed} rows its blocks back")
         at = 0
         for i, (tensors, table) in enumerate(self._depth_tables()):
-            idx = table.rows[(self._ring_saved(m) if i else 0): m]
+            count = min(saved[at].shape[-2], m - (self._ring_saved(m) if i else 0))
+            idx = table.rows[m - count: m]
+            if i:             # a ring's rows not restored (a longer ring than it left with) hold zeros, not a stranger's
+                blocks = torch.tensor(table.blocks, device=idx.device)
+                every = (blocks[:, None] * table.B + torch.arange(table.B, device=idx.device)).flatten()
             for t in tensors:
-                t.index_copy_(-2, idx, saved[at].to(t.device))
+                if i:
+                    t.index_fill_(-2, every, 0)
+                t.index_copy_(-2, idx, saved[at][..., saved[at].shape[-2] - count:, :].to(t.device))
                 at += 1
         self.n = m
 

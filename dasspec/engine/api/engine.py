@@ -124,7 +124,7 @@ class Engine:
             self._default = self.drafter(method, self.knobs)  # the default method's knobs fail here, not later
         d = self._default
         window = model.family.kv_window(model.config) if window_kv and self.R > 1 else None
-        ring = ring_blocks(window, self.R, block_size, call_rows(block_size, d.width, getattr(d, "reach", None) or 0))
+        ring = ring_blocks(window, self.R, block_size, call_rows(block_size, d.width))
         if ring * block_size >= (self.R - 1) * model.config.block_size:
             window, ring = None, 0                            # a ring as long as the context saves nothing
         self.window = window

@@ -17,7 +17,8 @@ Block 0 is the null block: never handed out, zeroed, where rows not yet backed p
 Windowed depths (``window``; ``model/cache.py``): a block then holds its B positions at one depth.  A request's
 depth-1 blocks are handed out as above; each depth r >= 2 takes a ring of ``ring_blocks`` blocks when the request
 starts (or is swapped back in) and returns it when it ends - what the window and its widest call need, however long
-the request grows.  Prompt blocks are not shared then: a later request would need the depth-r rows of the shared
+the request grows (or, when those do not fit, what the window and a prompt chunk need: the request then takes AR
+steps, as a request whose draft scratch does not fit does).  Prompt blocks are not shared then: a later request would need the depth-r rows of the shared
 prompt's last ``window`` positions, which its ring does not hold.
 """
 
@@ -38,19 +39,23 @@ BLOCK_SIZE = 16     # positions per block (docs/performance-journal.md, "Choosin
 WINDOW_PREFILL_ROWS = 64
 
 
-def call_rows(B: int, width: int, reach: int = 0) -> int:
+def call_rows(B: int, width: int) -> int:
     """The most rows one step writes for a request whose depths are windowed: a prompt chunk
-    (``WINDOW_PREFILL_ROWS``, whole blocks), or its anchor and its drafter's longest scratch."""
-    return max(-(-WINDOW_PREFILL_ROWS // B) * B, 1 + max(width, reach))
+    (``WINDOW_PREFILL_ROWS``, whole blocks), or its anchor and its drafter's scratch (width 0: AR steps)."""
+    return max(-(-WINDOW_PREFILL_ROWS // B) * B, 1 + width)
 
 
-def ring_blocks(window: int | None, R: int | None, B: int, call_rows: int) -> int:
+def ring_blocks(window: int | None, R: int | None, B: int, call_rows: int, max_rows: int | None = None) -> int:
     """Blocks of a request's rings (every windowed depth's; 0 without windowed depths) when no call of it writes
     more than ``call_rows`` rows: a call at position n reads depth r's rows from n - window + 1 and writes up to
-    n + call_rows - 1, so a ring must hold window - 1 + call_rows positions apart."""
+    n + call_rows - 1, so a ring must hold window - 1 + call_rows positions apart - or, for a request of at most
+    ``max_rows`` rows, those rows (its ring then never wraps)."""
     if not window:
         return 0
-    return (R - 1) * -(-(window - 1 + call_rows) // B)
+    per = -(-(window - 1 + call_rows) // B)
+    if max_rows is not None:
+        per = min(per, -(-max_rows // B))
+    return (R - 1) * per
 
 
 def prefix_salt(R: int, init_scale: float, state_seed: int, exit, dtype, B: int) -> bytes:
@@ -129,8 +134,8 @@ class BlockPool:
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.B)
 
-    def ring_blocks(self, call_rows: int) -> int:
-        return ring_blocks(self.window, self.R, self.B, call_rows)
+    def ring_blocks(self, call_rows: int, max_rows: int | None = None) -> int:
+        return ring_blocks(self.window, self.R, self.B, call_rows, max_rows)
 
     def describe(self) -> str:
         what = (f"{self.capacity_blocks} blocks of {self.B} positions "

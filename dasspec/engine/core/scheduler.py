@@ -67,7 +67,8 @@ class Entry:
     status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)
     ring: list[int] = field(default_factory=list)   # its windowed depths' rings (``blocks.py``), while running
-    ring_need: int = 0                 # blocks of its rings (0: the model has no windowed depths)
+    ring_need: int = 0                 # blocks of its rings for its drafts (0: the model has no windowed depths)
+    ring_least: int = 0                # ... for AR steps (what it takes when the rings for its drafts do not fit)
     peak_blocks: int = 0               # the most blocks it held at once (rings included)
     cached: int = 0                    # prompt rows it started with (shared blocks and prefix-cache copies)
     keys: list[bytes] = field(default_factory=list)   # its full prompt blocks' keys
@@ -164,10 +165,10 @@ class Scheduler:
     def add(self, e: Entry) -> None:
         B = self.pool.B
         rows = e.P + e.rule.max_new_tokens        # alone, it can always decode (AR steps when drafts do not fit)
-        reach = getattr(e.drafter, "reach", None) or 0
-        e.ring_need = self.pool.ring_blocks(call_rows(B, e.drafter.width, reach))
-        if self.pool.blocks_for(rows) + e.ring_need > self.pool.capacity_blocks:
-            rings = f" and {e.ring_need} blocks of windowed-depth rings" if e.ring_need else ""
+        e.ring_need = self.pool.ring_blocks(call_rows(B, e.drafter.width), e.max_rows)
+        e.ring_least = self.pool.ring_blocks(call_rows(B, 0), e.max_rows)
+        if self.pool.blocks_for(rows) + e.ring_least > self.pool.capacity_blocks:
+            rings = f" and {e.ring_least} blocks of windowed-depth rings" if e.ring_least else ""
             raise CacheCapacityError(
                 f"the request needs up to {rows} cache positions (prompt {e.P} + max_new_tokens "
                 f"{e.rule.max_new_tokens}){rings} but the engine's pool holds {self.pool.describe()}; lower "
@@ -194,9 +195,11 @@ class Scheduler:
             if e.status is not Status.RUNNING or not e.decoding or e.left <= 0:
                 continue                                  # (no tokens left: it ends when the step in flight is applied)
             n = e.n_ahead
-            c = cap
+            c = 0 if len(e.ring) < e.ring_need else cap    # rings for AR steps only: AR steps
             width = 0 if c == 0 else e.drafter.width
             reach = getattr(e.drafter, "reach", None) or 0
+            if e.ring:                                    # a longer chain only as far as its rings hold
+                reach = min(reach, call_rows(B, e.drafter.width) - 1)
             keep = None
             if reach > e.drafter.width:                   # last step's longer scratch is handed back first
                 k = self.pool.blocks_for(min(n + 1 + e.drafter.width, e.max_rows))
@@ -352,14 +355,13 @@ class Scheduler:
         rows = min(e.P, (first + 1) * B)
         fresh = self.pool.blocks_for(rows) - len(shared)
         whole = self.pool.blocks_for(e.P) - len(shared)
-        if self.pool.available - whole - e.ring_need < len(self.running):
-            why = "full" if self.pool.available - fresh - e.ring_need < len(self.running) else "prompt"
+        ring = self._ring_size(e, whole)
+        if self.pool.available - whole - ring < len(self.running):
+            why = "full" if self.pool.available - fresh - ring < len(self.running) else "prompt"
             self.pool.free(shared)
             return why
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
-        if e.ring_need:
-            e.ring = self.pool.allocate(e.ring_need, tail=True)
-            plan.rings[e.id] = list(e.ring)
+        self._take_ring(e, ring, plan)
         self.waiting.remove(e)
         e.blocks = shared + got
         e.computed = first * B
@@ -423,21 +425,30 @@ class Scheduler:
         must not keep a request out for good), leaving one free block per running request."""
         if e.generated:
             wide = self.pool.blocks_for(min(e.n + 1 + e.drafter.width, e.max_rows))
-            need = min(wide, self.pool.available - len(self.running))
+            need = min(wide, self.pool.available - len(self.running) - e.ring_least)
             need = max(need, self.pool.blocks_for(e.n + 1))
         else:
             need = self.pool.blocks_for(max(e.computed, 1))
-        if self.pool.available - need - e.ring_need < len(self.running):
+        ring = self._ring_size(e, need)
+        if self.pool.available - need - ring < len(self.running):
             return False
         got = self.pool.allocate(need)
-        if e.ring_need:
-            e.ring = self.pool.allocate(e.ring_need, tail=True)
-            plan.rings[e.id] = list(e.ring)
+        self._take_ring(e, ring, plan)
         self.waiting.remove(e)
         e.blocks, e.status = got, Status.RUNNING
         self.running.append(e)
         plan.swap_in.append((e.id, list(got)))        # the plan's own list: the entry's grows later
         return True
+
+    def _ring_size(self, e: Entry, other: int) -> int:
+        """The rings ``e`` takes beside ``other`` blocks: those for its drafts when they fit (leaving one free block
+        per running request), else those for AR steps."""
+        return e.ring_need if self.pool.available - other - e.ring_need >= len(self.running) else e.ring_least
+
+    def _take_ring(self, e: Entry, size: int, plan: StepPlan) -> None:
+        if size:
+            e.ring = self.pool.allocate(size, tail=True)
+            plan.rings[e.id] = list(e.ring)
 
     # --- applying a step's output --------------------------------------------------------------------------------
     def update(self, plan: StepPlan, out: StepOutput) -> tuple[list[Committed], list[Entry]]:
