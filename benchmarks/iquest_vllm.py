@@ -35,28 +35,34 @@ MID = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_
            intermediate_size=1408, vocab_size=76800, loop_num=2, loop_window_size=64)
 
 
-def vllm_worker() -> None:
-    """One JSON job line on stdin; answers "@@ {ready}", then per line "B" one "@@ {seconds, tokens}"."""
+def start_worker() -> dict:
+    """A vLLM worker's first steps (any model): read its job line, keep vLLM in this process and on the job's
+    torch thread count."""
     job = json.loads(sys.stdin.readline())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")      # vLLM's log to vllm.log, not the pipe
     import torch
     torch.set_num_threads(job["threads"])
-    from transformers import AutoConfig, LlamaConfig
-    from vllm import LLM, SamplingParams
+    return job
+
+
+def serve(job: dict, make_llm) -> None:
+    """A vLLM worker's loop (any model): ``make_llm()`` builds the LLM (an exception is answered "@@ {error}" and
+    ends the worker); then a warm-up, "@@ {ready}", and per line "B" one "@@ {seconds, tokens}" (greedy,
+    ``ignore_eos``; every prompt alone for B = 1, all at once otherwise)."""
+    import torch
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    class IQuestLoopCoderConfig(LlamaConfig):
-        model_type = "iquestloopcoder"
-
-        def __init__(self, loop_num=2, loop_window_size=64, **kw):
-            self.loop_num, self.loop_window_size = loop_num, loop_window_size
-            super().__init__(**kw)
-
-    AutoConfig.register("iquestloopcoder", IQuestLoopCoderConfig)
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], max_num_seqs=job["max_batch"],
-              seed=0, skip_tokenizer_init=True)
+    try:
+        llm = make_llm()
+    except Exception as e:                                           # recorded, not raised: "vLLM refused"
+        import traceback
+        traceback.print_exc()
+        print("@@", json.dumps({"error": f"{type(e).__name__}: {e}".strip()}), flush=True)
+        return
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:2], sp, use_tqdm=False)                    # warm-up
@@ -70,14 +76,37 @@ def vllm_worker() -> None:
                                 "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
 
 
+def vllm_worker() -> None:
+    """The IQuest worker: vLLM's native IQuestLoopCoderForCausalLM, with Llama's config registered under
+    ``iquestloopcoder``."""
+    job = start_worker()
+    from transformers import AutoConfig, LlamaConfig
+    from vllm import LLM
+
+    class IQuestLoopCoderConfig(LlamaConfig):
+        model_type = "iquestloopcoder"
+
+        def __init__(self, loop_num=2, loop_window_size=64, **kw):
+            self.loop_num, self.loop_window_size = loop_num, loop_window_size
+            super().__init__(**kw)
+
+    AutoConfig.register("iquestloopcoder", IQuestLoopCoderConfig)
+    serve(job, lambda: LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+                           max_num_seqs=job["max_batch"], seed=0, skip_tokenizer_init=True))
+
+
 class VLLM:
-    def __init__(self, python: str, job: dict, log: Path):
+    """A worker process under ``python`` running ``script --vllm-worker`` (this file's worker by default);
+    ``info`` is its first answer: {"ready": ...} or {"error": why vLLM refused}."""
+
+    def __init__(self, python: str, job: dict, log: Path, script: str = __file__):
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([python, __file__, "--vllm-worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, script, "--vllm-worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, cwd="/tmp")
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         self.info = self._read()
+        self.error = self.info.get("error")
 
     def _read(self) -> dict:
         while True:
@@ -110,9 +139,8 @@ def build(folder: Path) -> None:
     del torch
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="/tmp/iquest-mid")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every dasspec-against-vLLM comparison takes (its own add --model and the like)."""
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -121,30 +149,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", default=None)
-    a = p.parse_args(argv)
 
+
+def random_prompts(n: int, high: int, seed: int = 7) -> list[list[int]]:
+    """``n`` prompts of 40-120 random ids in [3, high)."""
     import torch
-    torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(REPO))
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, high, (int(k),), generator=g).tolist() for k in torch.randint(40, 121, (n,), generator=g)]
+
+
+def vllm_job(folder: Path, prompts: list[list[int]], a: argparse.Namespace, **extra) -> dict:
+    """The job line a worker reads (``extra``: what the model's worker needs besides)."""
+    batches = [int(b) for b in a.batches.split(",")]
+    return dict(model=str(folder.resolve()), threads=a.threads, max_model_len=max(map(len, prompts))
+                + a.max_new_tokens + 16, max_batch=max(batches), max_new_tokens=a.max_new_tokens, prompts=prompts,
+                **extra)
+
+
+def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM | None", title: str,
+            head: dict, notes: list[str] = ()) -> int:
+    """dasspec's ``generate_batch`` (each method of --methods, each B of --batches) against the vLLM worker
+    (``None``: dasspec alone), rounds alternating the sides; writes results.json and results.md to --out and returns
+    0 when every run emitted dasspec AR's tokens at the smallest B, else 1. ``head`` opens the summary; a worker
+    that refused (``vllm.error``) is recorded and left out."""
+    import torch
     import dasspec
 
-    folder = Path(a.model)
-    if not (folder / "config.json").exists():
-        build(folder)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = dasspec.load_model(folder, dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, MID["vocab_size"], (int(n),), generator=g).tolist()
-               for n in torch.randint(40, 121, (a.prompts,), generator=g)]
     batches = [int(b) for b in a.batches.split(",")]
     methods = a.methods.split(",")
     sides = [f"dasspec-{m}" for m in methods]
-    vllm = None
-    if a.vllm_python:
-        job = dict(model=str(folder.resolve()), threads=a.threads, max_model_len=max(map(len, prompts))
-                   + a.max_new_tokens + 16, max_batch=max(batches), max_new_tokens=a.max_new_tokens, prompts=prompts)
-        vllm = VLLM(a.vllm_python, job, out / "vllm.log")
+    vllm_error = None
+    if vllm is not None and vllm.error:
+        vllm_error = vllm.error
+        print(f"vLLM refused: {vllm_error}", flush=True)
+        vllm.close()
+        vllm = None
+    if vllm is not None:
         sides.append("vllm")
 
     def run_dasspec(method: str, B: int) -> dict:
@@ -170,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ref = next(r["tokens"] for r in records if r["side"] == "dasspec-ar" and r["B"] == min(batches))
     same = {f"{r['side']} B={r['B']} round {r['round']}": r["tokens"] == ref for r in records}
+    lead = {f"{r['side']} B={r['B']} round {r['round']}": [_leading(x, y) for x, y in zip(r["tokens"], ref)]
+            for r in records}
     best = {(s, B): max(r["tokens_per_second"] for r in records if r["side"] == s and r["B"] == B)
             for s in sides for B in batches}
 
@@ -180,16 +224,19 @@ def main(argv: list[str] | None = None) -> int:
             vals.append(x[num] / x[den])
         return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
-    summary = {"model": str(folder), "shape": MID, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+    summary = {**head, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                "max_new_tokens": a.max_new_tokens, "threads": a.threads, "rounds": a.rounds,
                "torch": torch.__version__, "best_tokens_per_second": {f"{s} B={B}": v for (s, B), v in best.items()},
-               "same_tokens_as_dasspec_ar_B1": same}
+               "same_tokens_as_dasspec_ar_B1": same, "leading_tokens_equal_per_prompt": lead}
     if vllm:
+        summary["vllm_threads"] = vllm.info.get("threads")
         summary["over_vllm"] = {f"{s} B={B}": ratio((s, B), ("vllm", B)) for s in sides if s != "vllm"
                                 for B in batches}
+    if vllm_error:
+        summary["vllm_error"] = vllm_error
     (out / "results.json").write_text(json.dumps({"summary": summary, "runs": [
         {k: v for k, v in r.items() if k != "tokens"} for r in records]}, indent=2) + "\n")
-    lines = [f"# IQuest-Loop (width 512, 8 layers x 2 loops, window 64, vocabulary 76,800), float32", "",
+    lines = [f"# {title}", "",
              f"{len(prompts)} random prompts ({summary['prompt_tokens']} tokens), {a.max_new_tokens} greedy tokens "
              f"each, {a.threads} threads, {a.rounds} rounds alternating; tok/s = fastest round.", "",
              "| side | " + " | ".join(f"B = {B} tok/s" for B in batches)
@@ -205,10 +252,44 @@ def main(argv: list[str] | None = None) -> int:
             row += " | " + " | ".join(cells)
         lines.append(row + " |")
     lines += ["", "Tokens equal to dasspec AR's at B = 1: "
-              + ("all runs" if all(same.values()) else ", ".join(k for k, v in same.items() if not v) + " DIFFER")]
+              + ("all runs" if all(same.values()) else "; ".join(f"{k} DIFFER (leading tokens equal, per prompt: "
+                                                                 f"{lead[k]})" for k, v in same.items() if not v))]
+    if vllm_error:
+        lines += ["", f"vLLM refused the model: `{' '.join(vllm_error.split())}`"]
+    lines += [n for note in notes for n in ("", note)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(same.values()) else 1
+
+
+def _leading(a: list[int], b: list[int]) -> int:
+    """How many leading tokens of a and b agree."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="/tmp/iquest-mid")
+    add_arguments(p)
+    a = p.parse_args(argv)
+
+    import torch
+    torch.set_num_threads(a.threads)
+    sys.path.insert(0, str(REPO))
+    import dasspec
+
+    folder = Path(a.model)
+    if not (folder / "config.json").exists():
+        build(folder)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    model = dasspec.load_model(folder, dtype=torch.float32)
+    prompts = random_prompts(a.prompts, MID["vocab_size"])
+    vllm = VLLM(a.vllm_python, vllm_job(folder, prompts, a), Path(a.out) / "vllm.log") if a.vllm_python else None
+    return compare(model, prompts, a, vllm, "IQuest-Loop (width 512, 8 layers x 2 loops, window 64, vocabulary "
+                   "76,800), float32", {"model": str(folder), "shape": MID})
 
 
 if __name__ == "__main__":
