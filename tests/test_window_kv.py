@@ -108,6 +108,9 @@ def test_prompt_sharing_needs_the_full_layout(model):
     got, eng, _ = run(model, "ar", ps=ps)
     assert got == ref
     assert eng.scheduler.shared_rows == 0 and full.scheduler.shared_rows > 0
+    for window_kv, shares in ((None, False), (False, True)):     # generate_batch: the default, and asked for
+        outs = dasspec.generate_batch(model, ps, max_new_tokens=NEW, eos=False, window_kv=window_kv)
+        assert [o.tokens for o in outs] == ref and (sum(o.stats.cached_tokens for o in outs) > 0) == shares
     pc = dasspec.PrefixCache(model, prefix)
     with pytest.raises(ValueError, match="window_kv"):
         Engine(model, "ar", block_size=B).add(ps[0], prefix_cache=pc)

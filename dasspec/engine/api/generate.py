@@ -155,15 +155,17 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                    stopping_criteria: Iterable[Criterion] | None = None, drafter: Drafter | None = None,
                    runtime: Runtime | None = None, trace: bool = False, max_batch: int = 8,
                    kv_budget: int | None = None, policy=None, exit_threshold: float | None = None,
-                   exit_at_step: int | None = None, **knobs) -> list[GenerationResult]:
+                   exit_at_step: int | None = None, window_kv: bool | None = None, **knobs) -> list[GenerationResult]:
     """Decode ``prompts`` together (up to ``max_batch`` at a time) with ``method``; one result per prompt, in input
     order, each equal to ``generate(model, prompt, method, ...)`` of that prompt alone (greedy, or sampled with the
     same seed).  Every option of ``generate``; ``max_new_tokens``, ``seed`` and ``prefix_cache`` may be one value
     or one per prompt, and ``stop`` one prompt's stop items or a list of them per prompt (``[["\n"], None, [7]]``).
     ``kv_budget``: depth-cache positions for the running requests (default: room for the ``max_batch`` largest
     at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
-    exemplars once).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a
-    token)."""
+    exemplars once - except on a model whose loops >= 2 are windowed, IQuest-Loop, whose pool by default keeps only
+    the window's rows of those loops and shares nothing: ``window_kv=False`` keeps every row and shares, as a prefix
+    cache does; ``Engine``'s ``window_kv``).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch
+    grows; never changes a token)."""
     drop_hf_options(knobs)
     ids = batch_prompts(model, prompts, tokenizer)
     if not ids:
@@ -191,7 +193,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
                     tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True,
-                    window_kv=all(pc is None for pc in prefixes))
+                    window_kv=all(pc is None for pc in prefixes) if window_kv is None else window_kv)
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, state_seed=state_seed, init_scale=init_scale,
                            do_sample=do_sample,
