@@ -177,3 +177,27 @@ def test_a_wider_method_than_the_engine_s_runs_on_rings_for_ar_steps(model):
         while eng.has_work:
             eng.step()
         assert len(eng.result(rid).tokens) == 29
+
+
+def test_torch_attention_reads_only_the_window(model, monkeypatch):
+    """On torch's attention path (a GPU's; a CPU without the kernels) a windowed depth reads the rows of its window
+    and the call's own, never the whole prefix through the ring (which would gather n rows at every layer and read
+    rows the ring has reused), and the tokens are the full layout's."""
+    from dasspec.model import attention, decode_kernel
+    from dasspec.model.cache import RingTable
+    monkeypatch.setattr(decode_kernel, "available", lambda: False)
+    ps = prompts(model.config.vocab_size)
+    ref = run(model, "ar", ps=ps, window_kv=False)[0]
+    spans: list[int] = []
+    own = attention.PagedKV.own
+
+    def recorded(self, lo, hi):
+        if isinstance(self.table, RingTable):
+            spans.append((hi if hi is not None else self.table.capacity) - lo)
+        return own(self, lo, hi)
+
+    monkeypatch.setattr(attention.PagedKV, "own", recorded)
+    for method in ("ar", "das-wave", "token-recycling"):
+        got, eng, _ = run(model, method, ps=ps)
+        assert got == ref, method
+    assert spans and max(spans) <= 8 - 1 + 1 + 81, max(spans)     # the window and the widest call (a tree of 81)

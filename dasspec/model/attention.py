@@ -31,7 +31,7 @@ depend on where the blocks lie.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +61,23 @@ class Span:
     bias: Tensor | None = None
     rows: Tensor | None = None
     causal_rows: bool = False
+    lo: int = 0                # rows before it are visible to no query (a sliding window): not read at all
     _split: tuple | None = field(default=None, repr=False)
     _rows_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def end(self) -> int:
         return self.start + self.W
+
+    def from_lo(self) -> "Span":
+        """This span over rows [lo, end) only (``mask`` / ``bias`` cut to them; built once)."""
+        got = self._rows_cache.get("from_lo")
+        if got is None:
+            lo = self.lo
+            got = self._rows_cache["from_lo"] = replace(
+                self, mask=self.mask[:, lo:], bias=None if self.bias is None else self.bias[:, lo:], lo=0,
+                _split=None, _rows_cache={})
+        return got
 
     def source_masks(self) -> tuple[Tensor | None, Tensor | None]:
         """Visibility of C and U for ``two_source_attention`` (built once per call, shared by every layer)."""
@@ -128,6 +139,9 @@ def attend(q: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> Ten
         return kernel_attention(q, [kv], [span], span._rows_cache)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kv.one_source:
+        if span.lo and span.rows is None:            # a window: read its rows, not the whole prefix
+            k, v = kv.own(span.lo, span.end)
+            return dense_attention(q, k, v, span.from_lo(), scale)
         k, v = kv.own(0, None if span.rows is not None else span.end)
         return dense_attention(q, k, v, span, scale)
     mc, mu = span.source_masks()

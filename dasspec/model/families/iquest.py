@@ -176,7 +176,9 @@ def _window_part(span: Span, window: int, dtype: torch.dtype) -> Span:
     bias = None
     if dev.type == "cpu":
         bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    return replace(span, mask=mask, causal=False, bias=bias, causal_rows=False, _split=None, _rows_cache={})
+    # every query sits at position n or later: no row before n - window + 1 is visible to any (read from there on)
+    lo = max(0, span.n - window + 1) if span.rows is None else 0
+    return replace(span, mask=mask, causal=False, bias=bias, causal_rows=False, lo=lo, _split=None, _rows_cache={})
 
 
 class IQuestLoop(Family):
