@@ -121,16 +121,20 @@ def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> tupl
     else:
         logits = batch.full_depth(reqs[0].R)
         parts = batch.split(logits)
-    return accept_all(drafts, parts[: len(drafts)]), parts[len(drafts):]
+    return accept_all(drafts, parts[: len(drafts)], logits), parts[len(drafts):]
 
 
-def accept_all(drafts: list[Placed], logits: list[Tensor]) -> list[Verdict]:
-    """Acceptance of each draft against its target logits; one device -> host transfer for the whole batch."""
+def accept_all(drafts: list[Placed], logits: list[Tensor], whole: Tensor | None = None) -> list[Verdict]:
+    """Acceptance of each draft against its target logits; one device -> host transfer for the whole batch.
+    ``whole``: the tensor ``logits`` were split from, draft after draft from its first row (its greedy argmax is
+    taken at once, without copying the parts together)."""
     if not drafts:
         return []
     greedy_all = all(d.req.choose is greedy for d in drafts)
     if greedy_all and len(drafts) > 1:
-        preds = list(torch.split(torch.cat(logits).argmax(-1), [d.inputs for d in drafts]))
+        sizes = [d.inputs for d in drafts]
+        z = whole[: sum(sizes)] if whole is not None else torch.cat(logits)
+        preds = list(torch.split(z.argmax(-1), sizes))
     else:
         preds = [d.req.choose(z, d.req.n if d.layout.is_chain else d.req.n + d.layout.depth)
                  for d, z in zip(drafts, logits)]
