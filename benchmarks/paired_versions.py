@@ -1,6 +1,6 @@
 """Old code against new code, batch 1 and batch 8, paired round by round: is a change no slower?
 
-    python benchmarks/paired_versions.py --old c6dd6bb --out runs/paired --rounds 3 [--models bundled,ouro-mid]
+    python benchmarks/paired_versions.py --old c6dd6bb --out runs/paired --rounds 3 [--models bundled,ouro-mid,NAME=FOLDER]
 
 The old commit is checked out into a temporary git worktree; each round runs one worker process per version (old
 first on odd rounds, new first on even ones, so drift of a shared machine hits both alike).  A worker loads each model
@@ -9,8 +9,8 @@ them together (``dasspec.generate_batch``, B = 8), for each method, ``--new-toke
 Tokens/s is new tokens over wall time, prefill included.  The report gives per (model, B, method) the median over
 rounds of new / old tokens/s with its range, and whether both versions emitted the same tokens.
 Models: ``bundled``; ``ouro-mid`` (Ouro-1.4B's config at width 512, 8 layers, the real 49,152-id vocabulary, random
-weights: ``benchmarks/auto_speed.py``'s builder, from ``--ouro-src``).  Prompts: the first GSM8K test questions
-(``--data``).  Writes results.json and results.md into --out.  A benchmark, not a test: it asserts nothing.
+weights: ``benchmarks/auto_speed.py``'s builder, from ``--ouro-src``); ``NAME=FOLDER``: any checkpoint folder.  Prompts:
+the first GSM8K test questions (``--data``) in the model's tokenizer (random ids of 40-120 where it has none).  Writes results.json and results.md into --out.  A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -85,10 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     questions = [json.loads(l)["question"] for l in (args.data / "gsm8k" / "test.jsonl").read_text().splitlines()]
     models, prompts = {}, {}
     for name in args.models.split(","):
-        path = None if name == "bundled" else str(build_ouro(args.ouro_src, args.work / name, 512))
-        tok = dasspec.load_tokenizer(path)
+        if "=" in name:                               # NAME=FOLDER: any checkpoint (random ids without a tokenizer)
+            name, path = name.split("=", 1)
+        else:
+            path = None if name == "bundled" else str(build_ouro(args.ouro_src, args.work / name, 512))
         models[name] = path
-        prompts[name] = [tok.encode(q) for q in questions[: args.prompts]]
+        try:
+            tok = dasspec.load_tokenizer(path)
+            prompts[name] = [tok.encode(q) for q in questions[: args.prompts]]
+        except Exception:                             # noqa: BLE001 - a folder without tokenizer files
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            g = random.Random(7)
+            prompts[name] = [[g.randrange(3, min(cfg["vocab_size"], 32000)) for _ in range(g.randrange(40, 121))]
+                             for _ in range(args.prompts)]
     old = args.work / f"old-{args.old}"
     if not old.exists():
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), args.old], check=True)
