@@ -18,8 +18,8 @@ Windowed depths (``window``; ``model/cache.py``): a block then holds its B posit
 depth-1 blocks are handed out as above; each depth r >= 2 takes a ring of ``ring_blocks`` blocks when the request
 starts (or is swapped back in) and returns it when it ends - what the window and its widest call need, however long
 the request grows (or, when those do not fit, what the window and a prompt chunk need: the request then takes AR
-steps, as a request whose draft scratch does not fit does).  Prompt blocks are not shared then: a later request would need the depth-r rows of the shared
-prompt's last ``window`` positions, which its ring does not hold.
+steps, as a request whose draft scratch does not fit does).  Prompt blocks are not shared then: a later request
+would need the depth-r rows of the shared prompt's last ``window`` positions, which its ring does not hold.
 """
 
 from __future__ import annotations
