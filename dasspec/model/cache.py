@@ -318,7 +318,7 @@ class PagedCache:
         for i, (tensors, table) in enumerate(self._depth_tables()):
             count = min(saved[at].shape[-2], m - (self._ring_saved(m) if i else 0))
             idx = table.rows[m - count: m]
-            if i:             # a ring's rows not restored (a longer ring than it left with) hold zeros, not a stranger's
+            if i:             # ring rows not restored (a longer ring than it left with) hold zeros, not a stranger's
                 blocks = torch.tensor(table.blocks, device=idx.device)
                 every = (blocks[:, None] * table.B + torch.arange(table.B, device=idx.device)).flatten()
             for t in tensors:
