@@ -109,6 +109,42 @@ def test_rms_norm_is_torchs_and_a_row_keeps_its_bits_in_any_batch():
         assert torch.equal(decode_kernel.rms_norm(x[i: i + 1], w, 1e-6)[0], got[i])
 
 
+@pytest.mark.parametrize("n", [1408, 200, 7])
+def test_silu_and_sigmoid_keep_a_values_bits_in_any_call_at_any_thread_count_on_every_path(n):
+    """torch's elementwise kernels compute a call's tail on another path than its vectors, and which values fall in
+    a tail depends on the call's size and its thread count: its SiLU gave a row other bits alone than in a batch at 3,
+    5 and 7 threads (and the one-call MLP with it at 5 and 7).  The kernel's are each value's own."""
+    g = torch.Generator().manual_seed(6)
+    y = torch.randn(97, 2 * n, generator=g) * 4
+    d = 64
+    wfc, wp = torch.randn(2 * n, d, generator=g) / 8, torch.randn(d, n, generator=g) / 8
+    x = torch.randn(97, d, generator=g)
+    before, threads = decode_kernel.isa(), torch.get_num_threads()
+    ref = None
+    try:
+        for isa in decode_kernel.isas_here():
+            decode_kernel.set_isa(isa)
+            for th in (1, 2, 3, 5, 7):
+                torch.set_num_threads(th)
+                silu, sig = decode_kernel.silu_mul(y[:, :n], y[:, n:]), decode_kernel.sigmoid(y)
+                mlp = decode_kernel.mlp_rows(x, wfc, wp)
+                if ref is None:
+                    ref = (silu, sig, mlp)
+                    torch.testing.assert_close(silu, F.silu(y[:, :n]) * y[:, n:], rtol=2e-6, atol=1e-6)
+                    torch.testing.assert_close(sig, torch.sigmoid(y), rtol=2e-6, atol=1e-7)
+                assert torch.equal(silu, ref[0]) and torch.equal(sig, ref[1]) and torch.equal(mlp, ref[2]), (isa, th)
+                for i in (0, 31, 50, 96):
+                    assert torch.equal(decode_kernel.silu_mul(y[i: i + 1, :n], y[i: i + 1, n:]), silu[i: i + 1])
+                    assert torch.equal(decode_kernel.sigmoid(y[i: i + 1]), sig[i: i + 1])
+                    assert torch.equal(decode_kernel.mlp_rows(x[i: i + 1], wfc, wp), mlp[i: i + 1]), (isa, th, i)
+    finally:
+        decode_kernel.set_isa(before)
+        torch.set_num_threads(threads)
+    yb = y.bfloat16()                                    # bfloat16: torch's two roundings (the SiLU, the product)
+    torch.testing.assert_close(decode_kernel.silu_mul(yb[:, :n], yb[:, n:]).float(),
+                               (F.silu(yb[:, :n]) * yb[:, n:]).float(), rtol=1e-2, atol=1e-2)
+
+
 def test_bad_arguments_are_refused_not_read_out_of_bounds():
     k = v = torch.zeros(2, 10, 8)
     q = torch.zeros(1, 2, 8)
@@ -242,7 +278,7 @@ def test_the_one_call_mlp_has_the_modules_bits_at_every_row_count(M):
     mlp = GatedMLP(tiny_config("ouro", n_embd=48, head_dim=12, intermediate_size=80)).requires_grad_(False)
     x = torch.randn(M, 48)
     gate, up = decode_kernel.linear(x, mlp.fc.weight).chunk(2, dim=-1)
-    want = decode_kernel.linear(F.silu(gate) * up, mlp.proj.weight)
+    want = decode_kernel.linear(decode_kernel.silu_mul(gate, up), mlp.proj.weight)
     assert torch.equal(decode_kernel.mlp_rows(x, mlp.fc.weight, mlp.proj.weight), want)
     assert torch.equal(mlp(x), want)
 

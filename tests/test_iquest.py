@@ -171,3 +171,28 @@ def test_loop_2_reads_its_own_cache_only_inside_the_window(folders):
         c.core_v[:, 0, :, 0] = 1e3
 
     assert (decode(first_depth1) - clean).abs().max() > 1.0
+
+
+def test_the_loop_gate_is_the_same_bits_in_a_call_of_any_size():
+    """A row's gate g = sigmoid(q_h . w_h + b_h) must not depend on the other rows of its call (verification and AR
+    must compute the same target): torch's einsum changes its product with the row count and torch's sigmoid computes
+    a call's tail on another path - at IQuest's widths a row alone got other bits than in a batch."""
+    from dasspec.model.families.iquest import LoopGate
+    threads = torch.get_num_threads()
+    try:
+        for th in (1, 2, 5):
+            torch.set_num_threads(th)
+            for H, hd in ((8, 64), (40, 128), (3, 20)):
+                gate = LoopGate(H, hd).requires_grad_(False)
+                g = torch.Generator().manual_seed(1)
+                gate.weight.copy_(torch.randn(H, hd, generator=g))
+                gate.bias.copy_(torch.randn(H, generator=g))
+                q = torch.randn(1, 300, H, hd, generator=g).transpose(1, 2)
+                full = gate(q)
+                want = torch.sigmoid(torch.einsum("bhsd,hd->bhs", q, gate.weight) + gate.bias[None, :, None])
+                torch.testing.assert_close(full, want.unsqueeze(-1), rtol=1e-5, atol=1e-6)
+                for W in (1, 2, 5, 17, 64):
+                    for s0 in (0, 7):
+                        assert torch.equal(gate(q[:, :, s0: s0 + W]), full[:, :, s0: s0 + W]), (th, H, hd, W, s0)
+    finally:
+        torch.set_num_threads(threads)

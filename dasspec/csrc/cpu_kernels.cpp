@@ -91,6 +91,10 @@ struct GemmArgs {
   void heads_f16(const dasspec::HeadArgs<c10::Half>& a, int64_t i0, int64_t i1) { heads<c10::Half>(a, i0, i1); } \
   void rms(const float* x, const float* w, int64_t D, float eps, float* o, int64_t r0, int64_t r1) {             \
     for (int64_t r = r0; r < r1; ++r) rms_row(x + r * D, w, D, eps, o + r * D);                                  \
+  }                                                                                                               \
+  void pw_f32(const float* g, const float* u, int64_t n, float* o) { pointwise_row<float>(g, u, n, o); }          \
+  void pw_bf16(const c10::BFloat16* g, const c10::BFloat16* u, int64_t n, c10::BFloat16* o) {                     \
+    pointwise_row<c10::BFloat16>(g, u, n, o);                                                                     \
   }
 
 namespace dasspec_portable {
@@ -144,10 +148,13 @@ struct Ops {
   void (*heads_bf16)(const HeadArgs<c10::BFloat16>&, int64_t, int64_t);
   void (*heads_f16)(const HeadArgs<c10::Half>&, int64_t, int64_t);
   void (*rms)(const float*, const float*, int64_t, float, float*, int64_t, int64_t);
+  void (*pw_f32)(const float*, const float*, int64_t, float*);
+  void (*pw_bf16)(const c10::BFloat16*, const c10::BFloat16*, int64_t, c10::BFloat16*);
 };
 
 #define DASSPEC_OPS(ns, label) \
-  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms }
+  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms, \
+        &ns::pw_f32, &ns::pw_bf16 }
 
 const Ops PORTABLE = DASSPEC_OPS(dasspec_portable, "portable");
 #if DASSPEC_X86
@@ -433,6 +440,39 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return out;
 }
 
+// silu(g) * u, or sigmoid(g) without u: g, u [..., n] (rows with unit inner stride), float32 or bfloat16; out
+// contiguous.  Rows split over threads, never a row: each value's bits are its own (isa_body.h's pointwise_row).
+at::Tensor pointwise(const at::Tensor& g_in, const std::optional<at::Tensor>& u_in) {
+  check_cpu(g_in, "g");
+  const auto dt = g_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16");
+  const int64_t n = g_in.size(-1);
+  auto g = g_in.reshape({-1, n});
+  if (g.stride(1) != 1) g = g.contiguous();
+  at::Tensor u;
+  if (u_in.has_value()) {
+    check_cpu(*u_in, "u");
+    TORCH_CHECK(u_in->scalar_type() == dt && u_in->sizes() == g_in.sizes(), "u: g's shape and dtype");
+    u = u_in->reshape({-1, n});
+    if (u.stride(1) != 1) u = u.contiguous();
+  }
+  const int64_t M = g.size(0);
+  auto out = at::empty({M, n}, g.options());
+  const auto& o = ops();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      if (dt == at::kFloat)
+        o.pw_f32(g.data_ptr<float>() + r * g.stride(0), u.defined() ? u.data_ptr<float>() + r * u.stride(0) : nullptr,
+                 n, out.data_ptr<float>() + r * n);
+      else
+        o.pw_bf16(g.data_ptr<c10::BFloat16>() + r * g.stride(0),
+                  u.defined() ? u.data_ptr<c10::BFloat16>() + r * u.stride(0) : nullptr, n,
+                  out.data_ptr<c10::BFloat16>() + r * n);
+    }
+  });
+  return out.view(g_in.sizes());
+}
+
 // ---- one-call sublayers (the modules' ops on the same views in the same order: their bits) -------------------------
 // layers.py's Attention.forward on rows the row kernel takes (halves-form RoPE, no q/k norm).  x [M, d] -> [M, d].
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
@@ -466,7 +506,7 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wproj) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
   auto gate_up = dasspec::linear(x, wfc, std::nullopt).chunk(2, -1);
-  return dasspec::linear(at::silu(gate_up[0]) * gate_up[1], wproj, std::nullopt);
+  return dasspec::linear(pointwise(gate_up[0], gate_up[1]), wproj, std::nullopt);
 }
 
 // Ouro's layer (families/ouro.py PeriNormBlock: x + n2(attn(n1 x)), then that + n4(mlp(n3 of it))).

@@ -265,6 +265,47 @@ DASSPEC_INLINE f16v exp_nonpositive16(f16v x) {
 inline float to_float(float v) { return v; }
 template <typename T> inline float to_float(T v) { return static_cast<float>(v); }
 
+// sigmoid(x) of 16 values: 1 / (1 + exp(-x)) for x >= 0, exp(x) / (1 + exp(x)) below (exp only of values <= 0).
+DASSPEC_INLINE f16v sigmoid16(f16v x) {
+  const i16v neg = x < 0.0f;
+  const f16v e = exp_nonpositive16(neg ? x : f16v{} - x);
+  const f16v one = f16v{} + 1.0f;
+  return (neg ? e : one) / (one + e);
+}
+
+// An elementwise row of n values, 16 lanes at a time (the tail through the same lanes, zeros after it), so that a
+// value's bits never depend on where it sits in a call: silu(g) * u (torch's two roundings: the SiLU, then the
+// product) or, without u, sigmoid(g).
+template <typename T>
+inline void pointwise_row(const T* g, const T* u, int64_t n, T* o) {
+  float gb[LANES], ub[LANES], ob[LANES];
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {             // whole vectors straight from and to the rows
+    for (; i + LANES <= n; i += LANES) {
+      const f16v x = load16(g + i);
+      const f16v s = sigmoid16(x);
+      const f16v r = u ? x * s * load16(u + i) : s;
+      std::memcpy(o + i, &r, sizeof r);
+    }
+  }
+  for (; i < n; i += LANES) {
+    const int64_t k = std::min<int64_t>(LANES, n - i);
+    for (int64_t l = 0; l < LANES; ++l) gb[l] = l < k ? to_float(g[i + l]) : 0.0f;
+    const f16v x = load16(gb);
+    f16v r = sigmoid16(x);
+    if (u) {
+      for (int64_t l = 0; l < LANES; ++l) ub[l] = l < k ? to_float(u[i + l]) : 0.0f;
+      f16v silu = x * r;
+      if constexpr (!std::is_same_v<T, float>) {          // rounded to T before the product, as torch's F.silu is
+        for (int l = 0; l < LANES; ++l) silu[l] = to_float(static_cast<T>(silu[l]));
+      }
+      r = silu * load16(ub);
+    }
+    std::memcpy(ob, &r, sizeof ob);
+    for (int64_t l = 0; l < k; ++l) o[i + l] = static_cast<T>(ob[l]);
+  }
+}
+
 // One (query, head): softmax(q K^T * scale) V over the key rows rows[0, L), the first Lc of them from (kc, vc) and
 // the rest from (ku, vu) - the verified prefix at its read depths, then the call's own rows (one source: the same
 // tensors).  Scores, their maximum, the exponentials, their sum and each output lane's weighted sum run over the

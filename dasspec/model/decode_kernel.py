@@ -227,6 +227,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (_module if _tried else _load()).rms_norm(x, weight, eps)
 
 
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up elementwise (float32 or bfloat16; torch's roundings), each value's bits its own: torch's
+    elementwise kernels compute a call's tail - which values fall in it depends on the call's size and thread count -
+    on another path than its vectors."""
+    return (_module if _tried else _load()).pointwise(gate, up)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """sigmoid(x) elementwise (float32 or bfloat16), each value's bits its own (``silu_mul``)."""
+    return (_module if _tried else _load()).pointwise(x, None)
+
+
 def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE in HF's rotate_half form over x [B, W, n, hd] (float32) with cos / sin [W, hd]: torch's bits."""
     return (_module if _tried else _load()).rope_half(x, cos, sin)

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .layers import sigmoid
+
 
 @dataclass(frozen=True)
 class ExitRule:
@@ -64,7 +66,7 @@ class ExitRule:
         remaining = torch.ones_like(gates[0])
         pdf = []
         for t, g in enumerate(gates):
-            lam = torch.sigmoid(g)
+            lam = sigmoid(g)                                   # the kernel's on a CPU: a value's bits its own
             if t < last:
                 pdf.append(lam * remaining)
                 remaining = remaining * (1.0 - lam)

@@ -200,6 +200,25 @@ def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor,
     return first.weight, second.weight
 
 
+def pointwise_on_kernel(*xs: Tensor) -> bool:
+    """Whether ``silu_mul`` / ``sigmoid`` take dasspec's kernel: CPU float32 or bfloat16, no gradient, not traced."""
+    x = xs[0]
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and all([y.dtype == x.dtype and y.device == x.device for y in xs])
+            and not (torch.is_grad_enabled() and any([y.requires_grad for y in xs]))
+            and not torch.compiler.is_compiling() and decode_kernel.available())
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up: on a CPU the kernel's (a value's bits its own, whatever the call's size or thread count)."""
+    return decode_kernel.silu_mul(gate, up) if pointwise_on_kernel(gate, up) else F.silu(gate) * up
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """sigmoid(x): on a CPU the kernel's (as ``silu_mul``)."""
+    return decode_kernel.sigmoid(x) if pointwise_on_kernel(x) else torch.sigmoid(x)
+
+
 class GatedMLP(nn.Module):
     """fc -> (gate, up) halves; proj(silu(gate) * up)."""
 
@@ -215,7 +234,7 @@ class GatedMLP(nn.Module):
             # which mirrors the two lines below)
             return decode_kernel.mlp_rows(x.reshape(-1, x.shape[-1]), *args).view(*x.shape[:-1], -1)
         gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        return self.proj(silu_mul(gate, up))
 
     def row_args(self, x: Tensor) -> tuple | None:
         """``mlp_rows``' arguments after x, or None: the modules' path."""

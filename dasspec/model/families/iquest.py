@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
-from ..layers import NormedBlock
+from ..layers import NormedBlock, sigmoid
+from ..linear import linear
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
 # config.json keys that do not change the computation (bookkeeping, training-only settings, HF defaults).
@@ -63,16 +64,35 @@ class LoopKV:
 
 
 class LoopGate(nn.Module):
-    """g = sigmoid(q_h . w_h + b_h) for each query head h: weight [H, hd], bias [H] (``gate_projections.{i}``)."""
+    """g = sigmoid(q_h . w_h + b_h) for each query head h: weight [H, hd], bias [H] (``gate_projections.{i}``).
+
+    The dot products are one product of the rows' queries [W, H * hd] by the block-diagonal [H, H * hd] (head h's
+    weight in its own columns, zeros elsewhere), so they take dasspec's product like every other layer's: a row's
+    gate is the same bits in a call of one row or of many (torch's einsum is not: its kernel changes with the row
+    count).  The zeros add exact zeros to each head's sum, in the lanes its own columns would use; the sigmoid is the
+    kernel's too (``layers.sigmoid``)."""
 
     def __init__(self, heads: int, head_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(heads, head_dim))
         self.bias = nn.Parameter(torch.zeros(heads))
+        self._blocks: tuple | None = None
+
+    def block_diagonal(self) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return torch.block_diag(*w.unsqueeze(1).unbind(0))
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._blocks is None or self._blocks[0] != key:
+            self._blocks = (key, torch.block_diag(*w.detach().unsqueeze(1).unbind(0)))
+        return self._blocks[1]
 
     def forward(self, q: Tensor) -> Tensor:
         """q [B, H, W, hd] -> gate [B, H, W, 1]."""
-        return torch.sigmoid(torch.einsum("bhsd,hd->bhs", q, self.weight) + self.bias[None, :, None]).unsqueeze(-1)
+        B, H, W, hd = q.shape
+        x = q.transpose(1, 2).reshape(B * W, H * hd)
+        s = linear(x, self.block_diagonal(), self.bias).view(B, W, H).transpose(1, 2)
+        return sigmoid(s).unsqueeze(-1)
 
 
 class LoopCoderBlock(NormedBlock):
