@@ -203,7 +203,7 @@ def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor,
 def pointwise_on_kernel(*xs: Tensor) -> bool:
     """Whether ``silu_mul`` / ``sigmoid`` take dasspec's kernel: CPU float32 or bfloat16, no gradient, not traced."""
     x = xs[0]
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel() > 0
             and all([y.dtype == x.dtype and y.device == x.device for y in xs])
             and not (torch.is_grad_enabled() and any([y.requires_grad for y in xs]))
             and not torch.compiler.is_compiling() and decode_kernel.available())
