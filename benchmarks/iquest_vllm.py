@@ -174,6 +174,7 @@ def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM 
     that refused (``vllm.error``) is recorded and left out."""
     import torch
     import dasspec
+    from dasspec.engine.api.prefix_cache import common_prefix
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +213,7 @@ def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM 
 
     ref = next(r["tokens"] for r in records if r["side"] == "dasspec-ar" and r["B"] == min(batches))
     same = {f"{r['side']} B={r['B']} round {r['round']}": r["tokens"] == ref for r in records}
-    lead = {f"{r['side']} B={r['B']} round {r['round']}": [_leading(x, y) for x, y in zip(r["tokens"], ref)]
+    lead = {f"{r['side']} B={r['B']} round {r['round']}": [common_prefix([x, y]) for x, y in zip(r["tokens"], ref)]
             for r in records}
     best = {(s, B): max(r["tokens_per_second"] for r in records if r["side"] == s and r["B"] == B)
             for s in sides for B in batches}
@@ -260,14 +261,6 @@ def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM 
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(same.values()) else 1
-
-
-def _leading(a: list[int], b: list[int]) -> int:
-    """How many leading tokens of a and b agree."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -81,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     import dasspec
     from benchmarks.auto_speed import build_ouro
+    from benchmarks.iquest_vllm import random_prompts
+    from dasspec.model.safetensors_io import CheckpointError
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     questions = [json.loads(l)["question"] for l in (args.data / "gsm8k" / "test.jsonl").read_text().splitlines()]
@@ -94,11 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tok = dasspec.load_tokenizer(path)
             prompts[name] = [tok.encode(q) for q in questions[: args.prompts]]
-        except Exception:                             # noqa: BLE001 - a folder without tokenizer files
+        except CheckpointError:                       # a folder without tokenizer files
             cfg = json.loads((Path(path) / "config.json").read_text())
-            g = random.Random(7)
-            prompts[name] = [[g.randrange(3, min(cfg["vocab_size"], 32000)) for _ in range(g.randrange(40, 121))]
-                             for _ in range(args.prompts)]
+            prompts[name] = random_prompts(args.prompts, min(cfg["vocab_size"], 32000))
     old = args.work / f"old-{args.old}"
     if not old.exists():
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), args.old], check=True)

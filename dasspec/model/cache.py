@@ -318,12 +318,9 @@ class PagedCache:
         for i, (tensors, table) in enumerate(self._depth_tables()):
             count = min(saved[at].shape[-2], m - (self._ring_saved(m) if i else 0))
             idx = table.rows[m - count: m]
-            if i:             # ring rows not restored (a longer ring than it left with) hold zeros, not a stranger's
-                blocks = torch.tensor(table.blocks, device=idx.device)
-                every = (blocks[:, None] * table.B + torch.arange(table.B, device=idx.device)).flatten()
             for t in tensors:
-                if i:
-                    t.index_fill_(-2, every, 0)
+                if i:         # ring rows not restored (a longer ring than it left with) hold zeros, not a stranger's
+                    t.index_fill_(-2, table.rows[: table.span_rows()], 0)
                 t.index_copy_(-2, idx, saved[at][..., saved[at].shape[-2] - count:, :].to(t.device))
                 at += 1
         self.n = m
