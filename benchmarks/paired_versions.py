@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the new side only (e.g. DASSPEC_CPU_ISA=avx2 with --old HEAD: "
                         "one code, two kernel paths)")
+    p.add_argument("--random-ids", type=int, default=0, metavar="HIGH",
+                   help="every model's prompts: random ids of 40-120 in [3, min(HIGH, vocabulary)) (the vLLM "
+                        "comparisons' prompts: HIGH 166100 for Nanbeige), instead of GSM8K questions")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     import dasspec
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = None if name == "bundled" else str(build_ouro(args.ouro_src, args.work / name, 512))
         models[name] = path
+        if args.random_ids:
+            cfg = json.loads((Path(path) / "config.json").read_text()) if path else {"vocab_size": 32000}
+            prompts[name] = random_prompts(args.prompts, min(cfg["vocab_size"], args.random_ids))
+            continue
         try:
             tok = dasspec.load_tokenizer(path)
             prompts[name] = [tok.encode(q) for q in questions[: args.prompts]]
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "results.json").write_text(json.dumps(runs))
     lines = [f"# New{' (' + ', '.join(args.new_env) + ')' if args.new_env else ''} against old ({args.old}), "
              "paired by round", "",
-             f"{args.rounds} rounds, {args.prompts} GSM8K questions x {args.new_tokens} new tokens, "
+             f"{args.rounds} rounds, {args.prompts} "
+             f"{'prompts of random ids' if args.random_ids else 'GSM8K questions'} x {args.new_tokens} new tokens, "
              f"{args.threads} thread(s); tokens/s includes the prefill.", "",
              "| model | B | method | new / old tok/s, median [range] | new tok/s (median) | same tokens |",
              "|---|---|---|---|---|---|"]
@@ -129,6 +137,22 @@ def main(argv: list[str] | None = None) -> int:
             same &= pair["old"]["tokens"] == pair["new"]["tokens"]
         lines.append(f"| {model} | {B} | {method} | {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
                      f"{max(ratios):.3f}] | {statistics.median(speeds):.1f} | {'yes' if same else 'no'} |")
+    methods = args.methods.split(",")
+    if len(methods) > 1:                 # within each version: a method against the first, same process and round
+        lines += ["", f"Each method against {methods[0]} within a version (tok/s ratio per round, median [range]):", "",
+                  "| model | B | method | old | new |", "|---|---|---|---|---|"]
+        for model, B, method in keys:
+            if method == methods[0]:
+                continue
+            cells = []
+            for version in ("old", "new"):
+                rs = []
+                for r in range(args.rounds):
+                    got = {x["method"]: x["seconds"] for x in runs
+                           if (x["model"], x["B"], x["version"], x["round"]) == (model, B, version, r)}
+                    rs.append(got[methods[0]] / got[method])
+                cells.append(f"{statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]")
+            lines.append(f"| {model} | {B} | {method} | {cells[0]} | {cells[1]} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

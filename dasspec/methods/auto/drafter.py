@@ -261,9 +261,9 @@ class AutoDrafter(Drafter):
         picks = [s.choose(B) for s in sessions]
         if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
             picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
-                                   [s.ctx.budget for s in sessions], [s.prev for s in sessions], t)
+                                   [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
         else:
-            picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t)
+            picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t, self.budget)
         picks = [Choice("ar", False, "one-to-go") if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):

@@ -14,8 +14,12 @@ revalues the step as a whole.  Two small parts, each a function of the cost mode
   ``margin``, and a batch all on one drafter that some request has measured fewer than ``hold_below`` times stays
   on it unless plain steps win by the margin.
 
-Probes keep their arm in both.  Each returns the step's choices and the rule that decided the plan (None: the
-requests' own choices stand).
+A plan that puts requests on a drafter they have not measured prices them at the drafter's average over its
+requests (``Priors``: one lucky block, early on).  Such a plan is taken outright only where it wins by
+``prior_trust``, as a request's own choice is (``explorer.trusted_prior``); where it wins by less it is a probe of
+those requests (rule ``...-probe``), taken when its loss, were each of them to commit one token, fits the
+exploration budget.  Probes keep their arm in both.  Each returns the step's choices and the rule that decided the
+plan (None: the requests' own choices stand).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Sequence
 
 from .costs import LOOKUP, CostModel
 from .earnings import Earnings
-from .explorer import Choice
+from .explorer import Budget, Choice
 from .tuning import Tuning
 
 
@@ -100,32 +104,62 @@ def _keep_probes(picks: Sequence[Choice], arms: Sequence[str], rule: str) -> lis
     return [p if p.probe or p.arm == a else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
 
 
+def _untried(earnings: Sequence[Earnings], arms: Sequence[str]) -> list[tuple[Earnings, str]]:
+    """The requests a plan puts on a drafter they have not measured (priced at the drafter's average)."""
+    return [(e, a) for e, a in zip(earnings, arms) if a != "ar" and e.arms[a].n == 0]
+
+
+def _probed(costs: CostModel, earnings: Sequence[Earnings], arms: Sequence[str], rate: float, budget: Budget | None
+            ) -> bool:
+    """Whether a step with request i on ``arms[i]`` fits ``budget`` as a probe of the requests it puts on a drafter
+    they have not measured (takes it if so): its loss is its seconds less what plain steps at ``rate`` tokens/s take
+    for its tokens, were each of those requests to commit one."""
+    untried = _untried(earnings, arms)
+    step = batch_step(costs, earnings, arms)
+    if budget is None or budget.explore <= 0 or not untried or step is None or not rate:
+        return False
+    low = step[0] - sum(e.tok_rows(a)[0] - 1.0 for e, a in untried)
+    return budget.may_probe(max(step[2] + step[3] - low / rate, 0.0))
+
+
 def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Choice], subs: Sequence[str],
-                budgets: Sequence[int], prev: Sequence[str], t: Tuning) -> tuple[list[Choice], str]:
-    """The arms of a closed batch's step (module docstring)."""
+                budgets: Sequence[int], prev: Sequence[str], t: Tuning, budget: Budget | None = None
+                ) -> tuple[list[Choice], str]:
+    """The arms of a closed batch's step (module docstring; ``budget``: the explorer's, for a plan that probes)."""
     B = len(earnings)
     plans = [("closed-plain", ["ar"] * B)] + [(f"closed-all-{arm}", [arm] * B) for arm in subs] + \
         [("closed-own", [p.arm for p in picks])]
     held = prev[0] if all(p == prev[0] for p in prev) else "ar"
     best = best_time = plain = held_time = None
     memo: dict = {}
-    for rule, arms in plans:
+
+    def timed(arms: Sequence[str]) -> float | None:
         plan = []
         for e, b, arm in zip(earnings, budgets, arms):
             tok, rows = e.tok_rows(arm, sustained=True)
             if tok is None or rows is None:
-                break
+                return None
             plan.append((arm, max(b, 1) / max(tok, 1.0), rows))
-        else:
-            got = batch_time(costs, plan, memo)
-            if got is None:
-                continue
-            if plain is None:
-                plain = got
-            if held != "ar" and arms == [held] * B:
-                held_time = got
-            if best_time is None or got < best_time:
-                best, best_time = (rule, arms), got
+        return batch_time(costs, plan, memo)
+
+    probe = None
+    for rule, arms in plans:
+        got = timed(arms)
+        if got is None:
+            continue
+        if plain is None:
+            plain = got
+        if held != "ar" and arms == [held] * B:
+            held_time = got
+        if best_time is not None and got >= best_time:
+            continue
+        if got * t.prior_trust > plain and _untried(earnings, arms):
+            probe = probe or ((rule + "-probe", arms, got) if got < (1.0 - t.margin) * plain else None)
+            continue                                    # the drafter's average alone must win by far
+        best, best_time = (rule, arms), got
+    if (best is None or best_time >= (1.0 - t.margin) * plain) and probe is not None and \
+            _probed(costs, earnings, probe[1], batch_value(costs, earnings, ["ar"] * B), budget):
+        best, best_time = probe[:2], probe[2]
     if best is None or plain is None or best_time >= (1.0 - t.margin) * plain:
         keep = held_time is not None and plain is not None and held_time < (1.0 + t.margin) * plain \
             and min(e.arms[held].n for e in earnings) < t.hold_below
@@ -135,8 +169,8 @@ def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[
 
 
 def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Choice], subs: Sequence[str],
-             t: Tuning) -> tuple[list[Choice], str | None]:
-    """The arms of a server batch's step (module docstring)."""
+             t: Tuning, budget: Budget | None = None) -> tuple[list[Choice], str | None]:
+    """The arms of a server batch's step (module docstring; ``budget``: the explorer's, for a plan that probes)."""
     picks = list(picks)
     if len(earnings) < 2:
         return picks, None
@@ -155,7 +189,7 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
         own = batch_value(costs, earnings, mine)
         if own is None:
             return picks, rule
-    best, best_value = None, (1.0 + t.margin) * own
+    candidates = []
     for arm in subs:
         plans = [(f"together-{arm}", [p.arm if p.probe else arm for p in picks])]
         if arm in LOOKUP and plain:
@@ -168,12 +202,18 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
                 plans.append((f"together-{arm}-matching",
                               [p.arm if p.probe else arm if tk is not None and tk - 1.0 > plain * row * (r - 1.0)
                                else "ar" for (tk, r), p in zip(stats, picks)]))
-        for name, arms in plans:
-            if arms == mine or arm not in arms:      # the requests' own choices, or nobody drafting
-                continue
-            v = batch_value(costs, earnings, arms)
-            if v is not None and v > best_value:
-                best, best_value = (name, arms), v
+        candidates += [(name, arms) for name, arms in plans if arms != mine and arm in arms]
+    best, best_value, probe = None, (1.0 + t.margin) * own, None
+    for name, arms in candidates:                   # (the requests' own choices, or nobody drafting: left out)
+        v = batch_value(costs, earnings, arms)
+        if v is None or v <= best_value:
+            continue
+        if v <= t.prior_trust * own and _untried(earnings, arms):
+            probe = probe or (name, arms)               # the drafter's average alone must win by far
+            continue
+        best, best_value = (name, arms), v
+    if best is None and probe is not None and _probed(costs, earnings, probe[1], own, budget):
+        best = (probe[0] + "-probe", probe[1])
     if best is None:
         return picks, rule
     name, arms = best

@@ -49,7 +49,9 @@ class Tuning:
     margin: float = why(0.05, "a drafter replaces plain steps only when its estimated tokens/s is 5% higher: AR's "
                               "value is certain, the others' estimated")
     prior_trust: float = why(1.5, "a model drafter this request has not measured is used outright when the other "
-                                  "requests' average says it wins by 1.5x (a batch then pays one probe, not B)")
+                                  "requests' average says it wins by 1.5x (a batch then pays one probe, not B); a "
+                                  "batch plan that puts such requests on it likewise - where it wins by less, the "
+                                  "plan is a budgeted probe (the average may rest on one lucky block)")
     min_interval: int = why(2, "a switched-off model drafter is probed at most every 2 steps")
     max_interval: int = why(256, "... and at least every 256 steps, however much a probe costs")
     probe_loss_floor: float = why(0.05, "a probe is charged at least 5% of the best step's time per request: a "
