@@ -92,7 +92,8 @@ def vllm_worker() -> None:
 
     AutoConfig.register("iquestloopcoder", IQuestLoopCoderConfig)
     serve(job, lambda: LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
-                           max_num_seqs=job["max_batch"], seed=0, skip_tokenizer_init=True))
+                           max_num_seqs=job["max_batch"], seed=0, skip_tokenizer_init=True,
+                           enable_prefix_caching=job["prefix_caching"]))
 
 
 class VLLM:
@@ -149,6 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", default=None)
+    p.add_argument("--vllm-prefix-caching", action="store_true",
+                   help="leave vLLM's prefix cache on (its default): every round repeats the same prompts, so from the "
+                        "warm-up on it may reuse their K/V, which dasspec's generate_batch calls never keep")
 
 
 def random_prompts(n: int, high: int, seed: int = 7) -> list[list[int]]:
@@ -163,7 +167,7 @@ def vllm_job(folder: Path, prompts: list[list[int]], a: argparse.Namespace, **ex
     batches = [int(b) for b in a.batches.split(",")]
     return dict(model=str(folder.resolve()), threads=a.threads, max_model_len=max(map(len, prompts))
                 + a.max_new_tokens + 16, max_batch=max(batches), max_new_tokens=a.max_new_tokens, prompts=prompts,
-                **extra)
+                prefix_caching=bool(getattr(a, "vllm_prefix_caching", False)), **extra)
 
 
 def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM | None", title: str,

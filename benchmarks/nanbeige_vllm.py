@@ -130,7 +130,7 @@ def vllm_worker() -> None:
             install_shim(job["model"], per_loop=job["shim"] == "per-loop")
         return LLM(model=job["model"], model_impl="transformers", trust_remote_code=True, dtype="float32",
                    max_model_len=job["max_model_len"], max_num_seqs=job["max_batch"], seed=0,
-                   skip_tokenizer_init=True)
+                   skip_tokenizer_init=True, enable_prefix_caching=job["prefix_caching"])
 
     serve(job, make)
 
