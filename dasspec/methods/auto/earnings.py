@@ -37,11 +37,13 @@ class ArmStats:
 
 
 class Priors:
-    """Per arm, the drafter's running average over its requests of (tokens, rows) per step."""
+    """Per arm, the drafter's running average over its requests of (tokens, rows) per step, and how many requests
+    have measured it (``requests``: a batch plan trusts an average of fewer only where it wins by far)."""
 
     def __init__(self, tuning: Tuning = TUNING):
         self.alpha = tuning.prior_alpha
         self.table: dict[str, tuple[float, float]] = {}
+        self.requests: dict[str, int] = {}
 
     def add(self, arm: str, tok: float, rows: float) -> None:
         old = self.table.get(arm)
@@ -73,6 +75,7 @@ class Earnings:
     def verdict(self, arm: str, tok: int, rows: int, step: int) -> None:
         """The verdict of a step drafted with ``arm`` (not AR)."""
         t = self.t
+        self._first(arm)
         if arm in LOOKUP:
             self.arms[arm].add(tok, rows, step, t.step_alpha, t.slow_alpha)
         else:
@@ -110,5 +113,11 @@ class Earnings:
             if m < len(seen) or m == len(toks) or m >= t.early_resolve:
                 del self.pending[arm]
                 rows = len(toks) + 1 if toks else 1
+                self._first(arm)
                 self.arms[arm].add(m + 1, rows, step, t.step_alpha, t.slow_alpha)
                 self.priors.add(arm, m + 1, rows)
+
+    def _first(self, arm: str) -> None:
+        """Count this request among the arm's measurers at its first measurement."""
+        if not self.arms[arm].n:
+            self.priors.requests[arm] = self.priors.requests.get(arm, 0) + 1

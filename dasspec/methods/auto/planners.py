@@ -5,20 +5,21 @@ revalues the step as a whole.  Two small parts, each a function of the cost mode
   request weighing it alone undervalues it; and a request weighing its draft beside the others' drafted rows can
   find it within the margin, step plain, and so make drafting pay again for the next (the batch alternates).  So
   the step with every request on one arm - and for a lookup arm, with only the requests whose drafts add tokens
-  faster than a plain step - is valued against the requests' own choices and taken when it wins by ``margin``; and
-  where the own choices lose to plain steps all at once, the batch steps plain (probes apart).
+  faster than a plain step - is valued against the requests' own choices and taken when it wins by ``margin``
+  (but see below); and where the own choices lose to plain steps all at once, the batch steps plain (probes apart).
 * ``closed_plan`` (``DraftContext.closed``: generate_batch once nobody waits for a slot): the caller waits for the
   last request, so a step's tokens per second is the wrong measure.  The plans weighed - every request plain, every
   request on one drafter, each request's own choice - are timed until every request has used its budget
   (``batch_time``) with each request's *sustained* tokens per step; the quickest is taken if it beats plain steps by
-  ``margin``, and a batch all on one drafter that some request has measured fewer than ``hold_below`` times stays
+  ``margin`` (but see below), and a batch all on one drafter that some request has measured fewer than ``hold_below`` times stays
   on it unless plain steps win by the margin.
 
 A plan that puts requests on a drafter they have not measured prices them at the drafter's average over its
-requests (``Priors``: one lucky block, early on).  Such a plan is taken outright only where it wins by
-``prior_trust``, as a request's own choice is (``explorer.trusted_prior``); where it wins by less it is a probe of
-those requests (rule ``...-probe``), taken when its loss, were each of them to commit one token, fits the
-exploration budget.  Probes keep their arm in both.  Each returns the step's choices and the rule that decided the
+requests (``Priors``), which early on may be one request's lucky block.  While fewer than ``prior_requests``
+requests stand behind that average such a plan is taken outright only where it wins by ``prior_trust``, as a
+request's own choice is (``explorer.trusted_prior``); where it wins by less it is a probe of those requests (rule
+``...-probe``), taken when its loss against the plan it displaces, were each of them to commit one token, fits the
+exploration budget.  Probes, and requests with one token to go, keep their arm in both.  Each returns the step's choices and the rule that decided the
 plan (None: the requests' own choices stand).
 """
 
@@ -104,22 +105,34 @@ def _keep_probes(picks: Sequence[Choice], arms: Sequence[str], rule: str) -> lis
     return [p if p.probe or p.arm == a else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
 
 
-def _untried(earnings: Sequence[Earnings], arms: Sequence[str]) -> list[tuple[Earnings, str]]:
-    """The requests a plan puts on a drafter they have not measured (priced at the drafter's average)."""
-    return [(e, a) for e, a in zip(earnings, arms) if a != "ar" and e.arms[a].n == 0]
+def _fixed(p: Choice) -> bool:
+    """A choice no plan moves: a probe, or a request with one token to go (``drafter`` steps it plain)."""
+    return p.probe or p.rule == "one-to-go"
 
 
-def _probed(costs: CostModel, earnings: Sequence[Earnings], arms: Sequence[str], rate: float, budget: Budget | None
-            ) -> bool:
-    """Whether a step with request i on ``arms[i]`` fits ``budget`` as a probe of the requests it puts on a drafter
-    they have not measured (takes it if so): its loss is its seconds less what plain steps at ``rate`` tokens/s take
-    for its tokens, were each of those requests to commit one."""
-    untried = _untried(earnings, arms)
+def _untried(earnings: Sequence[Earnings], arms: Sequence[str], picks: Sequence[Choice], t: Tuning
+             ) -> list[tuple[Earnings, str]]:
+    """The requests a plan puts on a drafter they have not measured while fewer than ``prior_requests`` requests
+    stand behind its average (a probe's own arm and a request with one token to go aside)."""
+    return [(e, a) for e, a, p in zip(earnings, arms, picks)
+            if a != "ar" and not _fixed(p) and e.arms[a].n == 0
+            and e.priors.requests.get(a, 0) < t.prior_requests]
+
+
+def _probed(costs: CostModel, earnings: Sequence[Earnings], arms: Sequence[str], picks: Sequence[Choice],
+            rate: float | None, budget: Budget | None, t: Tuning) -> bool:
+    """Whether a step with request i on ``arms[i]`` fits ``budget`` as a probe of its untried requests (takes it if
+    so): its loss is its seconds less what the plan it displaces (``rate`` tokens/s) takes for its tokens, were each
+    of them to commit one token - at least ``probe_loss_floor`` of the step per untried request, as a request's own
+    probe is charged."""
+    untried = _untried(earnings, arms, picks, t)
     step = batch_step(costs, earnings, arms)
     if budget is None or budget.explore <= 0 or not untried or step is None or not rate:
         return False
+    seconds = step[2] + step[3]
     low = step[0] - sum(e.tok_rows(a)[0] - 1.0 for e, a in untried)
-    return budget.may_probe(max(step[2] + step[3] - low / rate, 0.0))
+    floor = t.probe_loss_floor * seconds * len(untried) / len(earnings)
+    return budget.may_probe(max(seconds - low / rate, floor))
 
 
 def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Choice], subs: Sequence[str],
@@ -151,19 +164,19 @@ def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[
             plain = got
         if held != "ar" and arms == [held] * B:
             held_time = got
-        if best_time is not None and got >= best_time:
+        if got * t.prior_trust > plain and _untried(earnings, arms, picks, t):
+            if got < (1.0 - t.margin) * plain and (probe is None or got < probe[2]):
+                probe = (rule + "-probe", arms, got)       # the drafter's average alone must win by far
             continue
-        if got * t.prior_trust > plain and _untried(earnings, arms):
-            probe = probe or ((rule + "-probe", arms, got) if got < (1.0 - t.margin) * plain else None)
-            continue                                    # the drafter's average alone must win by far
-        best, best_time = (rule, arms), got
-    if (best is None or best_time >= (1.0 - t.margin) * plain) and probe is not None and \
-            _probed(costs, earnings, probe[1], batch_value(costs, earnings, ["ar"] * B), budget):
-        best, best_time = probe[:2], probe[2]
+        if best_time is None or got < best_time:
+            best, best_time = (rule, arms), got
     if best is None or plain is None or best_time >= (1.0 - t.margin) * plain:
         keep = held_time is not None and plain is not None and held_time < (1.0 + t.margin) * plain \
             and min(e.arms[held].n for e in earnings) < t.hold_below
         best = ("closed-hold", [held] * B) if keep else ("closed-plain", ["ar"] * B)
+        if probe is not None and _probed(costs, earnings, probe[1], picks, batch_value(costs, earnings, best[1]),
+                                         budget, t):
+            best = probe[:2]
     rule, arms = best
     return _keep_probes(picks, arms, rule), rule
 
@@ -191,7 +204,7 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
             return picks, rule
     candidates = []
     for arm in subs:
-        plans = [(f"together-{arm}", [p.arm if p.probe else arm for p in picks])]
+        plans = [(f"together-{arm}", [p.arm if _fixed(p) else arm for p in picks])]
         if arm in LOOKUP and plain:
             # only the requests whose drafts add tokens faster than a plain step does: their extra tokens against
             # their extra rows at what the candidates' rows together cost a row
@@ -200,20 +213,22 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
             if extra > 0:
                 row = (costs.verify_time(B + extra, B) - costs.verify_time(B, B)) / extra
                 plans.append((f"together-{arm}-matching",
-                              [p.arm if p.probe else arm if tk is not None and tk - 1.0 > plain * row * (r - 1.0)
+                              [p.arm if _fixed(p) else arm if tk is not None and tk - 1.0 > plain * row * (r - 1.0)
                                else "ar" for (tk, r), p in zip(stats, picks)]))
         candidates += [(name, arms) for name, arms in plans if arms != mine and arm in arms]
     best, best_value, probe = None, (1.0 + t.margin) * own, None
     for name, arms in candidates:                   # (the requests' own choices, or nobody drafting: left out)
         v = batch_value(costs, earnings, arms)
-        if v is None or v <= best_value:
+        if v is None or v <= (1.0 + t.margin) * own:
             continue
-        if v <= t.prior_trust * own and _untried(earnings, arms):
-            probe = probe or (name, arms)               # the drafter's average alone must win by far
+        if v <= t.prior_trust * own and _untried(earnings, arms, picks, t):
+            if probe is None or v > probe[2]:
+                probe = (name + "-probe", arms, v)      # the drafter's average alone must win by far
             continue
-        best, best_value = (name, arms), v
-    if best is None and probe is not None and _probed(costs, earnings, probe[1], own, budget):
-        best = (probe[0] + "-probe", probe[1])
+        if v > best_value:
+            best, best_value = (name, arms), v
+    if best is None and probe is not None and _probed(costs, earnings, probe[1], picks, own, budget, t):
+        best = probe[:2]
     if best is None:
         return picks, rule
     name, arms = best

@@ -50,8 +50,12 @@ class Tuning:
                               "value is certain, the others' estimated")
     prior_trust: float = why(1.5, "a model drafter this request has not measured is used outright when the other "
                                   "requests' average says it wins by 1.5x (a batch then pays one probe, not B); a "
-                                  "batch plan that puts such requests on it likewise - where it wins by less, the "
-                                  "plan is a budgeted probe (the average may rest on one lucky block)")
+                                  "batch plan that puts such requests on any drafter likewise while fewer than "
+                                  "``prior_requests`` requests stand behind that average - where it wins by less, the "
+                                  "plan is a budgeted probe")
+    prior_requests: int = why(2, "an average that one request's blocks make may be one lucky block (random weights "
+                                 "repeat themselves): a batch plan that rests on it is a probe until a second request "
+                                 "has measured the drafter")
     min_interval: int = why(2, "a switched-off model drafter is probed at most every 2 steps")
     max_interval: int = why(256, "... and at least every 256 steps, however much a probe costs")
     probe_loss_floor: float = why(0.05, "a probe is charged at least 5% of the best step's time per request: a "
