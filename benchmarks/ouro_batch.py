@@ -68,7 +68,7 @@ def vllm_worker() -> None:
 
     ModelRegistry.register_model("OuroForCausalLM", OuroForCausalLM)
     llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], max_num_seqs=job["max_batch"],
-              seed=0, skip_tokenizer_init=True)
+              seed=0, skip_tokenizer_init=True, enable_prefix_caching=job.get("prefix_caching", False))
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:2], sp, use_tqdm=False)                    # warm-up
@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                    "commit's worktree for a before/after run)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
     p.add_argument("--vllm-ouro", default=None, help="vLLM 0.26's vllm/model_executor/models/ouro.py")
+    p.add_argument("--vllm-prefix-caching", action="store_true",
+                   help="leave vLLM's prefix cache on (its default; runs before 2026-12-06 had it): the rounds repeat "
+                        "the same prompts, whose K/V dasspec's generate_batch calls never keep")
     a = p.parse_args(argv)
     if a.vllm_python and not a.vllm_ouro:
         p.error("--vllm-python needs --vllm-ouro (the Ouro model file of vLLM <= 0.26)")
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.vllm_python:
         job = dict(model=str(Path(a.model).resolve()), ouro_py=str(Path(a.vllm_ouro).resolve()), threads=a.threads,
                    max_model_len=max(map(len, prompts)) + a.max_new_tokens + 16, max_batch=max(batches),
-                   max_new_tokens=a.max_new_tokens, prompts=prompts)
+                   max_new_tokens=a.max_new_tokens, prompts=prompts, prefix_caching=a.vllm_prefix_caching)
         vllm = VLLM(a.vllm_python, job, out / "vllm.log")
         sides.append("vllm")
 
