@@ -167,7 +167,7 @@ def vllm_job(folder: Path, prompts: list[list[int]], a: argparse.Namespace, **ex
     batches = [int(b) for b in a.batches.split(",")]
     return dict(model=str(folder.resolve()), threads=a.threads, max_model_len=max(map(len, prompts))
                 + a.max_new_tokens + 16, max_batch=max(batches), max_new_tokens=a.max_new_tokens, prompts=prompts,
-                prefix_caching=bool(getattr(a, "vllm_prefix_caching", False)), **extra)
+                prefix_caching=a.vllm_prefix_caching, **extra)
 
 
 def compare(model, prompts: list[list[int]], a: argparse.Namespace, vllm: "VLLM | None", title: str,

@@ -11,16 +11,16 @@ revalues the step as a whole.  Two small parts, each a function of the cost mode
   last request, so a step's tokens per second is the wrong measure.  The plans weighed - every request plain, every
   request on one drafter, each request's own choice - are timed until every request has used its budget
   (``batch_time``) with each request's *sustained* tokens per step; the quickest is taken if it beats plain steps by
-  ``margin`` (but see below), and a batch all on one drafter that some request has measured fewer than ``hold_below`` times stays
-  on it unless plain steps win by the margin.
+  ``margin`` (but see below), and a batch all on one drafter that some request has measured fewer than
+  ``hold_below`` times stays on it unless plain steps win by the margin.
 
 A plan that puts requests on a drafter they have not measured prices them at the drafter's average over its
 requests (``Priors``), which early on may be one request's lucky block.  While fewer than ``prior_requests``
 requests stand behind that average such a plan is taken outright only where it wins by ``prior_trust``, as a
 request's own choice is (``explorer.trusted_prior``); where it wins by less it is a probe of those requests (rule
 ``...-probe``), taken when its loss against the plan it displaces, were each of them to commit one token, fits the
-exploration budget.  Probes, and requests with one token to go, keep their arm in both.  Each returns the step's choices and the rule that decided the
-plan (None: the requests' own choices stand).
+exploration budget.  Probes, and requests with one token to go, keep their arm in both.  Each returns the step's
+choices and the rule that decided the plan (None: the requests' own choices stand).
 """
 
 from __future__ import annotations
@@ -100,14 +100,14 @@ def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]], memo:
     return total
 
 
-def _keep_probes(picks: Sequence[Choice], arms: Sequence[str], rule: str) -> list[Choice]:
-    """The planner's arms, probes kept; a choice it changed names the plan's rule."""
-    return [p if p.probe or p.arm == a else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
-
-
 def _fixed(p: Choice) -> bool:
-    """A choice no plan moves: a probe, or a request with one token to go (``drafter`` steps it plain)."""
+    """A choice no plan moves: a probe, or a request with one token to go."""
     return p.probe or p.rule == "one-to-go"
+
+
+def _keep_probes(picks: Sequence[Choice], arms: Sequence[str], rule: str) -> list[Choice]:
+    """The planner's arms, ``_fixed`` choices kept; a choice it changed names the plan's rule."""
+    return [p if _fixed(p) or p.arm == a else replace(p, arm=a, plan=rule) for p, a in zip(picks, arms)]
 
 
 def _untried(earnings: Sequence[Earnings], arms: Sequence[str], picks: Sequence[Choice], t: Tuning
@@ -216,10 +216,11 @@ def together(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[Cho
                               [p.arm if _fixed(p) else arm if tk is not None and tk - 1.0 > plain * row * (r - 1.0)
                                else "ar" for (tk, r), p in zip(stats, picks)]))
         candidates += [(name, arms) for name, arms in plans if arms != mine and arm in arms]
-    best, best_value, probe = None, (1.0 + t.margin) * own, None
+    wins = (1.0 + t.margin) * own
+    best, best_value, probe = None, wins, None
     for name, arms in candidates:                   # (the requests' own choices, or nobody drafting: left out)
         v = batch_value(costs, earnings, arms)
-        if v is None or v <= (1.0 + t.margin) * own:
+        if v is None or v <= wins:
             continue
         if v <= t.prior_trust * own and _untried(earnings, arms, picks, t):
             if probe is None or v > probe[2]:
