@@ -202,3 +202,37 @@ def test_torch_attention_reads_only_the_window(model, monkeypatch):
         assert got == ref, method
     widest = 1 + dasspec.build_drafter(model, "token-recycling").width
     assert spans and max(spans) <= model.config.loop_window - 1 + widest, max(spans)   # the window, the widest call
+
+
+@pytest.mark.parametrize("window_kv", [True, False], ids=["rings", "full"])
+def test_loop_2_in_one_call_has_the_bits_of_the_modules_ops(model, window_kv, monkeypatch):
+    """A batched call's attention at depths >= 2 (projections, the depth's own K/V stores, the gate, global attention
+    over depth 1 and local attention inside the window, the mix, the output product) runs as one kernel call
+    (``decode_kernel.loop_mix_rows``), and every layer output of every step - prompt chunks past the window, decode
+    rows, verification chains, DAS-Wave's windows - and every token are bit for bit those of ``mixed``'s own ops."""
+    from dasspec.model import decode_kernel
+    from dasspec.model.families.iquest import LoopCoderBlock
+    ps = prompts(model.config.vocab_size)
+
+    def run_with(fused: bool, method: str):
+        outs, rows = [], []
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+                 if isinstance(m, LoopCoderBlock)]
+        with monkeypatch.context() as mp:
+            if fused:
+                real = decode_kernel.loop_mix_rows
+                mp.setattr(decode_kernel, "loop_mix_rows", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+            else:
+                mp.setattr(LoopCoderBlock, "mixed_rows", lambda *a: None)
+            tokens = run(model, method, ps=ps, window_kv=window_kv)[0]
+        for h in hooks:
+            h.remove()
+        return tokens, outs, rows
+
+    for method in ("ar", "self-spec", "das-wave"):
+        tokens, outs, rows = run_with(True, method)
+        tokens_ops, outs_ops, _ = run_with(False, method)
+        assert tokens == tokens_ops, method
+        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), method
+        # prompt chunks, and the decode steps' few rows (not only the prefill) took the one call
+        assert max(rows) >= WINDOW_PREFILL_ROWS and min(rows) < 16, (method, sorted(set(rows)))

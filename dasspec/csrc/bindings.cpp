@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pointwise", &dasspec::pointwise, nogil);
   m.def("rope_half", &dasspec::rope_half, nogil);
   m.def("attention_rows", &dasspec::attention_rows, nogil);
+  m.def("loop_mix_rows", &dasspec::loop_mix_rows, nogil);
   m.def("mlp_rows", &dasspec::mlp_rows, nogil);
   m.def("peri_layer_rows", &dasspec::peri_layer_rows, nogil);
   m.def("peri_recur_rows", &dasspec::peri_recur_rows, nogil);

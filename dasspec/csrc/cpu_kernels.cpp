@@ -502,6 +502,47 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
   return dasspec::linear(y.view({M, H * hd}), wproj, std::nullopt);
 }
 
+// IQuest-Loop's attention at depths >= 2 (families/iquest.py LoopCoderBlock.mixed, op for op): the projections,
+// RoPE and the depth's own K/V stores as attention_rows; the gate sigmoid(q . w_h + b_h) as one product by the
+// block-diagonal gate weight [H, H * hd]; attention over depth 1's K/V (glob_*) and over the depth's own rows in the
+// window (the local row lists); g * global + (1 - g) * local; the output product.  x [M, d] -> [M, d].
+at::Tensor loop_mix_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
+                         const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
+                         const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
+                         int64_t H, int64_t Hkv, const at::Tensor& k_glob, const at::Tensor& v_glob,
+                         const at::Tensor& glob_rows, const at::Tensor& glob_starts, const at::Tensor& glob_lengths,
+                         const at::Tensor& gate_w, const at::Tensor& gate_b) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(wqkv.dim() == 2 && wqkv.size(0) % (H + 2 * Hkv) == 0, "projection width");
+  const int64_t hd = wqkv.size(0) / (H + 2 * Hkv);
+  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(0) == H && gate_w.size(1) == H * hd && gate_b.numel() == H,
+              "gate weight [H, H * hd] and bias [H]");
+  TORCH_CHECK(k_glob.dim() == 3 && v_glob.dim() == 3 && k_glob.size(0) == Hkv && k_glob.size(2) == hd &&
+              v_glob.size(0) == Hkv && v_glob.size(2) == hd && glob_starts.numel() == M && glob_lengths.numel() == M,
+              "depth-1 pools [H_kv, rows, hd], a start and length per row");
+  TORCH_CHECK(!qk_bias.has_value() || (Hkv == H && qk_bias->numel() == 2 * H * hd), "q/k bias [2, H, hd]");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3 && k_pool.size(0) == Hkv && k_pool.size(2) == hd &&
+              v_pool.size(0) == Hkv && v_pool.size(2) == hd && store_at.numel() == M && starts.numel() == M &&
+              lengths.numel() == M, "pools [H_kv, rows, hd], one store row, start and length per row");
+  auto qkv = dasspec::linear(x, wqkv, std::nullopt);       // every check above: before the first write
+  auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
+  auto qk = heads.narrow(2, 0, H + Hkv);
+  if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
+  qk = rope_half(qk, cos, sin);
+  store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
+             heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
+  auto q = qk[0].narrow(1, 0, H);                          // [M, H, hd]
+  auto g = pointwise(dasspec::linear(q.reshape({M, H * hd}), gate_w, gate_b), std::nullopt).unsqueeze(-1);
+  auto a = rows_attention(q, k_glob, v_glob, glob_rows, glob_starts, glob_lengths, scale, std::nullopt,
+                          std::nullopt, std::nullopt);
+  auto b = rows_attention(q, k_pool, v_pool, rows, starts, lengths, scale, std::nullopt, std::nullopt, std::nullopt);
+  auto y = g * a + (1 - g) * b;
+  return dasspec::linear(y.view({M, H * hd}), wproj, std::nullopt);
+}
+
 // layers.py's GatedMLP.forward: fc, silu(gate) * up, proj.
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wproj) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");

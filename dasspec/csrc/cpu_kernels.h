@@ -38,6 +38,15 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                           const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
                           int64_t H, int64_t Hkv);
+// IQuest-Loop's attention at depths >= 2: attention_rows' arguments, then depth 1's pools and row lists and the
+// block-diagonal gate weight [H, H * hd] and bias [H].
+at::Tensor loop_mix_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
+                         const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
+                         const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
+                         int64_t H, int64_t Hkv, const at::Tensor& k_glob, const at::Tensor& v_glob,
+                         const at::Tensor& glob_rows, const at::Tensor& glob_starts, const at::Tensor& glob_lengths,
+                         const at::Tensor& gate_w, const at::Tensor& gate_b);
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wproj);
 at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
                            const at::Tensor& wqkv, const at::Tensor& wproj, const std::optional<at::Tensor>& qk_bias,

@@ -11,7 +11,8 @@ A row's value on a CPU in float32 (and bfloat16: widened exactly, summed in floa
   prefix read at another depth).  A decode row, a prompt row, a verification chain, a tree node, a draft window:
   each is a list of rows, so each takes this kernel, and a row sees the same sums whatever shape its call has.
 * ``rms_norm``, ``rope_half``, ``store_rows``; and the one-call sublayers ``attention_rows``, ``mlp_rows``,
-  ``peri_layer_rows``, ``peri_recur_rows`` (the modules' ops in the modules' order, without a Python call per op).
+  ``loop_mix_rows``, ``peri_layer_rows``, ``peri_recur_rows`` (the modules' ops in the modules' order, without a
+  Python call per op).
 
 The source lives in ``dasspec/csrc`` and is compiled for the portable target, with the AVX2 and AVX-512 bodies
 behind the CPU's feature flags at run time, so one build serves every x86 CPU (and other CPUs on the portable path).
@@ -252,6 +253,13 @@ def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, qk_bias: Tensor | Non
     return (_module if _tried else _load()).attention_rows(x, wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool,
                                                            store_at, rows, starts, lengths, scale, n_heads,
                                                            n_kv_heads)
+
+
+def loop_mix_rows(x: Tensor, *args) -> Tensor:
+    """IQuest-Loop's attention at depths >= 2 over rows x [M, d] in one call (``LoopCoderBlock.mixed_rows``):
+    ``attention_rows``' arguments after x (the depth's own pools, its windowed row lists), then depth 1's K and V
+    pools and row lists (rows, starts, lengths), the block-diagonal gate weight [H, H * hd] and its bias [H]."""
+    return (_module if _tried else _load()).loop_mix_rows(x, *args)
 
 
 def mlp_rows(x: Tensor, wfc: Tensor, wproj: Tensor) -> Tensor:

@@ -15,8 +15,8 @@ the last loop's state.  What differs from a plain loop is attention at loops t >
 so a position's depth-r K/V matter only to the next ``loop_window_size`` positions at that depth, while K1/V1 are
 read by every later position at every depth.  The depth cache keeps both in their ordinary places (depth 1 and
 depth r of the layer); the block gets them through ``LoopKV``, which ``IQuestLoop.core_kv`` builds for every layer
-call.  Attention is composed from ``attention.attend`` (a windowed copy of the call's ``Span``); no fused kernel
-covers the mixed step, so depths >= 2 run torch ops (the depth-1 attention keeps the row kernel).
+call.  Attention is composed from ``attention.attend`` (a windowed copy of the call's ``Span``); on a CPU in float32 a
+batched call's mixed step is one kernel call (``decode_kernel.loop_mix_rows``), as depth 1's attention is.
 What is read and why: docs/families.md, "IQuest-Coder-V1-Loop".
 """
 
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend
+from .. import decode_kernel
+from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
 from ..layers import NormedBlock, sigmoid
@@ -128,6 +129,10 @@ class LoopCoderBlock(NormedBlock):
 
     # --- depth >= 2 -------------------------------------------------------------------------------------------
     def mixed(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> Tensor:
+        if kv.local is not None:
+            out = self.mixed_rows(h, span, kv)
+            if out is not None:
+                return out
         q, k, v = self.attn.qkv(h, span)
         g = self.gate(q)
         if kv.local is None:                                         # no cache: this call's own rows only
@@ -141,6 +146,24 @@ class LoopCoderBlock(NormedBlock):
             b = attend(q, kv.local, windowed(span, self.window, q.dtype))
             a = attend(q, kv.glob, span)
         return self._out(g * a + (1 - g) * b)
+
+    def mixed_rows(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> Tensor | None:
+        """``mixed`` as one kernel call (``decode_kernel.loop_mix_rows``, which mirrors it op for op: the same bits
+        without a Python call per op) where both reads take the row kernel in one pool, as ``Attention.rows``;
+        None otherwise (``mixed``'s own ops run)."""
+        gate = self.gate
+        if type(gate) is not LoopGate or gate._forward_hooks or gate._forward_pre_hooks:
+            return None
+        local = self.attn.row_args(h, windowed(span, self.window, h.dtype), kv.local)
+        if local is None:
+            return None
+        glob = row_plan(h, kv.glob, span)
+        if glob is None:
+            return None
+        k1, v1, _, rows, starts, lengths = glob
+        B, W, d = h.shape
+        return decode_kernel.loop_mix_rows(h.reshape(B * W, d), *local, k1, v1, rows, starts, lengths,
+                                           gate.block_diagonal(), gate.bias).view(B, W, -1)
 
     def _out(self, y: Tensor) -> Tensor:
         B, H, W, hd = y.shape
