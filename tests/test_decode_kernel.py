@@ -295,12 +295,13 @@ def test_the_one_call_paths_leave_hooked_or_wrapped_products_and_a_trained_bias_
     fc = model.transformer.core_block[0].mlp.fc
     handle = fc.register_forward_hook(lambda m, a, o: seen.append(a[0].shape))
     calls = []
-    real_mlp = decode_kernel.mlp_rows
-    monkeypatch.setattr(decode_kernel, "mlp_rows", lambda *a: calls.append(1) or real_mlp(*a))
+    for name in ("mlp_rows", "pre_layer_rows"):
+        monkeypatch.setattr(decode_kernel, name, lambda *a, _f=getattr(decode_kernel, name): calls.append(1) or _f(*a))
     dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
     handle.remove()
     assert seen and calls             # the hooked MLP ran its modules (hook called); the others took one call
     captured = []
+    monkeypatch.setattr(layers.NormedBlock, "rows", lambda *a: None)       # the sublayers' calls, not the layer's
     real = layers.Attention.forward
     monkeypatch.setattr(layers.Attention, "forward",
                         lambda self, x, span, kv: captured.append((self, x, span, kv)) or real(self, x, span, kv))
@@ -379,19 +380,24 @@ def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monke
     assert not any(ok for b, ok in fused if b is odd) and any(ok for b, ok in fused if b is not odd)
 
 
-@pytest.mark.parametrize("method,overrides", [("ar", {}), ("self-spec", {}), ("das-wave", {}),
-                                              ("ar", {"qk_bias": True, "n_kv_heads": 4})])
-def test_ouros_core_steps_in_one_call_have_the_bits_of_the_layer_calls(method, overrides, monkeypatch):
-    """A batched call's core steps (every layer of every step, each step closed by ln_f) run
-    as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows - and every
-    token are bit for bit those of the per-layer calls (fails when a step's norm, a layer's depth, its q/k bias or
-    its norms' eps is another layer's)."""
+@pytest.mark.parametrize("family,method,overrides", [
+    ("ouro", "ar", {}), ("ouro", "self-spec", {}), ("ouro", "das-wave", {}),
+    ("ouro", "ar", {"qk_bias": True, "n_kv_heads": 4}), ("nanbeige", "ar", {}), ("nanbeige", "self-spec", {}),
+    ("nanbeige", "das-wave", {})])
+def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method, overrides, monkeypatch):
+    """A batched call's core steps (every layer of every step, each step closed by ln_f) of Ouro's peri-norm layers
+    and Nanbeige's pre-norm ones run as one kernel call, and every recurrence output - prefill, decode rows,
+    verification chains, windows - and every token are bit for bit those of the per-layer calls, which are each
+    bit for bit the sublayers' (fails when a step's norm, a layer's depth, its q/k bias or its norms' eps is another
+    layer's, or a layer's norms or residual adds are another style's)."""
     from dasspec.model import looped
-    from dasspec.model.families.ouro import Ouro
+    from dasspec.model.families import FAMILIES
+    from dasspec.model.layers import NormedBlock
     _pack_everything(monkeypatch)
-    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2, **overrides)
-    for i in range(1, 5):                         # the second layer's norms with an eps of their own
-        setattr(getattr(model.transformer.core_block[1], f"norm_{i}"), "eps", 1e-2)
+    model = random_model(family, seed=3, mean_recurrence=4, n_core=2, **overrides)
+    block = model.transformer.core_block[1]
+    for i in range(1, block.norms + 1):           # the second layer's norms with an eps of their own
+        setattr(getattr(block, f"norm_{i}"), "eps", 1e-2)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
 
     def run(fused: bool):
@@ -400,19 +406,28 @@ def test_ouros_core_steps_in_one_call_have_the_bits_of_the_layer_calls(method, o
         with monkeypatch.context() as mp:
             mp.setattr(looped.LoopedLM, "recur", lambda self, *a, **k: (lambda y: outs.append(y.clone()) or y)(
                 real_recur(self, *a, **k)))
-            if fused:
-                real = decode_kernel.peri_recur_rows
-                mp.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(a[1]) or real(*a))
+            if fused == "recurrence":
+                real = decode_kernel.recur_rows
+                mp.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(a[1]) or real(*a))
             else:
-                mp.setattr(Ouro, "recur_rows", lambda *a: None)
+                mp.setattr(type(FAMILIES[family]), "recur_rows", lambda *a: None)
+            if fused == "sublayers":
+                mp.setattr(NormedBlock, "rows", lambda *a: None)
+            if fused == "layers":
+                for name in ("peri_layer_rows", "pre_layer_rows"):
+                    mp.setattr(decode_kernel, name, lambda *a, _f=getattr(decode_kernel, name): calls.append(0)
+                               or _f(*a))
             res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
         return [r.tokens for r in res], outs, calls
 
-    tokens, outs, calls = run(True)
-    tokens_ops, outs_ops, _ = run(False)
+    tokens, outs, calls = run("recurrence")
     # decode steps too, not only the 3 prompts' prefill (DAS-Wave's passes past it hold rows the kernel does not take)
-    assert len(calls) > (3 if method != "das-wave" else 0) and tokens == tokens_ops
-    assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
+    assert len(calls) > (3 if method != "das-wave" else 0)
+    for path in ("layers", "sublayers"):
+        tokens_ops, outs_ops, layer_calls = run(path)
+        assert (len(layer_calls) > 3 * 2) == (path == "layers"), path      # the decode steps' layers too
+        assert tokens == tokens_ops, path
+        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), path
 
 
 @pytest.mark.parametrize("hooked", ["block", "ln_f", "norm"])
@@ -424,8 +439,8 @@ def test_a_hooked_block_or_norm_keeps_ouros_core_steps_on_their_calls(hooked, mo
     module = {"block": t.core_block[1], "ln_f": t.ln_f, "norm": t.core_block[0].norm_3}[hooked]
     seen, calls = [], []
     module.register_forward_hook(lambda m, a, o: seen.append(o.shape))
-    real = decode_kernel.peri_recur_rows
-    monkeypatch.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(1) or real(*a))
+    real = decode_kernel.recur_rows
+    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(1) or real(*a))
     dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert seen and not calls
 
@@ -437,8 +452,8 @@ def test_a_replaced_core_step_or_block_forward_keeps_ouros_core_steps_on_their_c
     _pack_everything(monkeypatch)
     prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
     calls = []
-    real = decode_kernel.peri_recur_rows
-    monkeypatch.setattr(decode_kernel, "peri_recur_rows", lambda *a: calls.append(1) or real(*a))
+    real = decode_kernel.recur_rows
+    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(1) or real(*a))
 
     def decode(model):
         dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)

@@ -22,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("loop_mix_rows", &dasspec::loop_mix_rows, nogil);
   m.def("mlp_rows", &dasspec::mlp_rows, nogil);
   m.def("peri_layer_rows", &dasspec::peri_layer_rows, nogil);
-  m.def("peri_recur_rows", &dasspec::peri_recur_rows, nogil);
+  m.def("pre_layer_rows", &dasspec::pre_layer_rows, nogil);
+  m.def("recur_rows", &dasspec::recur_rows, nogil);
 }

@@ -566,23 +566,41 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
   return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
 }
 
-// Core steps of Ouro layers over a call's rows (each step's layers, then ln_f); layer i of step s stores into and
-// reads k_pools / v_pools[s * L + i].
-at::Tensor peri_recur_rows(at::Tensor x, int64_t steps, const std::vector<at::Tensor>& norms,
-                           const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
-                           const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
-                           const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                           const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
-                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                           const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
-                           const at::Tensor& ln_w, double ln_eps) {
+// Llama's layer (families/raven.py PreNormBlock: x + attn(n1 x), then that + mlp(n2 of it)).
+at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+                          const at::Tensor& wqkv, const at::Tensor& wproj, const std::optional<at::Tensor>& qk_bias,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                          const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
+                          const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                          const at::Tensor& wfc, const at::Tensor& wdown) {
+  TORCH_CHECK(norms.size() == 2, "two norm weights");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  for (const auto& w : norms) TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "norm weight size");
+  auto h = x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at,
+                              rows, starts, lengths, scale, H, Hkv);
+  return h + mlp_rows(rms_norm(h, norms[1], eps), wfc, wdown);
+}
+
+// Core steps of a call's rows (each step's layers, then ln_f) of "peri" layers (Ouro's, four norms each) or "pre"
+// layers (Llama's, two norms each: Nanbeige's); layer i of step s stores into and reads k_pools / v_pools[s * L + i].
+at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
+                      const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                      const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
+                      const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                      const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
+                      const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                      const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                      const at::Tensor& ln_w, double ln_eps) {
+  TORCH_CHECK(style == "peri" || style == "pre", "style: peri or pre");
+  const int64_t per = style == "peri" ? 4 : 2;
+  const auto layer = style == "peri" ? peri_layer_rows : pre_layer_rows;
   const int64_t L = static_cast<int64_t>(wqkv.size());
   TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(eps.size()) == L &&
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == per * L && static_cast<int64_t>(eps.size()) == L &&
               static_cast<int64_t>(wproj.size()) == L && static_cast<int64_t>(qk_bias.size()) == L &&
               static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
               static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
-              "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
+              "the style's norms, an eps and four weights per layer; a K and a V pool per step and layer");
   TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
   TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_w.device().is_cpu(), "ln_f weight: float32, CPU");
   // every layer and step as the first, checked before the first layer writes into a pool
@@ -596,9 +614,9 @@ at::Tensor peri_recur_rows(at::Tensor x, int64_t steps, const std::vector<at::Te
                 && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = 0; i < L; ++i) {
-      x = peri_layer_rows(x, {norms[4 * i], norms[4 * i + 1], norms[4 * i + 2], norms[4 * i + 3]}, eps[i], wqkv[i],
-                          wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i], store_at, rows,
-                          starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
+      const std::vector<at::Tensor> own(norms.begin() + per * i, norms.begin() + per * (i + 1));
+      x = layer(x, own, eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
+                store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
     }
     x = rms_norm(x, ln_w, ln_eps);
   }

@@ -54,13 +54,20 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                            const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                            const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                            const at::Tensor& wfc, const at::Tensor& wdown);
-at::Tensor peri_recur_rows(at::Tensor x, int64_t steps, const std::vector<at::Tensor>& norms,
-                           const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
-                           const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
-                           const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                           const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
-                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                           const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
-                           const at::Tensor& ln_w, double ln_eps);
+at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+                          const at::Tensor& wqkv, const at::Tensor& wproj, const std::optional<at::Tensor>& qk_bias,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                          const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
+                          const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                          const at::Tensor& wfc, const at::Tensor& wdown);
+// Core steps of "peri" (Ouro) or "pre" (Llama) layers over a call's rows, each step closed by ln_f.
+at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
+                      const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                      const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
+                      const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                      const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
+                      const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                      const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                      const at::Tensor& ln_w, double ln_eps);
 
 }  // namespace dasspec

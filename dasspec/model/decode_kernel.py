@@ -10,9 +10,9 @@ A row's value on a CPU in float32 (and bfloat16: widened exactly, summed in floa
   [H_kv, pool rows, hd] in that order (the first ``prefix_lengths[s]`` from ``k_prefix`` / ``v_prefix``: a
   prefix read at another depth).  A decode row, a prompt row, a verification chain, a tree node, a draft window:
   each is a list of rows, so each takes this kernel, and a row sees the same sums whatever shape its call has.
-* ``rms_norm``, ``rope_half``, ``store_rows``; and the one-call sublayers ``attention_rows``, ``mlp_rows``,
-  ``loop_mix_rows``, ``peri_layer_rows``, ``peri_recur_rows`` (the modules' ops in the modules' order, without a
-  Python call per op).
+* ``rms_norm``, ``rope_half``, ``store_rows``; the one-call sublayers ``attention_rows``, ``mlp_rows`` and
+  ``loop_mix_rows``, layers ``peri_layer_rows`` and ``pre_layer_rows``, and core steps ``recur_rows`` (the
+  modules' ops in the modules' order, without a Python call per op).
 
 The source lives in ``dasspec/csrc`` and is compiled for the portable target, with the AVX2 and AVX-512 bodies
 behind the CPU's feature flags at run time, so one build serves every x86 CPU (and other CPUs on the portable path).
@@ -273,31 +273,37 @@ def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: 
     return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)
 
 
+def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
+    """Llama's layer (Nanbeige's, IQuest-Loop's at depth 1) of a call's rows in one call (``PreNormBlock.rows``), with
+    ``peri_layer_rows``' arguments (two norms)."""
+    return (_module if _tried else _load()).pre_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+
+
 # attention_rows' arguments: wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts, lengths, scale,
-# H, Hkv; mlp_rows': wfc, wdown.  Of these peri_recur_rows takes per layer the weights and the bias (and the pools per
+# H, Hkv; mlp_rows': wfc, wdown.  Of these recur_rows takes per layer the weights and the bias (and the pools per
 # layer and step); the rest once, from the first layer.
 _PER_LAYER = (0, 1, 2, 5, 6)
 
 
 def layers_agree(layers: list[tuple]) -> bool:
-    """Whether every layer's ``peri_layer_rows`` arguments that ``peri_recur_rows`` takes once (RoPE tables, the
-    call's rows, scale, heads) are the first layer's (the same for every layer of one config; asked, since a module
-    may be changed)."""
+    """Whether every layer's one-call layer arguments that ``recur_rows`` takes once (RoPE tables, the call's rows,
+    scale, heads) are the first layer's (the same for every layer of one config; asked, since a module may be
+    changed)."""
     a0 = layers[0][2]
     return all(all(j in _PER_LAYER or x is y or (not isinstance(x, Tensor) and x == y)
                    for j, (x, y) in enumerate(zip(a, a0)))
                for _, _, a, m in layers[1:])
 
 
-def peri_recur_rows(x: Tensor, steps: int, layers: list[tuple], pools: list[tuple[Tensor, Tensor]], ln_weight: Tensor,
-                    ln_eps: float) -> Tensor:
-    """``steps`` core steps of Ouro's layers over a call's rows x [M, d] in one call, each step's layers then ln_f
-    (``Ouro.recur_rows``).  ``layers``: each layer's ``peri_layer_rows`` arguments after x, as
-    ``PeriNormBlock.layer_args`` gives them (``layers_agree``); ``pools``: the (K, V) pool of every layer of every
-    step, step after step, in place of the layers' own."""
+def recur_rows(x: Tensor, steps: int, style: str, layers: list[tuple], pools: list[tuple[Tensor, Tensor]],
+               ln_weight: Tensor, ln_eps: float) -> Tensor:
+    """``steps`` core steps of a family's layers over a call's rows x [M, d] in one call, each step's layers then
+    ln_f (``layer_recurrence``).  ``style``: "peri" (Ouro's layers) or "pre" (Llama's: Nanbeige's); ``layers``: each
+    layer's one-call arguments after x, as the block's ``layer_args`` gives them (``layers_agree``); ``pools``: the
+    (K, V) pool of every layer of every step, step after step, in place of the layers' own."""
     norms = [w for n, *_ in layers for w in n]
     a0 = layers[0][2]
-    return (_module if _tried else _load()).peri_recur_rows(
-        x, steps, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
+    return (_module if _tried else _load()).recur_rows(
+        x, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
         [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools], [v for _, v in pools], *a0[7:14],
         [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps)

@@ -246,6 +246,7 @@ class NormedBlock(nn.Module):
     where the norms sit (each subclass's ``forward``)."""
 
     norms = 4
+    one_call = False      # a kernel ``decode_kernel.{style}_layer_rows`` mirrors ``forward`` (peri and pre layers)
 
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
@@ -253,6 +254,27 @@ class NormedBlock(nn.Module):
             setattr(self, f"norm_{i}", RMSNorm(cfg.n_embd, cfg.norm_eps))
         self.attn = Attention(cfg)
         self.mlp = GatedMLP(cfg)
+
+    def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
+        """This layer as one kernel call (``decode_kernel.{style}_layer_rows``: ``forward`` with the sublayers'
+        one-call kernels, the same ops in the same order) where ``layer_args`` gives its arguments; None otherwise."""
+        args = self.layer_args(x, span, kv)
+        if args is None:
+            return None
+        B, W, d = x.shape
+        kernel = decode_kernel.peri_layer_rows if self.style == "peri" else decode_kernel.pre_layer_rows
+        return kernel(x.reshape(B * W, d), *args).view(B, W, d)
+
+    def layer_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
+        """The one-call layer's arguments after x (the norms' weights, their eps, ``attention_rows``' and
+        ``mlp_rows``' arguments) where the class has one, both sublayers take their one-call kernels and nothing
+        needs the submodules' calls (``plain_parts``); None otherwise."""
+        if not self.one_call:
+            return None
+        a = self.attn.row_args(x, span, kv)           # first: where it fails (one row, bfloat16) it fails soonest
+        weights = self.plain_parts(x) if a is not None else None
+        m = self.mlp.row_args(x) if weights is not None else None
+        return None if m is None else (list(weights), self.norm_1.eps, a, m)
 
     def plain_parts(self, x: Tensor) -> tuple[Tensor, ...] | None:
         """The norms' weights where a one-call layer may stand in for the submodules' calls: the norms, the

@@ -27,6 +27,9 @@ from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, json_type, real
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 from .raven import PreNormBlock
+from .recurrence import layer_recurrence, own_methods
+
+_OWN = own_methods(PreNormBlock)     # what ``layer_recurrence`` stands in for
 
 # Options of NanbeigeConfig that change the computation, with the value that leaves each off (upstream's default).
 # Any other value is refused with the field's name: silently ignoring one would load another model under this name.
@@ -124,6 +127,10 @@ class Nanbeige(Family):
     # ChatML turns end with <|im_end|> (the published eos_token_id 166101); listed so a chat reply stops there even
     # where the tokenizer files name another EOS.
     stop_tokens = ("<|im_end|>",)
+
+    def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range) -> Tensor | None:
+        """The loops ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
+        return layer_recurrence(model, h, span, cache, steps, PreNormBlock, _OWN)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.layers.") for n in names):

@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from ..attention import LayerKV, Span, row_plan
+from ..attention import LayerKV, Span
 from ..config import LoopedConfig
-from .. import decode_kernel
 from ..fields import ConfigError, Fields, eos_list, flag, real
-from ..layers import NormedBlock, RMSNorm
+from ..layers import NormedBlock
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
+from .recurrence import layer_recurrence, own_methods
 
 # The checkpoint's four norms of a layer, in the order of the block's norm_1..norm_4.
 NORMS = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
@@ -36,6 +35,7 @@ class PeriNormBlock(NormedBlock):
     branch, unlike Huginn's sandwich, which normalises the residual sum)."""
 
     style = "peri"
+    one_call = True
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         y = self.rows(x, span, kv) if kv is not None else None
@@ -44,31 +44,8 @@ class PeriNormBlock(NormedBlock):
         x = x + self.norm_2(self.attn(self.norm_1(x), span, kv))
         return x + self.norm_4(self.mlp(self.norm_3(x)))
 
-    def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
-        """This forward as one kernel call (``decode_kernel.peri_layer_rows``: the two lines above with the
-        sublayers' one-call kernels, the same ops in the same order) where ``layer_args`` gives its arguments; None
-        otherwise."""
-        args = self.layer_args(x, span, kv)
-        if args is None:
-            return None
-        B, W, d = x.shape
-        return decode_kernel.peri_layer_rows(x.reshape(B * W, d), *args).view(B, W, d)
 
-    def layer_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
-        """``peri_layer_rows``' arguments after x (the norms' weights, their eps, ``attention_rows``' and
-        ``mlp_rows``' arguments) where both sublayers take their one-call kernels and nothing needs the submodules'
-        calls (``plain_parts``); None otherwise."""
-        a = self.attn.row_args(x, span, kv)           # first: where it fails (one row, bfloat16) it fails soonest
-        weights = self.plain_parts(x) if a is not None else None
-        m = self.mlp.row_args(x) if weights is not None else None
-        return None if m is None else (list(weights), self.norm_1.eps, a, m)
-
-
-def _own_methods() -> tuple:
-    return PeriNormBlock.forward, PeriNormBlock.rows, PeriNormBlock.layer_args, RMSNorm.forward
-
-
-_OWN = _own_methods()     # what ``Ouro.recur_rows`` stands in for: a class-level replacement keeps the calls
+_OWN = own_methods(PeriNormBlock)     # what ``layer_recurrence`` stands in for
 
 
 class Ouro(Family):
@@ -97,39 +74,8 @@ class Ouro(Family):
     stop_tokens = ("<|im_end|>",)
 
     def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range) -> Tensor | None:
-        """The core steps ``steps`` of a batched call in one kernel call (``decode_kernel.peri_recur_rows``: each
-        step's layers, then ln_f - ``core_step``'s calls, so the same bits), where every layer application would take
-        ``PeriNormBlock.rows`` (a batched call in one paged pool, the kernel's products, no gradient) and nothing whose call
-        it skips is replaced or hooked: the blocks are ``PeriNormBlock`` and ln_f ``RMSNorm``, with this module's
-        methods, without hooks or an instance's own forward; None otherwise.  Saves the Python around each of the
-        R x N layer calls."""
-        t = model.transformer
-        blocks, ln_f = list(t.core_block), t.ln_f
-        if (type(ln_f) is not RMSNorm or any(type(b) is not PeriNormBlock for b in blocks) or _own_methods() != _OWN
-                or _global_forward_hooks or _global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (ln_f, *blocks))
-                or not ln_f.takes_kernel(h) or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
-            return None
-        r0 = steps[0]
-        layers = []
-        for i, block in enumerate(blocks):
-            args = block.layer_args(h, span, cache.core_kv(i, (r0, r0), (r0, r0)))
-            if args is None:
-                return None
-            layers.append(args)
-        if not decode_kernel.layers_agree(layers):
-            return None
-        shared = layers[0][2][7:11]         # the call's store rows, read rows, starts and lengths
-        pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
-        for r in steps[1:]:
-            for i in range(len(blocks)):
-                plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)
-                if plan is None or any(p is not q for p, q in zip(plan[2:], shared)):
-                    return None
-                pools.append(plan[:2])
-        B, W, d = h.shape
-        return decode_kernel.peri_recur_rows(h.reshape(B * W, d), len(steps), layers, pools, ln_f.weight,
-                                             ln_f.eps).view(B, W, d)
+        """The core steps ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
+        return layer_recurrence(model, h, span, cache, steps, PeriNormBlock, _OWN)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.layers.") for n in names):

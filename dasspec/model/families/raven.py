@@ -24,8 +24,12 @@ class PreNormBlock(NormedBlock):
 
     style = "pre"
     norms = 2
+    one_call = True
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        y = self.rows(x, span, kv) if kv is not None else None
+        if y is not None:
+            return y
         x = x + self.attn(self.norm_1(x), span, kv)
         return x + self.mlp(self.norm_2(x))
 
@@ -34,6 +38,7 @@ class PostNormBlock(PreNormBlock):
     """OLMo-2's layer: x = x + n1(attn(x)); x = x + n2(mlp(x))."""
 
     style = "post"
+    one_call = False
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
         x = x + self.norm_1(self.attn(x, span, kv))

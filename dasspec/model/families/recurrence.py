@@ -1,0 +1,60 @@
+"""A batched call's core steps in one kernel call, for a family whose core step is its layers then ``ln_f``
+(``norm_every_step``, no injection: Ouro's peri-norm layers, Nanbeige's pre-norm ones).
+
+``LoopedLM.recur`` asks ``Family.recur_rows`` first; this answers with ``decode_kernel.recur_rows`` - every step's
+layers, then ``ln_f``, in ``core_step``'s order, so the same bits - wherever every layer application would take the
+block's one-call layer (``NormedBlock.rows``: a batched call in one paged pool, the kernel's products, no gradient)
+and nothing whose call it skips is replaced or hooked; None otherwise (the steps go through ``core_step``).  It saves
+the Python around each of the T x N layer calls of a step, which a batched decode step on a CPU otherwise spends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+from .. import decode_kernel
+from ..attention import row_plan
+from ..layers import NormedBlock, RMSNorm
+
+
+def own_methods(block: type[NormedBlock]) -> tuple:
+    """What the one call stands in for: compared with the import-time tuple, so a class-level replacement (a
+    wrapper, instrumentation) keeps the per-layer calls."""
+    return block.forward, block.rows, block.layer_args, RMSNorm.forward
+
+
+def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
+                     own: tuple) -> Tensor | None:
+    """The core steps ``steps`` of ``model`` (blocks all of class ``block``, whose methods at import were ``own``)
+    over a batched call's rows in one kernel call; None where the call does not take it."""
+    t = model.transformer
+    blocks, ln_f = list(t.core_block), t.ln_f
+    if (type(ln_f) is not RMSNorm or any(type(b) is not block for b in blocks) or own_methods(block) != own
+            or _global_forward_hooks or _global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (ln_f, *blocks))
+            or not ln_f.takes_kernel(h) or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
+        return None
+    r0 = steps[0]
+    layers = []
+    for i, b in enumerate(blocks):
+        args = b.layer_args(h, span, cache.core_kv(i, (r0, r0), (r0, r0)))
+        if args is None:
+            return None
+        layers.append(args)
+    if not decode_kernel.layers_agree(layers):
+        return None
+    shared = layers[0][2][7:11]         # the call's store rows, read rows, starts and lengths
+    pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
+    for r in steps[1:]:
+        for i in range(len(blocks)):
+            plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)
+            if plan is None or any(p is not q for p, q in zip(plan[2:], shared)):
+                return None
+            pools.append(plan[:2])
+    B, W, d = h.shape
+    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, layers, pools, ln_f.weight,
+                                    ln_f.eps).view(B, W, d)
