@@ -205,34 +205,51 @@ def test_torch_attention_reads_only_the_window(model, monkeypatch):
 
 
 @pytest.mark.parametrize("window_kv", [True, False], ids=["rings", "full"])
-def test_loop_2_in_one_call_has_the_bits_of_the_modules_ops(model, window_kv, monkeypatch):
-    """A batched call's attention at depths >= 2 (projections, the depth's own K/V stores, the gate, global attention
-    over depth 1 and local attention inside the window, the mix, the output product) runs as one kernel call
-    (``decode_kernel.loop_mix_rows``), and every layer output of every step - prompt chunks past the window, decode
-    rows, verification chains, DAS-Wave's windows - and every token are bit for bit those of ``mixed``'s own ops."""
+def test_loops_in_one_call_have_the_bits_of_the_modules_ops(model, window_kv, monkeypatch):
+    """A batched call's loops run as one kernel call (``loop_recur_rows``: at depth 1 Llama's layers, past it the
+    mixed attention's - projections, the depth's own K/V stores, the gate, global attention over depth 1 and local
+    attention inside the window, the mix, the output product - and the MLP), and the mixed attention alone where the
+    loops' call does not apply (``loop_mix_rows``); every loop output and every layer output of every step - prompt
+    chunks past the window, decode rows, verification chains, DAS-Wave's windows and depth slices - and every token
+    are bit for bit those of the modules' own ops."""
     from dasspec.model import decode_kernel
-    from dasspec.model.families.iquest import LoopCoderBlock
+    from dasspec.model.families.iquest import IQuestLoop, LoopCoderBlock
     ps = prompts(model.config.vocab_size)
+    kernels = ("loop_recur_rows", "loop_mix_rows")
 
-    def run_with(fused: bool, method: str):
-        outs, rows = [], []
-        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
-                 if isinstance(m, LoopCoderBlock)]
+    def run_with(path: str, method: str):
+        loops, layers, rows = [], [], {k: [] for k in kernels}
+        # a block's hook keeps the loops on the layer calls: the layers' outputs are recorded where the loops' call
+        # is off anyway
+        hooks = [m.register_forward_hook(lambda m, a, o: layers.append(o.clone())) for m in model.modules()
+                 if isinstance(m, LoopCoderBlock) and path != "loops"]
         with monkeypatch.context() as mp:
-            if fused:
-                real = decode_kernel.loop_mix_rows
-                mp.setattr(decode_kernel, "loop_mix_rows", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
-            else:
+            real_recur = type(model).recur
+            mp.setattr(type(model), "recur", lambda self, *a, **k: (lambda y: loops.append(y.clone()) or y)(
+                real_recur(self, *a, **k)))
+            for k in kernels:
+                mp.setattr(decode_kernel, k, lambda x, *a, _k=k, _f=getattr(decode_kernel, k): rows[_k].append(
+                    x.shape[0]) or _f(x, *a))
+            if path != "loops":
+                mp.setattr(IQuestLoop, "recur_rows", lambda *a: None)
+            if path == "ops":
                 mp.setattr(LoopCoderBlock, "mixed_rows", lambda *a: None)
             tokens = run(model, method, ps=ps, window_kv=window_kv)[0]
         for h in hooks:
             h.remove()
-        return tokens, outs, rows
+        return tokens, loops, layers, rows
+
+    def took(rows):    # prompt chunks, and the decode steps' few rows (not only the prefill)
+        return bool(rows) and max(rows) >= WINDOW_PREFILL_ROWS and min(rows) < 16
 
     for method in ("ar", "self-spec", "das-wave"):
-        tokens, outs, rows = run_with(True, method)
-        tokens_ops, outs_ops, _ = run_with(False, method)
-        assert tokens == tokens_ops, method
-        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), method
-        # prompt chunks, and the decode steps' few rows (not only the prefill) took the one call
-        assert max(rows) >= WINDOW_PREFILL_ROWS and min(rows) < 16, (method, sorted(set(rows)))
+        tokens_ops, loops_ops, layers_ops, _ = run_with("ops", method)
+        for path in ("mix", "loops"):
+            tokens, loops, layers, rows = run_with(path, method)
+            assert tokens == tokens_ops, (method, path)
+            assert len(loops) == len(loops_ops) and all(torch.equal(a, b) for a, b in zip(loops, loops_ops)), (
+                method, path)
+            if path == "mix":
+                assert len(layers) == len(layers_ops) and all(torch.equal(a, b) for a, b in zip(layers, layers_ops))
+            assert took(rows["loop_recur_rows"]) == (path == "loops") and took(rows["loop_mix_rows"]) == (
+                path == "mix"), (method, path)

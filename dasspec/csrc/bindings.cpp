@@ -24,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peri_layer_rows", &dasspec::peri_layer_rows, nogil);
   m.def("pre_layer_rows", &dasspec::pre_layer_rows, nogil);
   m.def("recur_rows", &dasspec::recur_rows, nogil);
+  m.def("loop_recur_rows", &dasspec::loop_recur_rows, nogil);
 }

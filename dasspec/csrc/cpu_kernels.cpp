@@ -623,4 +623,63 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
   return x;
 }
 
+// IQuest-Loop's loops over a call's rows (families/iquest.py IQuestLoop.recur_rows: core_step's layer calls, no norm
+// between loops): step s computes depth first + s - at depth 1 Llama's layers (pre_layer_rows), past it the mixed
+// attention's (x + loop_mix_rows(n1 x), then that + mlp(n2 of it)).  Layer i of step s stores into and reads
+// k_pools / v_pools[s * L + i] through step s's store rows and row lists (depth 1's causal lists, a later depth's
+// windowed ones); a mixed layer reads depth 1 from k_glob / v_glob[i] through the glob lists.
+at::Tensor loop_recur_rows(at::Tensor x, int64_t first, const std::vector<at::Tensor>& norms,
+                           const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                           const std::vector<at::Tensor>& wproj,
+                           const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
+                           const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                           const std::vector<at::Tensor>& v_pools, const std::vector<at::Tensor>& store_at,
+                           const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& starts,
+                           const std::vector<at::Tensor>& lengths, double scale, int64_t H, int64_t Hkv,
+                           const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                           const std::vector<at::Tensor>& k_glob, const std::vector<at::Tensor>& v_glob,
+                           const at::Tensor& glob_rows, const at::Tensor& glob_starts,
+                           const at::Tensor& glob_lengths, const std::vector<at::Tensor>& gate_w,
+                           const std::vector<at::Tensor>& gate_b) {
+  const int64_t L = static_cast<int64_t>(wqkv.size()), steps = static_cast<int64_t>(store_at.size());
+  TORCH_CHECK(first >= 1 && steps > 0 && L > 0, "a first depth >= 1, at least one step and one layer");
+  auto n = [](const auto& v) { return static_cast<int64_t>(v.size()); };
+  TORCH_CHECK(n(norms) == 2 * L && n(eps) == L && n(wproj) == L && n(qk_bias) == L && n(wfc) == L && n(wdown) == L &&
+              n(k_glob) == L && n(v_glob) == L && n(gate_w) == L && n(gate_b) == L, "two norms, an eps and the "
+              "weights, depth 1's pools and the gate per layer");
+  TORCH_CHECK(n(k_pools) == steps * L && n(v_pools) == steps * L && n(rows) == steps && n(starts) == steps &&
+              n(lengths) == steps, "a K and a V pool per step and layer; store rows and row lists per step");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  // every layer and step as the first, checked before the first layer writes into a pool
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
+                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes() &&
+                gate_w[i].sizes() == gate_w[0].sizes() && k_glob[i].sizes() == k_pools[0].sizes() &&
+                v_glob[i].sizes() == v_pools[0].sizes(), "layers of one shape");
+  for (int64_t p = 0; p < steps * L; ++p)
+    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
+                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
+                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
+                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
+  for (int64_t s = 0; s < steps; ++s)
+    TORCH_CHECK(store_at[s].numel() == x.size(0) && starts[s].numel() == x.size(0) &&
+                lengths[s].numel() == x.size(0), "a store row, start and length per row at every step");
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = 0; i < L; ++i) {
+      const std::vector<at::Tensor> own{norms[2 * i], norms[2 * i + 1]};
+      const auto &kp = k_pools[s * L + i], &vp = v_pools[s * L + i];
+      if (first + s == 1) {
+        x = pre_layer_rows(x, own, eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, kp, vp, store_at[s], rows[s],
+                           starts[s], lengths[s], scale, H, Hkv, wfc[i], wdown[i]);
+        continue;
+      }
+      auto h = x + loop_mix_rows(rms_norm(x, own[0], eps[i]), wqkv[i], wproj[i], qk_bias[i], cos, sin, kp, vp,
+                                 store_at[s], rows[s], starts[s], lengths[s], scale, H, Hkv, k_glob[i], v_glob[i],
+                                 glob_rows, glob_starts, glob_lengths, gate_w[i], gate_b[i]);
+      x = h + mlp_rows(rms_norm(h, own[1], eps[i]), wfc[i], wdown[i]);
+    }
+  }
+  return x;
+}
+
 }  // namespace dasspec

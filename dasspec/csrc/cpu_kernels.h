@@ -70,4 +70,20 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                       const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
                       const at::Tensor& ln_w, double ln_eps);
 
+// IQuest-Loop's loops first, first + 1, ... over a call's rows: per layer two norms, their eps, the weights, depth 1's
+// pools and the gate; per step and layer the pools; per step the store rows and row lists.
+at::Tensor loop_recur_rows(at::Tensor x, int64_t first, const std::vector<at::Tensor>& norms,
+                           const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                           const std::vector<at::Tensor>& wproj,
+                           const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
+                           const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                           const std::vector<at::Tensor>& v_pools, const std::vector<at::Tensor>& store_at,
+                           const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& starts,
+                           const std::vector<at::Tensor>& lengths, double scale, int64_t H, int64_t Hkv,
+                           const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                           const std::vector<at::Tensor>& k_glob, const std::vector<at::Tensor>& v_glob,
+                           const at::Tensor& glob_rows, const at::Tensor& glob_starts,
+                           const at::Tensor& glob_lengths, const std::vector<at::Tensor>& gate_w,
+                           const std::vector<at::Tensor>& gate_b);
+
 }  // namespace dasspec

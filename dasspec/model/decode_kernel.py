@@ -11,8 +11,8 @@ A row's value on a CPU in float32 (and bfloat16: widened exactly, summed in floa
   prefix read at another depth).  A decode row, a prompt row, a verification chain, a tree node, a draft window:
   each is a list of rows, so each takes this kernel, and a row sees the same sums whatever shape its call has.
 * ``rms_norm``, ``rope_half``, ``store_rows``; the one-call sublayers ``attention_rows``, ``mlp_rows`` and
-  ``loop_mix_rows``, layers ``peri_layer_rows`` and ``pre_layer_rows``, and core steps ``recur_rows`` (the
-  modules' ops in the modules' order, without a Python call per op).
+  ``loop_mix_rows``, layers ``peri_layer_rows`` and ``pre_layer_rows``, and core steps ``recur_rows`` and
+  ``loop_recur_rows`` (the modules' ops in the modules' order, without a Python call per op).
 
 The source lives in ``dasspec/csrc`` and is compiled for the portable target, with the AVX2 and AVX-512 bodies
 behind the CPU's feature flags at run time, so one build serves every x86 CPU (and other CPUs on the portable path).
@@ -307,3 +307,18 @@ def recur_rows(x: Tensor, steps: int, style: str, layers: list[tuple], pools: li
         x, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
         [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools], [v for _, v in pools], *a0[7:14],
         [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps)
+
+
+def loop_recur_rows(x: Tensor, first: int, layers: list[tuple], steps: list[tuple], glob: tuple) -> Tensor:
+    """IQuest-Loop's loops ``first``, ``first + 1``, ... over a call's rows x [M, d] in one call
+    (``IQuestLoop.recur_rows``).  ``layers``: per layer (norm weights, eps, wqkv, wproj, qk_bias, wfc, wdown, depth 1's K
+    and V pools, the block-diagonal gate weight, the gate bias); ``steps``: per loop (store rows, rows, starts,
+    lengths, the layers' (K, V) pools); ``glob``: depth 1's row lists (rows, starts, lengths), then cos, sin, scale,
+    H, H_kv."""
+    rows, starts, lengths, cos, sin, scale, H, Hkv = glob
+    return (_module if _tried else _load()).loop_recur_rows(
+        x, first, [w for l in layers for w in l[0]], [l[1] for l in layers], [l[2] for l in layers],
+        [l[3] for l in layers], [l[4] for l in layers], cos, sin, [k for s in steps for k, _ in s[4]],
+        [v for s in steps for _, v in s[4]], [s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps],
+        [s[3] for s in steps], scale, H, Hkv, [l[5] for l in layers], [l[6] for l in layers], [l[7] for l in layers],
+        [l[8] for l in layers], rows, starts, lengths, [l[9] for l in layers], [l[10] for l in layers])

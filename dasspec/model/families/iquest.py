@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .. import decode_kernel
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
-from ..layers import NormedBlock, sigmoid
+from ..layers import NormedBlock, RMSNorm, sigmoid
 from ..linear import linear
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
@@ -149,8 +150,16 @@ class LoopCoderBlock(NormedBlock):
 
     def mixed_rows(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> Tensor | None:
         """``mixed`` as one kernel call (``decode_kernel.loop_mix_rows``, which mirrors it op for op: the same bits
-        without a Python call per op) where both reads take the row kernel in one pool, as ``Attention.rows``;
-        None otherwise (``mixed``'s own ops run)."""
+        without a Python call per op) where ``mix_args`` applies; None otherwise (``mixed``'s own ops run)."""
+        args = self.mix_args(h, span, kv)
+        if args is None:
+            return None
+        B, W, d = h.shape
+        return decode_kernel.loop_mix_rows(h.reshape(B * W, d), *args).view(B, W, -1)
+
+    def mix_args(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> tuple | None:
+        """``loop_mix_rows``' arguments after the rows where both reads take the row kernel in one pool (as
+        ``Attention.rows``) and the gate is a plain ``LoopGate``; None otherwise."""
         gate = self.gate
         if type(gate) is not LoopGate or gate._forward_hooks or gate._forward_pre_hooks:
             return None
@@ -161,9 +170,7 @@ class LoopCoderBlock(NormedBlock):
         if glob is None:
             return None
         k1, v1, _, rows, starts, lengths = glob
-        B, W, d = h.shape
-        return decode_kernel.loop_mix_rows(h.reshape(B * W, d), *local, k1, v1, rows, starts, lengths,
-                                           gate.block_diagonal(), gate.bias).view(B, W, -1)
+        return (*local, k1, v1, rows, starts, lengths, gate.block_diagonal(), gate.bias)
 
     def _out(self, y: Tensor) -> Tensor:
         B, H, W, hd = y.shape
@@ -177,6 +184,11 @@ def _k1v1(span: Any) -> dict:
         store = {}
         setattr(span, "_loop_k1v1", store)
     return store
+
+
+def _same(x: Any, y: Any) -> bool:
+    """The same tensor object, or an equal plain value."""
+    return x is y or (not isinstance(x, Tensor) and not isinstance(y, Tensor) and x == y)
 
 
 def band(T: int, window: int, device: torch.device) -> Tensor:
@@ -224,6 +236,14 @@ def _window_part(span: Span, window: int, dtype: torch.dtype) -> Span:
     return replace(span, mask=mask, causal=False, bias=bias, causal_rows=False, lo=lo, _split=None, _rows_cache={})
 
 
+def _own_methods() -> tuple:
+    return (LoopCoderBlock.forward, LoopCoderBlock.mixed, LoopCoderBlock.mixed_rows, LoopCoderBlock.mix_args,
+            LoopGate.forward, RMSNorm.forward)
+
+
+_OWN = _own_methods()     # what ``IQuestLoop.recur_rows`` stands in for: a class-level replacement keeps the calls
+
+
 class IQuestLoop(Family):
     name = "iquest-loop"
     model_type = "iquestloopcoder"
@@ -246,6 +266,53 @@ class IQuestLoop(Family):
     # Depth r >= 2 reads depth 1's rows of the call's own positions.  A target call (AR, verification, prefill, a
     # depth slice of one) computed them earlier in the call or in an earlier slice; a DAS-Wave round that carries
     # states past depth 1 reads whatever an earlier call left there (even uninitialised memory) - a draft only.
+
+    def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range) -> Tensor | None:
+        """The loops ``steps`` of a batched call in one kernel call (``decode_kernel.loop_recur_rows``: each loop's
+        layer calls in ``core_step``'s order - depth 1 Llama's, past it the mixed attention's - so the same bits),
+        where every layer application takes the one-call sublayers (``Attention.row_args``, ``mix_args``, the
+        MLP's) and nothing whose call it skips is replaced or hooked; None otherwise.  Saves the Python around the
+        T x N layer calls."""
+        blocks = list(model.transformer.core_block)
+        steps = list(steps)
+        if (steps != list(range(steps[0], steps[0] + len(steps))) or any(type(b) is not LoopCoderBlock for b in blocks)
+                or _own_methods() != _OWN or type(self).core_kv is not IQuestLoop.core_kv
+                or _global_forward_hooks or _global_forward_pre_hooks
+                or any(b._forward_hooks or b._forward_pre_hooks or "forward" in vars(b) for b in blocks)):
+            return None
+        layers, per_step, glob = [], [], None
+        for r in steps:
+            pools, lists = [], None
+            for i, b in enumerate(blocks):
+                kv = self.core_kv(cache, i, (r, r), (r, r), span)
+                if kv.local is None:
+                    return None
+                if r == 1:
+                    a = b.attn.row_args(h, span, kv.local)
+                    g = row_plan(h, kv.glob, span) if a is not None else None
+                    mix = None if g is None else (*a, g[0], g[1], *g[3:], b.gate.block_diagonal(), b.gate.bias)
+                else:
+                    mix = b.mix_args(h, span, kv)
+                weights = b.plain_parts(h) if mix is not None else None
+                m = b.mlp.row_args(h) if weights is not None else None
+                if m is None:
+                    return None
+                shared = (mix[3], mix[4], mix[11], mix[12], mix[13], *mix[16:19])    # RoPE, scale, heads, depth 1's lists
+                if glob is None:
+                    glob = shared
+                if lists is None:
+                    lists = mix[7:11]
+                if any(not _same(x, y) for x, y in zip((*shared, *mix[7:11]), (*glob, *lists))):
+                    return None
+                if len(layers) < len(blocks):
+                    layers.append((weights, b.norm_1.eps, mix[0], mix[1], mix[2], m[0], m[1], mix[14], mix[15],
+                                   mix[19], mix[20]))
+                pools.append(mix[5:7])
+            per_step.append((*lists, pools))
+        rows, starts, lengths = glob[5:]
+        B, W, d = h.shape
+        return decode_kernel.loop_recur_rows(h.reshape(B * W, d), steps[0], layers, per_step,
+                                             (rows, starts, lengths, *glob[:5])).view(B, W, d)
 
     def core_kv(self, cache: Any, layer: int, read: tuple[int, int], own: tuple[int, int], span: Any) -> LoopKV:
         """Each layer call's ``LoopKV``: the call's own view and depth 1's."""
