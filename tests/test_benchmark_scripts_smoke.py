@@ -24,6 +24,7 @@ RUNS = {
     "auto/auto_pair.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4"],
     "auto/server_life.py": ["1", "2", "ar,auto", "greedy", BUNDLED, "4"],      # rounds, levels, methods, -, model, tokens
     "ouro-vllm/step_profile.py": [BUNDLED, "1", "2"],                           # model, threads, B
+    "one-call/one_call_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4", "--threads", "1"],
 }
 HELPERS = {"auto/batch8.py", "ouro-vllm/decoding.py"}
 

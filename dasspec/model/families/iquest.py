@@ -270,9 +270,9 @@ class IQuestLoop(Family):
     def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``decode_kernel.loop_recur_rows``: each loop's
         layer calls in ``core_step``'s order - depth 1 Llama's, past it the mixed attention's - so the same bits),
-        where every layer application takes the one-call sublayers (``Attention.row_args``, ``mix_args``, the
+        where every layer application would take the one-call sublayers (``Attention.row_args``, ``mix_args``, the
         MLP's) and nothing whose call it skips is replaced or hooked; None otherwise.  Saves the Python around the
-        T x N layer calls."""
+        T x N layer calls: each layer's weights and checks are taken once, a later depth asks only for its pools."""
         blocks = list(model.transformer.core_block)
         steps = list(steps)
         if (steps != list(range(steps[0], steps[0] + len(steps))) or any(type(b) is not LoopCoderBlock for b in blocks)
@@ -282,32 +282,38 @@ class IQuestLoop(Family):
             return None
         layers, per_step, glob = [], [], None
         for r in steps:
+            read = span if r == 1 else windowed(span, blocks[0].window, h.dtype)     # depth r's own row lists
             pools, lists = [], None
             for i, b in enumerate(blocks):
                 kv = self.core_kv(cache, i, (r, r), (r, r), span)
                 if kv.local is None:
                     return None
-                if r == 1:
-                    a = b.attn.row_args(h, span, kv.local)
+                if i < len(layers):              # the layer's weights are known: its pools at this depth
+                    plan = row_plan(h, kv.local, read)
+                    if plan is None:
+                        return None
+                else:                            # its weights, checks and depth 1's pools, once per call
+                    a = b.attn.row_args(h, read, kv.local)
                     g = row_plan(h, kv.glob, span) if a is not None else None
-                    mix = None if g is None else (*a, g[0], g[1], *g[3:], b.gate.block_diagonal(), b.gate.bias)
-                else:
-                    mix = b.mix_args(h, span, kv)
-                weights = b.plain_parts(h) if mix is not None else None
-                m = b.mlp.row_args(h) if weights is not None else None
-                if m is None:
+                    gate = b.gate
+                    if (g is None or type(gate) is not LoopGate or gate._forward_hooks or gate._forward_pre_hooks
+                            or b.window != blocks[0].window):
+                        return None
+                    weights = b.plain_parts(h)
+                    m = b.mlp.row_args(h) if weights is not None else None
+                    if m is None:
+                        return None
+                    shared = (a[3], a[4], a[11], a[12], a[13], *g[3:])     # RoPE, scale, heads, depth 1's lists
+                    glob = shared if glob is None else glob
+                    if any(not _same(x, y) for x, y in zip(shared, glob)):
+                        return None
+                    layers.append((weights, b.norm_1.eps, a[0], a[1], a[2], m[0], m[1], g[0], g[1],
+                                   gate.block_diagonal(), gate.bias))
+                    plan = a[5:11]
+                lists = plan[2:] if lists is None else lists
+                if any(x is not y for x, y in zip(plan[2:], lists)):
                     return None
-                shared = (mix[3], mix[4], mix[11], mix[12], mix[13], *mix[16:19])    # RoPE, scale, heads, depth 1's lists
-                if glob is None:
-                    glob = shared
-                if lists is None:
-                    lists = mix[7:11]
-                if any(not _same(x, y) for x, y in zip((*shared, *mix[7:11]), (*glob, *lists))):
-                    return None
-                if len(layers) < len(blocks):
-                    layers.append((weights, b.norm_1.eps, mix[0], mix[1], mix[2], m[0], m[1], mix[14], mix[15],
-                                   mix[19], mix[20]))
-                pools.append(mix[5:7])
+                pools.append(plan[:2])
             per_step.append((*lists, pools))
         rows, starts, lengths = glob[5:]
         B, W, d = h.shape
