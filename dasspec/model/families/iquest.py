@@ -16,7 +16,8 @@ so a position's depth-r K/V matter only to the next ``loop_window_size`` positio
 read by every later position at every depth.  The depth cache keeps both in their ordinary places (depth 1 and
 depth r of the layer); the block gets them through ``LoopKV``, which ``IQuestLoop.core_kv`` builds for every layer
 call.  Attention is composed from ``attention.attend`` (a windowed copy of the call's ``Span``); on a CPU in float32 a
-batched call's mixed step is one kernel call (``decode_kernel.loop_mix_rows``), as depth 1's attention is.
+batched call's loops are one kernel call (``IQuestLoop.recur_rows``), or where that does not apply its mixed step is
+(``LoopCoderBlock.mixed_rows``), as depth 1's attention is.
 What is read and why: docs/families.md, "IQuest-Coder-V1-Loop".
 """
 
