@@ -523,3 +523,37 @@ def test_queries_grouped_over_one_list_get_the_bits_they_get_alone(hd):
                                                             0.2), grouped), path
     finally:
         decode_kernel.set_isa(isa)
+
+
+REPLACED = ["Attention.forward", "Attention.qkv", "GatedMLP.forward", "attn.forward", "norm_1.forward",
+            "LoopGate.forward", "gate.forward", "block.mixed"]
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige", "raven-llama", "iquest-loop"])
+@pytest.mark.parametrize("target", REPLACED)
+def test_a_replaced_method_the_one_call_paths_would_skip_still_runs(family, target, monkeypatch):
+    """Instrumentation that replaces a method a one-call path would skip - a sublayer's forward or ``qkv`` on its
+    class, a module's forward on one instance, IQuest-Loop's gate or mixed attention - is called in the batched
+    steps as the modules' path calls it: the one-call layers, loops and mixed attention fall back (fails where one
+    of them stands in for it)."""
+    from dasspec.model import layers
+    from dasspec.model.families import iquest
+    if target in ("LoopGate.forward", "gate.forward", "block.mixed") and family != "iquest-loop":
+        pytest.skip("IQuest-Loop's parts")
+    _pack_everything(monkeypatch)
+    kw = dict(n_prelude=1, n_core=1, n_coda=1) if family == "raven-llama" else dict(n_core=2)
+    model = random_model(family, seed=3, mean_recurrence=2 if family == "iquest-loop" else 3, **kw)
+    block = model.transformer.core_block[0]
+    owner, name = target.split(".")
+    classes = {"Attention": layers.Attention, "GatedMLP": layers.GatedMLP, "LoopGate": iquest.LoopGate}
+    where = classes[owner] if owner in classes else {"attn": block.attn, "norm_1": block.norm_1,
+                                                      "gate": getattr(block, "gate", None), "block": block}[owner]
+    real = getattr(where, name)
+    calls = []
+    if isinstance(where, type):
+        monkeypatch.setattr(where, name, lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    else:
+        monkeypatch.setattr(where, name, lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
+    prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
+    dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
+    assert len(calls) >= 3, (family, target, len(calls))       # the decode steps' too, not only a prefill's

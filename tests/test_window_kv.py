@@ -211,26 +211,41 @@ def test_loops_in_one_call_have_the_bits_of_the_modules_ops(model, window_kv, mo
     attention inside the window, the mix, the output product - and the MLP), and the mixed attention alone where the
     loops' call does not apply (``loop_mix_rows``); every loop output and every layer output of every step - prompt
     chunks past the window, decode rows, verification chains, DAS-Wave's windows and depth slices - and every token
-    are bit for bit those of the modules' own ops."""
+    are bit for bit those of the modules' own ops - also a call whose loops start past depth 1 (each call's loops
+    split in two: ``loop_recur_rows``' ``first`` > 1) and a layer whose norms have an eps of their own."""
     from dasspec.model import decode_kernel
     from dasspec.model.families.iquest import IQuestLoop, LoopCoderBlock
     ps = prompts(model.config.vocab_size)
     kernels = ("loop_recur_rows", "loop_mix_rows")
+    for norm in (model.transformer.core_block[1].norm_1, model.transformer.core_block[1].norm_2):
+        monkeypatch.setattr(norm, "eps", 1e-2)
+    firsts = []
 
     def run_with(path: str, method: str):
         loops, layers, rows = [], [], {k: [] for k in kernels}
         # a block's hook keeps the loops on the layer calls: the layers' outputs are recorded where the loops' call
         # is off anyway
         hooks = [m.register_forward_hook(lambda m, a, o: layers.append(o.clone())) for m in model.modules()
-                 if isinstance(m, LoopCoderBlock) and path != "loops"]
+                 if isinstance(m, LoopCoderBlock) and path not in ("loops", "split")]
         with monkeypatch.context() as mp:
             real_recur = type(model).recur
-            mp.setattr(type(model), "recur", lambda self, *a, **k: (lambda y: loops.append(y.clone()) or y)(
-                real_recur(self, *a, **k)))
+
+            def recur(self, h, inj, span, cache=None, depths=None):
+                steps = list(depths if depths is not None else range(1, self.R + 1))
+                if path == "split" and cache is not None and len(steps) > 1:
+                    h = real_recur(self, h, inj, span, cache, steps[:1])
+                    steps = steps[1:]
+                y = real_recur(self, h, inj, span, cache, steps)
+                loops.append(y.clone())
+                return y
+            mp.setattr(type(model), "recur", recur)
             for k in kernels:
                 mp.setattr(decode_kernel, k, lambda x, *a, _k=k, _f=getattr(decode_kernel, k): rows[_k].append(
                     x.shape[0]) or _f(x, *a))
-            if path != "loops":
+            real_loops = decode_kernel.loop_recur_rows
+            mp.setattr(decode_kernel, "loop_recur_rows", lambda x, first, *a: firsts.append(first) or real_loops(
+                x, first, *a))
+            if path not in ("loops", "split"):
                 mp.setattr(IQuestLoop, "recur_rows", lambda *a: None)
             if path == "ops":
                 mp.setattr(LoopCoderBlock, "mixed_rows", lambda *a: None)
@@ -244,12 +259,14 @@ def test_loops_in_one_call_have_the_bits_of_the_modules_ops(model, window_kv, mo
 
     for method in ("ar", "self-spec", "das-wave"):
         tokens_ops, loops_ops, layers_ops, _ = run_with("ops", method)
-        for path in ("mix", "loops"):
+        for path in ("mix", "loops", "split"):
+            firsts.clear()
             tokens, loops, layers, rows = run_with(path, method)
             assert tokens == tokens_ops, (method, path)
             assert len(loops) == len(loops_ops) and all(torch.equal(a, b) for a, b in zip(loops, loops_ops)), (
                 method, path)
             if path == "mix":
                 assert len(layers) == len(layers_ops) and all(torch.equal(a, b) for a, b in zip(layers, layers_ops))
-            assert took(rows["loop_recur_rows"]) == (path == "loops") and took(rows["loop_mix_rows"]) == (
+            assert took(rows["loop_recur_rows"]) == (path != "mix") and took(rows["loop_mix_rows"]) == (
                 path == "mix"), (method, path)
+            assert (max(firsts, default=0) > 1) == (path == "split"), (method, path)

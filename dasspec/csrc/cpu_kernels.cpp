@@ -474,15 +474,51 @@ at::Tensor pointwise(const at::Tensor& g_in, const std::optional<at::Tensor>& u_
 }
 
 // ---- one-call sublayers (the modules' ops on the same views in the same order: their bits) -------------------------
+// The shapes and dtypes a sublayer's products, stores and reads need, checked before its first write into a pool (a
+// row list's bounds are rows_attention's, after the call's own rows are stored - as in the modules' ops).
+static void check_attention(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
+                            const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t H, int64_t Hkv) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
+  TORCH_CHECK(wqkv.dim() == 2 && wqkv.size(1) == x.size(1) && wqkv.size(0) % (H + 2 * Hkv) == 0 &&
+              wqkv.scalar_type() == at::kFloat, "wqkv [(H + 2 H_kv) hd, d], float32");
+  const int64_t hd = wqkv.size(0) / (H + 2 * Hkv);
+  TORCH_CHECK(wproj.dim() == 2 && wproj.size(0) == x.size(1) && wproj.size(1) == H * hd &&
+              wproj.scalar_type() == at::kFloat, "wproj [d, H hd], float32");
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.stride(2) == 1 &&
+              v_pool.stride(2) == 1, "pools: float32, contiguous rows");
+}
+
+static void check_mlp(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wdown) {
+  TORCH_CHECK(wfc.dim() == 2 && wfc.size(1) == x.size(1) && wfc.size(0) % 2 == 0 && wdown.dim() == 2 &&
+              wdown.size(0) == x.size(1) && wdown.size(1) == wfc.size(0) / 2 && wfc.scalar_type() == at::kFloat &&
+              wdown.scalar_type() == at::kFloat, "MLP weights [2 I, d] and [d, I], float32");
+}
+
+static void check_norms(const at::Tensor& x, const std::vector<at::Tensor>& norms) {
+  for (const auto& w : norms)
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat, "norm weight [d], float32");
+}
+
+static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& k_glob,
+                       const at::Tensor& v_glob, const at::Tensor& k_pool, int64_t H, int64_t hd) {
+  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(0) == H && gate_w.size(1) == H * hd && gate_b.numel() == H &&
+              gate_w.scalar_type() == at::kFloat && gate_b.scalar_type() == at::kFloat,
+              "gate weight [H, H hd] and bias [H], float32");
+  TORCH_CHECK(k_glob.dim() == 3 && v_glob.dim() == 3 && k_glob.sizes() == k_pool.sizes() &&
+              v_glob.sizes() == k_pool.sizes() && k_glob.scalar_type() == at::kFloat &&
+              v_glob.scalar_type() == at::kFloat && k_glob.stride(2) == 1 && v_glob.stride(2) == 1,
+              "depth-1 pools: the pools' shape, float32, contiguous rows");
+}
+
 // layers.py's Attention.forward on rows the row kernel takes (halves-form RoPE, no q/k norm).  x [M, d] -> [M, d].
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
                           const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                           const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
                           int64_t H, int64_t Hkv) {
-  // every check before the first write into the pool
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
+  // every shape and dtype check before the first write into the pool
+  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
   const int64_t M = x.size(0);
   auto qkv = dasspec::linear(x, wqkv, std::nullopt);
   TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
@@ -513,21 +549,16 @@ at::Tensor loop_mix_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::
                          int64_t H, int64_t Hkv, const at::Tensor& k_glob, const at::Tensor& v_glob,
                          const at::Tensor& glob_rows, const at::Tensor& glob_starts, const at::Tensor& glob_lengths,
                          const at::Tensor& gate_w, const at::Tensor& gate_b) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0, "heads: H a multiple of H_kv");
+  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
   const int64_t M = x.size(0);
-  TORCH_CHECK(wqkv.dim() == 2 && wqkv.size(0) % (H + 2 * Hkv) == 0, "projection width");
   const int64_t hd = wqkv.size(0) / (H + 2 * Hkv);
-  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(0) == H && gate_w.size(1) == H * hd && gate_b.numel() == H,
-              "gate weight [H, H * hd] and bias [H]");
-  TORCH_CHECK(k_glob.dim() == 3 && v_glob.dim() == 3 && k_glob.size(0) == Hkv && k_glob.size(2) == hd &&
-              v_glob.size(0) == Hkv && v_glob.size(2) == hd && glob_starts.numel() == M && glob_lengths.numel() == M,
-              "depth-1 pools [H_kv, rows, hd], a start and length per row");
+  check_gate(gate_w, gate_b, k_glob, v_glob, k_pool, H, hd);
+  TORCH_CHECK(glob_starts.numel() == M && glob_lengths.numel() == M, "a depth-1 start and length per row");
   TORCH_CHECK(!qk_bias.has_value() || (Hkv == H && qk_bias->numel() == 2 * H * hd), "q/k bias [2, H, hd]");
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.dim() == 3 && k_pool.size(0) == Hkv && k_pool.size(2) == hd &&
               v_pool.size(0) == Hkv && v_pool.size(2) == hd && store_at.numel() == M && starts.numel() == M &&
               lengths.numel() == M, "pools [H_kv, rows, hd], one store row, start and length per row");
-  auto qkv = dasspec::linear(x, wqkv, std::nullopt);       // every check above: before the first write
+  auto qkv = dasspec::linear(x, wqkv, std::nullopt);       // every shape and dtype check above: before the first write
   auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
   auto qk = heads.narrow(2, 0, H + Hkv);
   if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
@@ -559,7 +590,9 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                            const at::Tensor& wfc, const at::Tensor& wdown) {
   TORCH_CHECK(norms.size() == 4, "four norm weights");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  for (const auto& w : norms) TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "norm weight size");
+  check_norms(x, norms);
+  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
+  check_mlp(x, wfc, wdown);
   auto a = attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows,
                           starts, lengths, scale, H, Hkv);
   auto h = x + rms_norm(a, norms[1], eps);
@@ -575,7 +608,9 @@ at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& no
                           const at::Tensor& wfc, const at::Tensor& wdown) {
   TORCH_CHECK(norms.size() == 2, "two norm weights");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  for (const auto& w : norms) TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "norm weight size");
+  check_norms(x, norms);
+  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
+  check_mlp(x, wfc, wdown);
   auto h = x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at,
                               rows, starts, lengths, scale, H, Hkv);
   return h + mlp_rows(rms_norm(h, norms[1], eps), wfc, wdown);
@@ -603,7 +638,11 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
               "the style's norms, an eps and four weights per layer; a K and a V pool per step and layer");
   TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
   TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_w.device().is_cpu(), "ln_f weight: float32, CPU");
-  // every layer and step as the first, checked before the first layer writes into a pool
+  // the first layer's shapes and dtypes, then every layer and step as the first, checked before the first layer
+  // writes into a pool
+  check_norms(x, norms);
+  check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
+  check_mlp(x, wfc[0], wdown[0]);
   for (int64_t i = 0; i < L; ++i)
     TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
                 wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes(), "layers of one shape");
@@ -650,12 +689,19 @@ at::Tensor loop_recur_rows(at::Tensor x, int64_t first, const std::vector<at::Te
   TORCH_CHECK(n(k_pools) == steps * L && n(v_pools) == steps * L && n(rows) == steps && n(starts) == steps &&
               n(lengths) == steps, "a K and a V pool per step and layer; store rows and row lists per step");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  // every layer and step as the first, checked before the first layer writes into a pool
+  // the first layer's shapes and dtypes, every layer's gate and depth-1 pools, then every layer and step as the
+  // first: all checked before the first layer writes into a pool
+  check_norms(x, norms);
+  check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
+  check_mlp(x, wfc[0], wdown[0]);
+  for (int64_t i = 0; i < L; ++i)
+    check_gate(gate_w[i], gate_b[i], k_glob[i], v_glob[i], k_pools[0], H, wqkv[0].size(0) / (H + 2 * Hkv));
+  TORCH_CHECK(glob_starts.numel() == x.size(0) && glob_lengths.numel() == x.size(0),
+              "a depth-1 start and length per row");
   for (int64_t i = 0; i < L; ++i)
     TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
                 wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes() &&
-                gate_w[i].sizes() == gate_w[0].sizes() && k_glob[i].sizes() == k_pools[0].sizes() &&
-                v_glob[i].sizes() == v_pools[0].sizes(), "layers of one shape");
+                gate_w[i].sizes() == gate_w[0].sizes(), "layers of one shape");
   for (int64_t p = 0; p < steps * L; ++p)
     TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
                 k_pools[p].scalar_type() == k_pools[0].scalar_type() &&

@@ -274,8 +274,8 @@ def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: 
 
 
 def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
-    """Llama's layer (Nanbeige's, IQuest-Loop's at depth 1) of a call's rows in one call (``PreNormBlock.rows``), with
-    ``peri_layer_rows``' arguments (two norms)."""
+    """Llama's pre-norm layer (Nanbeige's, Raven-Llama's, IQuest-Loop's at depth 1) of a call's rows in one call
+    (``NormedBlock.rows``), with ``peri_layer_rows``' arguments (two norms)."""
     return (_module if _tried else _load()).pre_layer_rows(x, norms, eps, *attention_args, *mlp_args)
 
 

@@ -168,8 +168,8 @@ class Attention(nn.Module):
 
     def row_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
         """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply (q/k norms
-        and the interleaved RoPE are not in the kernel)."""
-        if self.q_norm is not None or self.interleaved:
+        and the interleaved RoPE are not in the kernel; a replaced ``qkv`` would be skipped)."""
+        if self.q_norm is not None or self.interleaved or not unreplaced(self, "qkv"):
             return None
         plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
         if plan is None:
@@ -183,11 +183,40 @@ class Attention(nn.Module):
         return (*weights, self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
 
 
+# What a one-call path skips of a module it stands in for: these methods of its class, as defined (``skipped``).
+_SKIPPED: dict[type, dict[str, object]] = {}
+
+
+def skipped(cls: type, *names: str) -> None:
+    """Record ``cls``'s methods ``names`` as a one-call path skips them (at import, before anyone replaces them)."""
+    _SKIPPED[cls] = {name: getattr(cls, name) for name in names}
+
+
+def skips_nothing(*modules: nn.Module) -> bool:
+    """Whether a one-call path may stand in for these modules' calls: each is of a class whose skipped methods are
+    recorded (``skipped``; not a subclass), none of them is replaced on the class or set on the instance (a wrapper,
+    instrumentation), and no forward hook of its own or global one would be skipped."""
+    if _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    for m in modules:
+        own = _SKIPPED.get(type(m))
+        if (own is None or m._forward_hooks or m._forward_pre_hooks
+                or any([name in vars(m) or getattr(type(m), name) is not f for name, f in own.items()])):
+            return False
+    return True
+
+
+def unreplaced(m: nn.Module, name: str) -> bool:
+    """Whether ``m``'s method ``name`` is its class's as recorded by ``skipped`` (neither replaced on the class nor
+    set on the instance)."""
+    own = _SKIPPED.get(type(m), {})
+    return name in own and name not in vars(m) and getattr(type(m), name) is own[name]
+
+
 def bare(linear: nn.Module) -> bool:
     """A plain ``Linear`` (not a subclass or a wrapper) without hooks, whose product the one-call paths may take from
     its weight directly (a module's own hooks and a wrapper's forward would be skipped)."""
-    return (type(linear) is Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
-            and not (_global_forward_hooks or _global_forward_pre_hooks))
+    return type(linear) is Linear and skips_nothing(linear)
 
 
 def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
@@ -278,14 +307,19 @@ class NormedBlock(nn.Module):
 
     def plain_parts(self, x: Tensor) -> tuple[Tensor, ...] | None:
         """The norms' weights where a one-call layer may stand in for the submodules' calls: the norms, the
-        attention and the MLP of their own classes without hooks (their calls are skipped), the norms on the kernel
-        with one eps; None otherwise."""
+        attention and the MLP of their own classes, none of the methods it skips replaced and no hooks
+        (``skips_nothing``), the norms on the kernel with one eps; None otherwise."""
         norms = [getattr(self, f"norm_{i}") for i in range(1, self.norms + 1)]
-        parts = (*norms, self.attn, self.mlp)
         if (type(self.attn) is not Attention or type(self.mlp) is not GatedMLP
                 or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
-                or any(m._forward_hooks or m._forward_pre_hooks for m in parts) or not norms[0].takes_kernel(x)
+                or not skips_nothing(*norms, self.attn, self.mlp) or not norms[0].takes_kernel(x)
                 or any(n.weight.dtype != torch.float32 or (n.weight.requires_grad and torch.is_grad_enabled())
                        for n in norms)):
             return None
         return tuple(n.weight for n in norms)
+
+
+skipped(RMSNorm, "forward")
+skipped(Attention, "forward", "qkv")
+skipped(GatedMLP, "forward")
+skipped(Linear, "forward")

@@ -35,7 +35,7 @@ from .. import decode_kernel
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
-from ..layers import NormedBlock, RMSNorm, sigmoid
+from ..layers import NormedBlock, RMSNorm, sigmoid, skipped, skips_nothing
 from ..linear import linear
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
@@ -96,6 +96,9 @@ class LoopGate(nn.Module):
         x = q.transpose(1, 2).reshape(B * W, H * hd)
         s = linear(x, self.block_diagonal(), self.bias).view(B, W, H).transpose(1, 2)
         return sigmoid(s).unsqueeze(-1)
+
+
+skipped(LoopGate, "forward")
 
 
 class LoopCoderBlock(NormedBlock):
@@ -160,10 +163,10 @@ class LoopCoderBlock(NormedBlock):
 
     def mix_args(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> tuple | None:
         """``loop_mix_rows``' arguments after the rows where both reads take the row kernel in one pool (as
-        ``Attention.rows``) and the gate is a plain ``LoopGate``; None otherwise."""
-        gate = self.gate
-        if type(gate) is not LoopGate or gate._forward_hooks or gate._forward_pre_hooks:
+        ``Attention.rows``) and the gate is a plain ``LoopGate`` (``plain_gate``); None otherwise."""
+        if not plain_gate(self.gate):
             return None
+        gate = self.gate
         local = self.attn.row_args(h, windowed(span, self.window, h.dtype), kv.local)
         if local is None:
             return None
@@ -185,6 +188,13 @@ def _k1v1(span: Any) -> dict:
         store = {}
         setattr(span, "_loop_k1v1", store)
     return store
+
+
+def plain_gate(gate: nn.Module) -> bool:
+    """A ``LoopGate`` a one-call path may stand in for: its own forward, no hooks (``skips_nothing``), no gradient to
+    keep."""
+    return (type(gate) is LoopGate and skips_nothing(gate)
+            and not (torch.is_grad_enabled() and (gate.weight.requires_grad or gate.bias.requires_grad)))
 
 
 def _same(x: Any, y: Any) -> bool:
@@ -279,7 +289,8 @@ class IQuestLoop(Family):
         if (steps != list(range(steps[0], steps[0] + len(steps))) or any(type(b) is not LoopCoderBlock for b in blocks)
                 or _own_methods() != _OWN or type(self).core_kv is not IQuestLoop.core_kv
                 or _global_forward_hooks or _global_forward_pre_hooks
-                or any(b._forward_hooks or b._forward_pre_hooks or "forward" in vars(b) for b in blocks)):
+                or any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
+                or any(name in vars(b) for b in blocks for name in ("forward", "mixed", "mixed_rows", "mix_args"))):
             return None
         layers, per_step, glob = [], [], None
         for r in steps:
@@ -297,8 +308,7 @@ class IQuestLoop(Family):
                     a = b.attn.row_args(h, read, kv.local)
                     g = row_plan(h, kv.glob, span) if a is not None else None
                     gate = b.gate
-                    if (g is None or type(gate) is not LoopGate or gate._forward_hooks or gate._forward_pre_hooks
-                            or b.window != blocks[0].window):
+                    if g is None or not plain_gate(gate) or b.window != blocks[0].window:
                         return None
                     weights = b.plain_parts(h)
                     m = b.mlp.row_args(h) if weights is not None else None

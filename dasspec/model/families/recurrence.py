@@ -4,7 +4,8 @@
 ``LoopedLM.recur`` asks ``Family.recur_rows`` first; this answers with ``decode_kernel.recur_rows`` - every step's
 layers, then ``ln_f``, in ``core_step``'s order, so the same bits - wherever every layer application would take the
 block's one-call layer (``NormedBlock.rows``: a batched call in one paged pool, the kernel's products, no gradient)
-and nothing whose call it skips is replaced or hooked; None otherwise (the steps go through ``core_step``).  It saves
+and nothing whose call it skips is replaced or hooked (the blocks' and ``ln_f``'s methods here, the sublayers' in
+``NormedBlock.plain_parts``); None otherwise (the steps go through ``core_step``).  It saves
 the Python around each of the T x N layer calls of a step, which a batched decode step on a CPU otherwise spends.
 """
 
@@ -36,6 +37,7 @@ def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: 
     if (type(ln_f) is not RMSNorm or any(type(b) is not block for b in blocks) or own_methods(block) != own
             or _global_forward_hooks or _global_forward_pre_hooks
             or any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (ln_f, *blocks))
+            or any(name in vars(b) for b in blocks for name in ("rows", "layer_args"))
             or not ln_f.takes_kernel(h) or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
         return None
     r0 = steps[0]
