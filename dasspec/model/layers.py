@@ -198,11 +198,15 @@ def skips_nothing(*modules: nn.Module) -> bool:
     instrumentation), and no forward hook of its own or global one would be skipped."""
     if _global_forward_hooks or _global_forward_pre_hooks:
         return False
-    for m in modules:
-        own = _SKIPPED.get(type(m))
-        if (own is None or m._forward_hooks or m._forward_pre_hooks
-                or any([name in vars(m) or getattr(type(m), name) is not f for name, f in own.items()])):
+    for m in modules:                       # asked per layer and call: plain loops, no lists built
+        cls = type(m)
+        own = _SKIPPED.get(cls)
+        if own is None or m._forward_hooks or m._forward_pre_hooks:
             return False
+        d = m.__dict__
+        for name, f in own.items():
+            if name in d or getattr(cls, name) is not f:
+                return False
     return True
 
 
