@@ -74,11 +74,18 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster():
     faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
-    port = free_port()
     ray.init(num_cpus=3, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              configure_logging=False, runtime_env=local_ray_env(), _node_ip_address="127.0.0.1")
     try:
-        start_serve(serve, {"host": "127.0.0.1", "port": port}, START_LIMIT_S)   # patient with a loaded machine
+        for attempt in range(3):     # a port found free can be taken (by Ray's own workers) before the proxy binds it
+            port = free_port()
+            try:
+                start_serve(serve, {"host": "127.0.0.1", "port": port}, START_LIMIT_S)   # patient with a loaded host
+                break
+            except ray.exceptions.RayTaskError as err:
+                if "Failed to bind" not in str(err) or attempt == 2:
+                    raise
+                serve.shutdown()
         serve.run(build_app({"replicas": 2, "num_cpus": 1, "threads": 1, "max_batch": 4, "max_queue": 16,
                              "max_failovers": 3}), name="dasspec", route_prefix="/")
         c = Cluster(port)
