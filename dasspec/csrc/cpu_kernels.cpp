@@ -500,6 +500,17 @@ static void check_norms(const at::Tensor& x, const std::vector<at::Tensor>& norm
     TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat, "norm weight [d], float32");
 }
 
+// A one-call layer's: n norms, the attention's and the MLP's weights and its pools.
+static void check_layer(const at::Tensor& x, const std::vector<at::Tensor>& norms, size_t n, const at::Tensor& wqkv,
+                        const at::Tensor& wproj, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t H,
+                        int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown) {
+  TORCH_CHECK(norms.size() == n, "norm weights: ", n, " per layer");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
+  check_norms(x, norms);
+  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
+  check_mlp(x, wfc, wdown);
+}
+
 static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& k_glob,
                        const at::Tensor& v_glob, const at::Tensor& k_pool, int64_t H, int64_t hd) {
   TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(0) == H && gate_w.size(1) == H * hd && gate_b.numel() == H &&
@@ -588,11 +599,7 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                            const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                            const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                            const at::Tensor& wfc, const at::Tensor& wdown) {
-  TORCH_CHECK(norms.size() == 4, "four norm weights");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  check_norms(x, norms);
-  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
-  check_mlp(x, wfc, wdown);
+  check_layer(x, norms, 4, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
   auto a = attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows,
                           starts, lengths, scale, H, Hkv);
   auto h = x + rms_norm(a, norms[1], eps);
@@ -606,11 +613,7 @@ at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& no
                           const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                           const at::Tensor& wfc, const at::Tensor& wdown) {
-  TORCH_CHECK(norms.size() == 2, "two norm weights");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  check_norms(x, norms);
-  check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
-  check_mlp(x, wfc, wdown);
+  check_layer(x, norms, 2, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
   auto h = x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at,
                               rows, starts, lengths, scale, H, Hkv);
   return h + mlp_rows(rms_norm(h, norms[1], eps), wfc, wdown);
