@@ -369,7 +369,8 @@ def test_one_requests_lucky_block_does_not_put_a_batch_on_a_drafter() -> None:
     by 1.33x (48 tokens against 36) - by less than ``prior_trust``, so the plan is a probe of the five, charged at
     its loss were each of them to commit one token, and the batch steps plain until the budget has room for it -
     in a server's batch and in a closed one (fails when the drafter's average prices every request outright -
-    docs/performance-journal.md, "One lucky block and the batch plans" - and when the probe ignores the budget).  Once a second request has measured it, the average prices the others outright."""
+    docs/performance-journal.md, "One lucky block and the batch plans" - and when the probe ignores the budget).
+    Once a second request has measured it, the average prices the others outright."""
     d = _auto("das-wave", 0.05, lambda clock: {"das-wave": GroupWave(clock, 0.1)})
     d.sizing = Sizing.of(_table(0.1), 4)
     d.costs.add_pass(0.1, 6, 6)                             # plain steps measured

@@ -525,12 +525,13 @@ def test_queries_grouped_over_one_list_get_the_bits_they_get_alone(hd):
         decode_kernel.set_isa(isa)
 
 
-REPLACED = ["Attention.forward", "Attention.qkv", "GatedMLP.forward", "attn.forward", "norm_1.forward",
-            "LoopGate.forward", "gate.forward", "block.mixed"]
+REPLACED = ["Attention.forward", "Attention.qkv", "GatedMLP.forward", "RMSNorm.forward", "attn.forward",
+            "norm_1.forward"]
+REPLACED_CASES = ([(f, t) for f in ("ouro", "nanbeige", "raven-llama", "iquest-loop") for t in REPLACED]
+                  + [("iquest-loop", t) for t in ("LoopGate.forward", "gate.forward", "block.mixed")])
 
 
-@pytest.mark.parametrize("family", ["ouro", "nanbeige", "raven-llama", "iquest-loop"])
-@pytest.mark.parametrize("target", REPLACED)
+@pytest.mark.parametrize("family,target", REPLACED_CASES)
 def test_a_replaced_method_the_one_call_paths_would_skip_still_runs(family, target, monkeypatch):
     """Instrumentation that replaces a method a one-call path would skip - a sublayer's forward or ``qkv`` on its
     class, a module's forward on one instance, IQuest-Loop's gate or mixed attention - is called in the batched
@@ -538,14 +539,13 @@ def test_a_replaced_method_the_one_call_paths_would_skip_still_runs(family, targ
     of them stands in for it)."""
     from dasspec.model import layers
     from dasspec.model.families import iquest
-    if target in ("LoopGate.forward", "gate.forward", "block.mixed") and family != "iquest-loop":
-        pytest.skip("IQuest-Loop's parts")
     _pack_everything(monkeypatch)
     kw = dict(n_prelude=1, n_core=1, n_coda=1) if family == "raven-llama" else dict(n_core=2)
     model = random_model(family, seed=3, mean_recurrence=2 if family == "iquest-loop" else 3, **kw)
     block = model.transformer.core_block[0]
     owner, name = target.split(".")
-    classes = {"Attention": layers.Attention, "GatedMLP": layers.GatedMLP, "LoopGate": iquest.LoopGate}
+    classes = {"Attention": layers.Attention, "GatedMLP": layers.GatedMLP, "RMSNorm": layers.RMSNorm,
+               "LoopGate": iquest.LoopGate}
     where = classes[owner] if owner in classes else {"attn": block.attn, "norm_1": block.norm_1,
                                                       "gate": getattr(block, "gate", None), "block": block}[owner]
     real = getattr(where, name)

@@ -505,10 +505,31 @@ static void check_layer(const at::Tensor& x, const std::vector<at::Tensor>& norm
                         const at::Tensor& wproj, const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t H,
                         int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown) {
   TORCH_CHECK(norms.size() == n, "norm weights: ", n, " per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
-  check_norms(x, norms);
   check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
+  check_norms(x, norms);
   check_mlp(x, wfc, wdown);
+}
+
+// Every layer's weights and every (step, layer)'s pools of the first's shapes (a core of one config): with the first
+// checked, all are, before the first layer writes into a pool.
+static void check_like_first(const std::vector<at::Tensor>& wqkv, const std::vector<at::Tensor>& wproj,
+                             const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
+                             const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools) {
+  for (size_t i = 0; i < wqkv.size(); ++i)
+    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
+                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes(), "layers of one shape");
+  for (size_t p = 0; p < k_pools.size(); ++p)
+    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
+                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
+                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
+                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
+}
+
+// Each layer's norm weights, ``per`` of them, as one vector per layer (taken once per call, not per step).
+static std::vector<std::vector<at::Tensor>> per_layer(const std::vector<at::Tensor>& norms, size_t per) {
+  std::vector<std::vector<at::Tensor>> out;
+  for (size_t i = 0; i + per <= norms.size(); i += per) out.emplace_back(norms.begin() + i, norms.begin() + i + per);
+  return out;
 }
 
 static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& k_glob,
@@ -646,18 +667,11 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
   check_norms(x, norms);
   check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
   check_mlp(x, wfc[0], wdown[0]);
-  for (int64_t i = 0; i < L; ++i)
-    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
-                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes(), "layers of one shape");
-  for (int64_t p = 0; p < steps * L; ++p)
-    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
-                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
-                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
-                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
+  check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);
+  const auto own = per_layer(norms, per);
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = 0; i < L; ++i) {
-      const std::vector<at::Tensor> own(norms.begin() + per * i, norms.begin() + per * (i + 1));
-      x = layer(x, own, eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
+      x = layer(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
                 store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
     }
     x = rms_norm(x, ln_w, ln_eps);
@@ -691,31 +705,23 @@ at::Tensor loop_recur_rows(at::Tensor x, int64_t first, const std::vector<at::Te
               "weights, depth 1's pools and the gate per layer");
   TORCH_CHECK(n(k_pools) == steps * L && n(v_pools) == steps * L && n(rows) == steps && n(starts) == steps &&
               n(lengths) == steps, "a K and a V pool per step and layer; store rows and row lists per step");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x [M, d]: float32, CPU");
   // the first layer's shapes and dtypes, every layer's gate and depth-1 pools, then every layer and step as the
   // first: all checked before the first layer writes into a pool
-  check_norms(x, norms);
   check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
+  check_norms(x, norms);
   check_mlp(x, wfc[0], wdown[0]);
   for (int64_t i = 0; i < L; ++i)
     check_gate(gate_w[i], gate_b[i], k_glob[i], v_glob[i], k_pools[0], H, wqkv[0].size(0) / (H + 2 * Hkv));
   TORCH_CHECK(glob_starts.numel() == x.size(0) && glob_lengths.numel() == x.size(0),
               "a depth-1 start and length per row");
-  for (int64_t i = 0; i < L; ++i)
-    TORCH_CHECK(wqkv[i].sizes() == wqkv[0].sizes() && wproj[i].sizes() == wproj[0].sizes() &&
-                wfc[i].sizes() == wfc[0].sizes() && wdown[i].sizes() == wdown[0].sizes() &&
-                gate_w[i].sizes() == gate_w[0].sizes(), "layers of one shape");
-  for (int64_t p = 0; p < steps * L; ++p)
-    TORCH_CHECK(k_pools[p].sizes() == k_pools[0].sizes() && v_pools[p].sizes() == v_pools[0].sizes() &&
-                k_pools[p].scalar_type() == k_pools[0].scalar_type() &&
-                v_pools[p].scalar_type() == v_pools[0].scalar_type() && k_pools[p].strides() == k_pools[0].strides()
-                && v_pools[p].strides() == v_pools[0].strides(), "pools of one shape");
+  check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);     // (each gate checked above)
   for (int64_t s = 0; s < steps; ++s)
     TORCH_CHECK(store_at[s].numel() == x.size(0) && starts[s].numel() == x.size(0) &&
                 lengths[s].numel() == x.size(0), "a store row, start and length per row at every step");
+  const auto norm = per_layer(norms, 2);
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = 0; i < L; ++i) {
-      const std::vector<at::Tensor> own{norms[2 * i], norms[2 * i + 1]};
+      const auto& own = norm[i];
       const auto &kp = k_pools[s * L + i], &vp = v_pools[s * L + i];
       if (first + s == 1) {
         x = pre_layer_rows(x, own, eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, kp, vp, store_at[s], rows[s],

@@ -285,13 +285,17 @@ def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: t
 _PER_LAYER = (0, 1, 2, 5, 6)
 
 
+def same(x: object, y: object) -> bool:
+    """One argument the one-call paths take once for many layers: the same tensor object, or an equal plain value."""
+    return x is y or (not isinstance(x, Tensor) and not isinstance(y, Tensor) and x == y)
+
+
 def layers_agree(layers: list[tuple]) -> bool:
     """Whether every layer's one-call layer arguments that ``recur_rows`` takes once (RoPE tables, the call's rows,
     scale, heads) are the first layer's (the same for every layer of one config; asked, since a module may be
     changed)."""
     a0 = layers[0][2]
-    return all(all(j in _PER_LAYER or x is y or (not isinstance(x, Tensor) and x == y)
-                   for j, (x, y) in enumerate(zip(a, a0)))
+    return all(all(j in _PER_LAYER or same(x, y) for j, (x, y) in enumerate(zip(a, a0)))
                for _, _, a, m in layers[1:])
 
 

@@ -29,13 +29,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .. import decode_kernel
 from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
-from ..layers import NormedBlock, RMSNorm, sigmoid, skipped, skips_nothing
+from ..layers import NormedBlock, sigmoid, skipped, skips_nothing
 from ..linear import linear
 from . import Family, LayerGroup, Slot, llama_tensor_map, register
 
@@ -197,11 +196,6 @@ def plain_gate(gate: nn.Module) -> bool:
             and not (torch.is_grad_enabled() and (gate.weight.requires_grad or gate.bias.requires_grad)))
 
 
-def _same(x: Any, y: Any) -> bool:
-    """The same tensor object, or an equal plain value."""
-    return x is y or (not isinstance(x, Tensor) and not isinstance(y, Tensor) and x == y)
-
-
 def band(T: int, window: int, device: torch.device) -> Tensor:
     """[T, T] visibility of the sliding window: key c visible to query j iff j - window < c <= j."""
     j = torch.arange(T, device=device)
@@ -248,11 +242,12 @@ def _window_part(span: Span, window: int, dtype: torch.dtype) -> Span:
 
 
 def _own_methods() -> tuple:
-    return (LoopCoderBlock.forward, LoopCoderBlock.mixed, LoopCoderBlock.mixed_rows, LoopCoderBlock.mix_args,
-            LoopGate.forward, RMSNorm.forward)
+    return LoopCoderBlock.forward, LoopCoderBlock.mixed, LoopCoderBlock.mixed_rows, LoopCoderBlock.mix_args
 
 
-_OWN = _own_methods()     # what ``IQuestLoop.recur_rows`` stands in for: a class-level replacement keeps the calls
+# what ``IQuestLoop.recur_rows`` stands in for of the blocks (the sublayers' and the gate's: ``skips_nothing``): a
+# class-level replacement keeps the calls
+_OWN = _own_methods()
 
 
 class IQuestLoop(Family):
@@ -288,7 +283,6 @@ class IQuestLoop(Family):
         steps = list(steps)
         if (steps != list(range(steps[0], steps[0] + len(steps))) or any(type(b) is not LoopCoderBlock for b in blocks)
                 or _own_methods() != _OWN or type(self).core_kv is not IQuestLoop.core_kv
-                or _global_forward_hooks or _global_forward_pre_hooks
                 or any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
                 or any(name in vars(b) for b in blocks for name in ("forward", "mixed", "mixed_rows", "mix_args"))):
             return None
@@ -316,7 +310,7 @@ class IQuestLoop(Family):
                         return None
                     shared = (a[3], a[4], a[11], a[12], a[13], *g[3:])     # RoPE, scale, heads, depth 1's lists
                     glob = shared if glob is None else glob
-                    if any(not _same(x, y) for x, y in zip(shared, glob)):
+                    if any(not decode_kernel.same(x, y) for x, y in zip(shared, glob)):
                         return None
                     layers.append((weights, b.norm_1.eps, a[0], a[1], a[2], m[0], m[1], g[0], g[1],
                                    gate.block_diagonal(), gate.bias))

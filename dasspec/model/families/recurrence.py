@@ -15,17 +15,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .. import decode_kernel
 from ..attention import row_plan
-from ..layers import NormedBlock, RMSNorm
+from ..layers import NormedBlock, RMSNorm, skips_nothing
 
 
 def own_methods(block: type[NormedBlock]) -> tuple:
-    """What the one call stands in for: compared with the import-time tuple, so a class-level replacement (a
-    wrapper, instrumentation) keeps the per-layer calls."""
-    return block.forward, block.rows, block.layer_args, RMSNorm.forward
+    """What the one call stands in for of the blocks (the sublayers' and ``ln_f``'s: ``skips_nothing``): compared
+    with the import-time tuple, so a class-level replacement (a wrapper, instrumentation) keeps the per-layer calls."""
+    return block.forward, block.rows, block.layer_args
 
 
 def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
@@ -34,10 +33,9 @@ def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: 
     over a batched call's rows in one kernel call; None where the call does not take it."""
     t = model.transformer
     blocks, ln_f = list(t.core_block), t.ln_f
-    if (type(ln_f) is not RMSNorm or any(type(b) is not block for b in blocks) or own_methods(block) != own
-            or _global_forward_hooks or _global_forward_pre_hooks
-            or any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (ln_f, *blocks))
-            or any(name in vars(b) for b in blocks for name in ("rows", "layer_args"))
+    if (type(ln_f) is not RMSNorm or not skips_nothing(ln_f) or any(type(b) is not block for b in blocks)
+            or own_methods(block) != own or any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
+            or any(name in vars(b) for b in blocks for name in ("forward", "rows", "layer_args"))
             or not ln_f.takes_kernel(h) or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
         return None
     r0 = steps[0]
