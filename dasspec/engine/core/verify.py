@@ -134,10 +134,15 @@ def accept_all(drafts: list[Placed], logits: list[Tensor], whole: Tensor | None 
     if greedy_all and len(drafts) > 1:
         sizes = [d.inputs for d in drafts]
         z = whole[: sum(sizes)] if whole is not None else torch.cat(logits)
-        preds = list(torch.split(z.argmax(-1), sizes))
+        top = z.argmax(-1)
+        preds = list(torch.split(top, sizes))
     else:
+        top = None
         preds = [d.req.choose(z, d.req.n if d.layout.is_chain else d.req.n + d.layout.depth)
                  for d, z in zip(drafts, logits)]
+    if all([d.layout.size == 1 for d in drafts]):     # AR steps (anchors alone): nothing to accept, the target's
+        ids = (top if top is not None else torch.cat(preds)).tolist()    # token is each step's (``commit``'s host)
+        return [commit(d, [0, 0, 0, t], pred, z) for d, t, pred, z in zip(drafts, ids, preds, logits)]
     host_parts, sizes = [], []
     for d, pred in zip(drafts, preds):
         n, layout = d.req.n, d.layout
