@@ -145,6 +145,34 @@ def test_generate_batch_options_per_prompt_and_order():
     assert dasspec.generate_batch(model, []) == []
 
 
+def test_a_closed_batch_prefills_in_fewer_steps_than_a_server(monkeypatch):
+    """generate_batch's step budget is a closed batch's (nobody waits on a first token): 8 prompts of 100 tokens,
+    800 rows past a server's 512-row default, prefill in one step; the same tokens at any budget, and a bad one
+    refused."""
+    from dasspec.engine.api import engine as engine_module, generate as generate_module
+    model = random_model("raven-llama", seed=2, mean_recurrence=3, n_prelude=1, n_core=1, n_coda=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, model.config.vocab_size, (100,), generator=g).tolist() for _ in range(8)]
+    steps = []
+
+    class Counted(Engine):
+        def step(self):
+            steps.append(self)
+            return super().step()
+
+    monkeypatch.setattr(generate_module, "Engine", Counted)
+    runs = {}
+    for budget in (None, engine_module.MAX_STEP_TOKENS, 7):
+        steps.clear()
+        opts = {} if budget is None else {"max_step_tokens": budget}
+        runs[budget] = ([o.tokens for o in dasspec.generate_batch(model, prompts, max_new_tokens=2, eos=False,
+                                                                  **opts)], len(steps))
+    assert runs[None][0] == runs[engine_module.MAX_STEP_TOKENS][0] == runs[7][0]
+    assert runs[None][1] == 2 < runs[engine_module.MAX_STEP_TOKENS][1] < runs[7][1]   # the prefill, one more token
+    with pytest.raises(ValueError, match="max_step_tokens must be a whole number"):
+        dasspec.generate_batch(model, prompts, max_step_tokens=0)
+
+
 def test_pool_refuses_only_what_never_fits_alone_and_runs_the_rest_together():
     """A request larger than the whole pool is refused by add; the others hold only what they write, so several
     run at once in a pool that could not hold two of their worst cases."""

@@ -14,7 +14,7 @@ import torch
 import dasspec
 from dasspec.engine.api.engine import Engine
 from dasspec.engine.base.runtime import Runtime
-from dasspec.engine.core.blocks import WINDOW_PREFILL_ROWS
+from dasspec.engine.core.blocks import WINDOW_PREFILL_ROWS, call_rows
 from iquest_reference import write_iquest_checkpoint
 
 B = 8                   # blocks of 8 positions: a ring is a few blocks, and a prompt spans several
@@ -82,6 +82,33 @@ def test_swapped_out_sliced_and_remote_requests_keep_their_window_rows(model):
     assert swapped >= 2, "the pool never ran out: swapping rings went untested"
     assert run(model, "das-wave", ps=ps, executor="process")[0] == ref
     assert run(model, "das-wave", ps=ps[1:], runtime=Runtime(static_shapes=True))[0] == ref[1:]
+
+
+def test_a_request_prefills_as_many_rows_a_step_as_its_rings_hold(model):
+    """A windowed request's prompt chunk is what its rings hold beside the window's rows before it: past the
+    ring's size, the span less those rows (first chunk the whole span, the next ones ``window - 1`` less); where
+    its rings never wrap (prompt + max_new_tokens within a ring), the whole prompt in one step - not a fixed 64
+    rows.  Tokens as on the full layout."""
+    long_prompt, _, short = prompts(model.config.vocab_size)
+    short = (short * 20)[:70]
+    ref = [run(model, "ar", ps=[p], window_kv=False)[0][0] for p in (long_prompt, short)]
+    for p, new, want in ((long_prompt, NEW, None), (short, 1, [(0, 70)])):
+        eng = Engine(model, "ar", max_batch=1, block_size=B, max_step_tokens=4096)
+        chunks, execute = [], eng.executor.execute
+        eng.executor.execute = lambda plan: chunks.extend(w.prefill for w in plan.work if w.prefill) or execute(plan)
+        try:
+            rid = eng.add(p, max_new_tokens=new, eos=False)
+            while eng.has_work:
+                eng.step()
+            assert eng.result(rid).tokens == ref[0 if want is None else 1][:new]
+        finally:
+            eng.close()
+        if want is None:        # a wrapping ring: its span, then its span less the window's rows (whole blocks)
+            span = eng.pool.ring_blocks(call_rows(B, 0)) // (model.R - 1) * B
+            later = (span - (eng.pool.window - 1)) // B * B
+            want = [(0, span), (span, span + later), (span + later, len(p))]
+            assert span > WINDOW_PREFILL_ROWS and len(p) > span + later
+        assert chunks == want
 
 
 def test_a_draft_reads_the_prefix_at_its_own_depth(model):
@@ -200,8 +227,11 @@ def test_torch_attention_reads_only_the_window(model, monkeypatch):
     for method in ("ar", "das-wave", "token-recycling"):
         got, eng, _ = run(model, method, ps=ps)
         assert got == ref, method
-    widest = 1 + dasspec.build_drafter(model, "token-recycling").width
-    assert spans and max(spans) <= model.config.loop_window - 1 + widest, max(spans)   # the window, the widest call
+    # at most a ring's span (the window and the widest call: a prompt chunk as long as the ring holds, or a draft's
+    # rows), far fewer than the longest request's
+    width = dasspec.build_drafter(model, "token-recycling").width
+    span = eng.pool.ring_blocks(call_rows(B, width)) // (model.R - 1) * B
+    assert spans and max(spans) <= span < len(ps[0]), (max(spans), span)
 
 
 @pytest.mark.parametrize("window_kv", [True, False], ids=["rings", "full"])

@@ -57,6 +57,10 @@ from .output import OutputProcessor, StepEvent
 __all__ = ["Engine", "StepEvent", "default_kv_budget"]
 
 MAX_STEP_TOKENS = 512      # rows one step may verify and prefill together (docs/performance-journal.md, "Head-of-line")
+# ... in a closed batch (``generate_batch``), where no request waits on another's first token: the prefill in
+# fewer steps, at most the rows a product keeps its per-row rate at (docs/performance-journal.md, "A closed
+# batch's step budget")
+CLOSED_STEP_TOKENS = 1024
 MEMORY_SHARE = 0.5         # the default pool: at most this share of the free device memory
 
 

@@ -26,7 +26,7 @@ from ..base.runtime import Runtime
 from ..core.blocks import BLOCK_SIZE
 from ..core.stopping import Criterion, check_max_new_tokens
 from ..drafting.draft import Drafter
-from .engine import Engine
+from .engine import CLOSED_STEP_TOKENS, Engine
 from .options import (GenerationResult, as_token_list, default_stop_ids, drop_hf_options, is_token_id,  # noqa: F401
                       sampling_options, split_stop)
 
@@ -155,7 +155,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                    stopping_criteria: Iterable[Criterion] | None = None, drafter: Drafter | None = None,
                    runtime: Runtime | None = None, trace: bool = False, max_batch: int = 8,
                    kv_budget: int | None = None, policy=None, exit_threshold: float | None = None,
-                   exit_at_step: int | None = None, window_kv: bool | None = None, **knobs) -> list[GenerationResult]:
+                   exit_at_step: int | None = None, window_kv: bool | None = None,
+                   max_step_tokens: int = CLOSED_STEP_TOKENS, **knobs) -> list[GenerationResult]:
     """Decode ``prompts`` together (up to ``max_batch`` at a time) with ``method``; one result per prompt, in input
     order, each equal to ``generate(model, prompt, method, ...)`` of that prompt alone (greedy, or sampled with the
     same seed).  Every option of ``generate``; ``max_new_tokens``, ``seed`` and ``prefix_cache`` may be one value
@@ -165,7 +166,8 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     exemplars once - except on a model whose loops >= 2 are windowed, IQuest-Loop, whose pool by default keeps only
     the window's rows of those loops and shares nothing: ``window_kv=False`` keeps every row and shares, as a prefix
     cache does; ``Engine``'s ``window_kv``).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch
-    grows; never changes a token)."""
+    grows; never changes a token).  ``max_step_tokens``: rows one step verifies and prefills together (``Engine``'s;
+    larger than a server's default, as nobody waits on a first token here; never changes a token)."""
     drop_hf_options(knobs)
     ids = batch_prompts(model, prompts, tokenizer)
     if not ids:
@@ -192,6 +194,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                       reverse=True)
         kv_budget = sum(need[:max_batch])
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
+                    max_step_tokens=max_step_tokens,
                     tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True,
                     window_kv=all(pc is None for pc in prefixes) if window_kv is None else window_kv)
     with torch.inference_mode():

@@ -34,8 +34,9 @@ from ...model.looped import LoopedLM
 from ...model.memory import check_cache_fits, format_bytes
 
 BLOCK_SIZE = 16     # positions per block (docs/performance-journal.md, "Choosing the block size")
-# Prompt rows one step prefills of a request whose depths are windowed: each windowed depth's ring holds them and the
-# window before them, so a longer chunk costs ring memory for every running request (docs/families.md).
+# Prompt rows a ring is sized to take a step beside the window before them (a request whose depths are windowed
+# prefills no more a step than its rings hold: these, or its whole prompt where its rings never wrap); a longer
+# chunk would cost ring memory for every running request (docs/families.md).
 WINDOW_PREFILL_ROWS = 64
 
 

@@ -24,8 +24,8 @@ max_new_tokens could never fit the pool alone is refused by ``add``.
 
 Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.  A model whose
 depths r >= 2 are windowed (IQuest-Loop) shares none; each request holds, besides its blocks, a ring per windowed
-depth from its admission (or swap-in) to its end (or swap-out), and prefills at most ``WINDOW_PREFILL_ROWS`` rows
-a step, which its rings hold.
+depth from its admission (or swap-in) to its end (or swap-out), and prefills a step only the rows its rings hold
+beside the window before them (at least ``WINDOW_PREFILL_ROWS``; its whole prompt where its rings never wrap).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ...model.exit import ExitRule
 from ..base.contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
 from ..base.sampling import Sampling
 from ..drafting.draft import Drafter
-from .blocks import WINDOW_PREFILL_ROWS, BlockPool, block_keys, call_rows
+from .blocks import BlockPool, block_keys, call_rows
 from .policy import SpeculationPolicy
 from .stopping import StopRule
 
@@ -397,8 +397,9 @@ class Scheduler:
                 if plan.rows:
                     return budget
                 k = 1                             # no prompt moved yet this step: one block, whatever the drafts took
-            if e.ring_need:                       # what its rings hold
-                k = min(k, self.pool.blocks_for(WINDOW_PREFILL_ROWS))
+            room = self._ring_room(e, start) if e.ring else e.P
+            if e.P - start > room:                # what its rings hold beside the window before the chunk
+                k = min(k, room // B)
             end, depths = min(e.P, start + k * B), None
             cost = end - start
         w = planned.get(e.id)
@@ -444,6 +445,14 @@ class Scheduler:
         """The rings ``e`` takes beside ``other`` blocks: those for its drafts when they fit (leaving one free block
         per running request), else those for AR steps."""
         return e.ring_need if self.pool.available - other - e.ring_need >= len(self.running) else e.ring_least
+
+    def _ring_room(self, e: Entry, start: int) -> int:
+        """Rows a call from row ``start`` may write to ``e``'s rings: each holds ``span`` positions apart, the
+        window's rows before ``start`` among them (``PagedCache.check_ring``): at least ``blocks.WINDOW_PREFILL_ROWS``
+        (how rings are sized), the rest of its prompt where its rings never wrap."""
+        pool = self.pool
+        span = len(e.ring) // (pool.R - 1) * pool.B
+        return span - min(start, pool.window - 1)
 
     def _take_ring(self, e: Entry, size: int, plan: StepPlan) -> None:
         if size:
