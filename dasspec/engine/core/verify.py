@@ -140,7 +140,7 @@ def accept_all(drafts: list[Placed], logits: list[Tensor], whole: Tensor | None 
         top = None
         preds = [d.req.choose(z, d.req.n if d.layout.is_chain else d.req.n + d.layout.depth)
                  for d, z in zip(drafts, logits)]
-    if all([d.layout.size == 1 for d in drafts]):     # AR steps (anchors alone): nothing to accept
+    if all(d.layout.size == 1 for d in drafts):       # AR steps (anchors alone): nothing to accept
         ids = (top if top is not None else torch.cat(preds)).tolist()
         # ``commit``'s host for a lone anchor: none accepted, path [0], the anchor's token (not read), the target's
         return [commit(d, [0, 0, 0, t], pred, z) for d, t, pred, z in zip(drafts, ids, preds, logits)]
