@@ -15,8 +15,8 @@ Models (``--models``):
   layers looped T = 4, the real 49,152-id vocabulary, HF's normal(0, 0.02) init, float32 - built once with
   ``dasspec.testing.build_real_checkpoint`` into ``--models-dir`` (the mid-size Ouro of docs/performance-journal.md);
 * ``bf16-stack``: Ouro-1.4B's real layer widths (2048, 16 heads of 128, intermediate 5632, the 49,152-id
-  vocabulary) with ``--bf16-layers`` layers, bfloat16, random weights (bfloat16 promises no batch invariance on a
-  CPU: this measures how often it holds).
+  vocabulary) with ``--bf16-layers`` layers, bfloat16, random weights (with dasspec's kernels bfloat16 rows on a
+  CPU are batch-invariant as float32 ones are: this measures that it holds; before them it often did not).
 
 Prompts: GSM8K training questions and answers run together (``$DASSPEC_DATA`` or ../shared/data; random ids where
 there is none) cut to a length drawn in [--min-len, --max-len], ``--new-tokens`` each, ``eos=False``.  The

@@ -109,6 +109,29 @@ def test_rms_norm_is_torchs_and_a_row_keeps_its_bits_in_any_batch():
         assert torch.equal(decode_kernel.rms_norm(x[i: i + 1], w, 1e-6)[0], got[i])
 
 
+@pytest.mark.parametrize("heads, hd", [(3, 10), (4, 64), (55, 96)])
+def test_interleaved_rope_keeps_a_rows_bits_in_any_call_at_any_thread_count(heads, hd):
+    """Huginn's (and the bundled model's) RoPE is torch's complex product, not a kernel of dasspec's: a row's
+    rotation must have the same bits alone as in a call of any size (odd sizes leave vector tails) at any thread
+    count, as the SiLU's below must."""
+    from dasspec.model.layers import apply_rope
+    g = torch.Generator().manual_seed(8)
+    ang = torch.randn(40, hd // 2, generator=g) * 3
+    rot = torch.polar(torch.ones_like(ang), ang).unsqueeze(1)
+    x = torch.randn(8, 40, heads, hd, generator=g) * 3
+    threads = torch.get_num_threads()
+    try:
+        for th in (1, 2, 3, 5):
+            torch.set_num_threads(th)
+            for B, W in ((8, 40), (3, 7), (1, 1)):
+                out = apply_rope(x[:B, :W], rot[:W], True)
+                for b, j in ((0, 0), (B - 1, W - 1), (B // 2, W // 2)):
+                    one = apply_rope(x[b: b + 1, j: j + 1], rot[j: j + 1], True)
+                    assert torch.equal(one[0, 0], out[b, j]), (th, B, W, b, j)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("n", [1408, 200, 7])
 def test_silu_and_sigmoid_keep_a_values_bits_in_any_call_at_any_thread_count_on_every_path(n):
     """torch's elementwise kernels compute a call's tail on another path than its vectors, and which values fall in

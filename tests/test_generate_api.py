@@ -77,6 +77,51 @@ def test_tokenizer_eos_stops_generation(raven, tmp_path):
     assert out.tokens == free
 
 
+def _mark_special(folder, i: int) -> None:
+    """Make id i one of the tokenizer's special added tokens (as a chat model's end-of-turn token is)."""
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    content = next(t for t, j in spec["model"]["vocab"].items() if j == i)
+    spec["added_tokens"].append({"id": i, "content": content, "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("special", [True, False])
+def test_eos_ids_the_configs_name_stop_generation_where_the_tokenizer_marks_them(raven, tmp_path, where, special):
+    """A chat model may name its end-of-turn id only in config.json's or generation_config.json's eos_token_id
+    (IQuest-Loop lists three): a reply stops there as with Hugging Face's generate, beside the tokenizer's own EOS.
+    An id the tokenizer holds as a word (a Raven config's stale Huginn ids) stops nothing."""
+    free = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False).tokens
+    i = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    own = raven.tokenizer.token_to_id("<|end_of_text|>")
+    edits = {"eos_token_id": [own, free[i]]} if where == "config.json" else {}
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
+                              tokenizer=write_tokenizer("raven-llama"), config_edits=edits)
+    if where == "generation_config.json":
+        (folder / where).write_text(json.dumps({"eos_token_id": [free[i], 10 ** 6]}))   # one outside the vocab
+    if special:
+        _mark_special(folder, free[i])
+    model = dasspec.load_model(folder, device="cpu")
+    assert model.tokenizer.is_special(free[i]) == special
+    assert default_stop_ids(model) == ([own, free[i]] if special else [own])
+    want = free[: i + 1] if special else free
+    for method in ("ar", "pld"):
+        out = dasspec.generate(model, TEXT, method, max_new_tokens=8, num_steps=2)
+        assert out.tokens == want and out.stop_reason == ("eos" if special else "max_new_tokens")
+    [got] = dasspec.generate_batch(model, [TEXT], max_new_tokens=8, num_steps=2)
+    assert got.tokens == want
+
+
+@pytest.mark.parametrize("value", ["2", [1, "x"], -1, 1.5, True])
+def test_a_bad_generation_config_eos_is_named(tmp_path, value):
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
+                              tokenizer=write_tokenizer("raven-llama"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+    with pytest.raises(ValueError, match="eos_token_id of generation_config.json"):
+        dasspec.load_model(folder, device="cpu")
+
+
 def test_stop_token_and_string(raven):
     free = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False).tokens
     out = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False, stop=[free[3]])

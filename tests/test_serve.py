@@ -263,6 +263,23 @@ def test_the_warm_up_leaves_the_servers_auto_drafter_unmeasured(model):
         service.close()
 
 
+def test_health_states_the_promise_of_the_servers_runtime(model):
+    """--static-shapes and --compile leave dasspec's kernels (fixed-shape attention, compiled products): /health
+    must not promise their bits then."""
+    from dasspec.model import decode_kernel
+    from dasspec.serve.service import ServeOptions, Service
+    if not decode_kernel.available():
+        pytest.skip("without the kernels every runtime states torch's promise")
+    for runtime, want in ((None, decode_kernel.GUARANTEE_KERNELS),
+                          (dasspec.Runtime(static_shapes=True), decode_kernel.GUARANTEE_STATIC),
+                          (dasspec.Runtime(compile=True), decode_kernel.GUARANTEE_STATIC)):
+        service = Service(model, ServeOptions(model_name="tiny", runtime=runtime))
+        try:
+            assert service.exactness == want
+        finally:
+            service.close()
+
+
 def test_chat_uses_the_checkpoint_template(client, model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two"}]
     ids = chat_ids(model, messages)

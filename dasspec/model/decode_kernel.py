@@ -56,6 +56,8 @@ _error: str | None = None
 GUARANTEE_KERNELS = ("every float32 and bfloat16 CPU row is computed in an order fixed by its own length: the same "
                      "bits in any batch, at any thread count, for any verifier shape, on AVX-512, AVX2 and portable "
                      "CPUs - each request's tokens are its own batch-1 AR decode's")
+GUARANTEE_STATIC = ("static shapes or torch.compile run torch's kernels, not dasspec's: a row's last bits may depend "
+                    "on its batch, the thread count and the CPU; greedy outputs still equal AR's except at near-ties")
 GUARANTEE_TORCH = ("the CPU kernels are not built: torch's kernels run, and a row's last bits may depend on its batch, "
                    "the thread count and the CPU; greedy outputs still equal AR's except at near-ties")
 
@@ -171,14 +173,15 @@ GUARANTEE_OTHER = ("{dtype} on {device}: rows are computed by torch's kernels, w
                    "float32 and bfloat16 on a CPU are exact")
 
 
-def exactness(device: "torch.device | str", dtype: torch.dtype) -> str:
+def exactness(device: "torch.device | str", dtype: torch.dtype, static_shapes: bool = False) -> str:
     """What a model on ``device`` in ``dtype`` promises about each request's tokens against its own AR decode (the
-    server's ``/health``, ``dasspec kernels info``)."""
+    server's ``/health``, ``dasspec kernels info``); ``static_shapes``: the runtime's (``torch.compile`` sets it),
+    whose fixed-shape attention and compiled products leave the kernels."""
     device = torch.device(device)
-    if thread_invariant(device, dtype):
+    if thread_invariant(device, dtype, static_shapes):
         return GUARANTEE_KERNELS
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return GUARANTEE_TORCH
+        return GUARANTEE_STATIC if static_shapes and available() else GUARANTEE_TORCH
     return GUARANTEE_OTHER.format(dtype=str(dtype).removeprefix("torch."), device=device.type)
 
 

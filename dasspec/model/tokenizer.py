@@ -50,6 +50,7 @@ class Tokenizer:
         self._tok = tok
         self.bos_id, self.eos_ids, self.pad_id = bos_id, eos_ids, pad_id
         self.chat_template = chat_template        # the checkpoint's own template; None -> PLAIN_CHAT_TEMPLATE is used
+        self._special: frozenset[int] | None = None     # the special added tokens' ids (``is_special``), when asked
         # bos_token / eos_token / ... strings a template may print; by default those of the special ids
         names = {"bos_token": bos_id, "eos_token": eos_ids[0] if eos_ids else None, "pad_token": pad_id}
         self.special_tokens = dict(special_tokens) if special_tokens is not None else {
@@ -64,6 +65,12 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, i: int) -> bool:
+        """Whether id ``i`` is one of the tokenizer's special added tokens (a control token, never a word)."""
+        if self._special is None:
+            self._special = frozenset(k for k, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return int(i) in self._special
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -235,7 +235,9 @@ class Service(Frontend):
         self.model = model
         self.method = get_method(options.method).name            # canonical name (aliases resolved)
         self.depth = model.depth(None)
-        self.exactness = decode_kernel.exactness(model.device, model.dtype)     # what /health promises
+        rt = options.runtime
+        self.exactness = decode_kernel.exactness(model.device, model.dtype,     # what /health promises
+                                                 static_shapes=rt is not None and rt.static_shapes)
         super().__init__(model.tokenizer, model.config.block_size, model.config.vocab_size, options)
         self.drafters = DrafterCache.of_registry(model, self.depth, keep=_DRAFTERS_KEPT)
         for sampled in (False, True):       # the server's own knobs fail at start, not later (greedy or sampled)

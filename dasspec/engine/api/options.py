@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from ...model.fields import eos_list
 from ...model.looped import LoopedLM
 from ..base.sampling import Sampling
 from .stats import GenerationStats
@@ -115,10 +116,18 @@ def split_stop(stop, vocab_size: int) -> tuple[list[int], list[str]]:
 
 
 def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
+    """The ids a request ends at unless ``eos=False``: the tokenizer's end-of-text ids, then the ids config.json's
+    and generation_config.json's ``eos_token_id`` name that the tokenizer marks special (Hugging Face's generate and
+    vLLM stop at those: a chat model may list its end-of-turn id there alone; an id the tokenizer holds as a word - a
+    Raven config's stale Huginn ids - is not a stop), each once, inside the vocabulary.  Without a tokenizer (or
+    one that names no EOS) the configs' ids."""
     tok = tokenizer or model.tokenizer
+    gen = model.generation_defaults if isinstance(model.generation_defaults, dict) else {}
+    named = list(model.config.eos_token_id) + eos_list(gen.get("eos_token_id"))
     if tok is not None and tok.eos_ids:
-        return list(tok.eos_ids)
-    return [i for i in model.config.eos_token_id if 0 <= i < model.config.vocab_size]
+        special = getattr(tok, "is_special", None)      # (a tokenizer of the caller's may not tell)
+        named = list(tok.eos_ids) + [i for i in named if special is not None and special(i)]
+    return [i for i in dict.fromkeys(named) if 0 <= i < model.config.vocab_size]
 
 
 # Hugging Face generate options a user may pass out of habit: no-op values are accepted, the rest named.
