@@ -68,6 +68,43 @@ def test_scores_equal_a_plain_forward_batched_or_not():
     check(model, seqs[:3], num_steps=3, seed=7, init_scale=0.5)
 
 
+@pytest.mark.parametrize("family", ["huginn", "ouro", "nanbeige", "iquest-loop"])
+def test_a_sequences_scores_are_the_same_bits_batched_regrouped_or_alone(family):
+    """With the kernels built, a sequence's log-probabilities are its own bits whatever it is scored beside: lm-eval
+    through ``dasspec eval`` (8 sequences a forward) and the server's echoed logprobs (one) agree exactly.
+    IQuest-Loop's cache-free forward included (its loop-2 window past 8 positions; it took SDPA before)."""
+    from dasspec.model import decode_kernel
+    if not decode_kernel.available():
+        pytest.skip("torch's kernels promise no batch invariance")
+    model = random_model(family, seed=1)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 3, 17, 40, 2, 11)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = [s.logprobs for s in score(model, seqs, top=2)]
+        regrouped = [s.logprobs for s in score(model, seqs, max_batch=2, max_tokens=20)]
+        torch.set_num_threads(1)
+        alone = [score(model, [s])[0].logprobs for s in seqs]
+    finally:
+        torch.set_num_threads(threads)
+    assert together == regrouped == alone
+
+
+def test_iquests_cache_free_window_without_the_kernels_is_the_same_forward(monkeypatch):
+    """The loop-2 window of a forward without cache on torch's attention (a GPU's; a CPU without the kernels) reads
+    what the row kernel reads: each row's last ``loop_window`` keys, its own included."""
+    from dasspec.model import decode_kernel
+    model = random_model("iquest-loop", seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+        monkeypatch.setattr(decode_kernel, "available", lambda: False)
+        got = model(ids)
+    assert model.config.loop_window < 30
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_scores_follow_the_exit_target():
     model = random_model("ouro", seed=2)
     seqs = [[5, 9, 13, 2, 40], [7, 7, 1]]

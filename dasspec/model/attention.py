@@ -167,21 +167,27 @@ def kernel_attention(q: Tensor, kvs: list["LayerKV"], parts: list[Span], cache: 
     return out.transpose(0, 1)[None]
 
 
-def causal_self_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """A forward without cache (``model(ids)``, training): each of q [B, H, T, hd]'s rows over the call's own keys
-    k, v [B, H_kv, T, hd] up to its own row - on CPU in float32 or bfloat16 the row kernel (the bits a cached decode of the same
-    row gets), elsewhere SDPA."""
+def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """A forward without cache (``model(ids)``, training, scoring): each of q [B, H, T, hd]'s rows over the call's
+    own keys k, v [B, H_kv, T, hd] up to its own row (``window``: only the last ``window`` of them, its own
+    included) - on CPU in float32 or bfloat16 the row kernel (the bits a cached decode of the same row gets),
+    elsewhere SDPA."""
     B, H, T, hd = q.shape
     hkv = k.shape[1]
     if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and decode_kernel.available()):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=hkv != H)
+        if window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=hkv != H)
+        d = torch.arange(T, device=q.device)
+        d = d[:, None] - d[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window), enable_gqa=hkv != H)
     k2 = k.transpose(0, 1).reshape(hkv, B * T, hd)
     v2 = v.transpose(0, 1).reshape(hkv, B * T, hd)
     j = torch.arange(T)
-    starts = (torch.arange(B)[:, None] * T).expand(B, T).reshape(-1)
-    lengths = (j + 1).repeat(B)
+    lo = torch.zeros_like(j) if window is None else (j - window + 1).clamp(min=0)     # each row's first key
+    starts = (torch.arange(B)[:, None] * T + lo).reshape(-1)
+    lengths = (j - lo + 1).repeat(B)
     out = decode_kernel.rows_attention(q.transpose(1, 2).reshape(B * T, H, hd), k2, v2, torch.arange(B * T), starts,
                                        lengths, 1.0 / math.sqrt(hd))
     return out.view(B, T, H, hd).transpose(1, 2)

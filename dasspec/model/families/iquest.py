@@ -27,11 +27,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import decode_kernel
-from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, row_plan
+from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, causal_self_attention, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
 from ..layers import NormedBlock, sigmoid, skipped, skips_nothing
@@ -128,8 +127,7 @@ class LoopCoderBlock(NormedBlock):
         attn = self.attn
         q, k, v = attn.qkv(h, span)
         _k1v1(span)[id(self)] = (k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=h.shape[1] > 1, enable_gqa=attn.n_kv != attn.n_heads)
-        return self._out(y)
+        return self._out(causal_self_attention(q, k, v))
 
     # --- depth >= 2 -------------------------------------------------------------------------------------------
     def mixed(self, h: Tensor, span: "Span | RaggedSpan", kv: LoopKV) -> Tensor:
@@ -141,10 +139,8 @@ class LoopCoderBlock(NormedBlock):
         g = self.gate(q)
         if kv.local is None:                                         # no cache: this call's own rows only
             k1, v1 = _k1v1(span)[id(self)]
-            T = h.shape[1]
-            gqa = self.attn.n_kv != self.attn.n_heads
-            a = F.scaled_dot_product_attention(q, k1, v1, is_causal=T > 1, enable_gqa=gqa)
-            b = F.scaled_dot_product_attention(q, k, v, attn_mask=band(T, self.window, q.device), enable_gqa=gqa)
+            a = causal_self_attention(q, k1, v1)
+            b = causal_self_attention(q, k, v, window=self.window)
         else:
             kv.local.store(span, k[0], v[0])
             b = attend(q, kv.local, windowed(span, self.window, q.dtype))
@@ -194,13 +190,6 @@ def plain_gate(gate: nn.Module) -> bool:
     keep."""
     return (type(gate) is LoopGate and skips_nothing(gate)
             and not (torch.is_grad_enabled() and (gate.weight.requires_grad or gate.bias.requires_grad)))
-
-
-def band(T: int, window: int, device: torch.device) -> Tensor:
-    """[T, T] visibility of the sliding window: key c visible to query j iff j - window < c <= j."""
-    j = torch.arange(T, device=device)
-    d = j[:, None] - j[None, :]
-    return (d >= 0) & (d < window)
 
 
 def windowed(span: "Span | RaggedSpan", window: int, dtype: torch.dtype) -> "Span | RaggedSpan":
