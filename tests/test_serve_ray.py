@@ -261,6 +261,8 @@ def test_load_spreads_over_both_replicas_and_prefixes_stay_together(cluster, cli
 def test_health_and_metrics_add_up_the_replicas(cluster, client, model):
     h = cluster.health()
     assert h["status"] == "ok" and len(h["replicas"]) == 2 and h["method"] == "auto"
+    from dasspec.model import decode_kernel            # the promise the replicas keep, stated by the cluster too
+    assert h["exactness"] == decode_kernel.guarantee() and all(r["exactness"] == h["exactness"] for r in h["replicas"])
     ok0 = cluster.metric('dasspec_requests_total{endpoint="completions",outcome="ok"}')
     tokens0 = cluster.metric('dasspec_generated_tokens_total{method="auto"}')        # the default method
     arms = (*ARMS, "ar")                             # auto's drafters, and plain steps

@@ -106,3 +106,15 @@ def test_a_non_streamed_answer_is_taken_whole_from_the_attempt_that_finishes(ans
     for t, i in chunks:
         s.chunk(t, i)
     s.done(*done)                                         # no error: nothing was sent to splice onto
+
+
+def test_a_clusters_health_states_its_replicas_promise_and_names_a_difference():
+    """A cluster's /health must not state one replica's promise for all: a node whose kernels did not build (or a
+    GPU beside CPUs) keeps a weaker one, and a failover onto it may end a stream in an error event."""
+    from dasspec.model import decode_kernel
+    from dasspec.serve.ray_app import cluster_promise
+    strong, weak = decode_kernel.GUARANTEE_KERNELS, decode_kernel.GUARANTEE_TORCH
+    assert cluster_promise([strong, strong, None]) == strong          # an unreachable replica promises nothing
+    assert cluster_promise([]) is None
+    mixed = cluster_promise([strong, weak, strong])
+    assert mixed.startswith("replicas differ") and strong in mixed and weak in mixed

@@ -415,16 +415,18 @@ class ClusterService(Frontend):
     async def health(self) -> tuple[dict[str, Any], bool]:
         answers = await self._ask_all("health")
         replicas = [{"replica": rid, "status": f"unreachable: {type(a).__name__}"} if isinstance(a, Exception)
-                    else {k: a[k] for k in ("replica", "status", "pid", "queue_length", "running", "requests")}
+                    else {k: a.get(k) for k in ("replica", "status", "pid", "queue_length", "running", "requests",
+                                                "exactness")}
                     for rid, a in answers]
         good = [a for _, a in answers if not isinstance(a, Exception) and a["ok"]]
+        exactness = cluster_promise([a.get("exactness") for a in good])
         loads = self._router().loads() if self._router() is not None else {}
         for r in replicas:
             r["routed_in_flight"] = loads.get(r["replica"], 0)     # this ingress's count, which routing uses
         ok = bool(good)
         return {"status": "ok" if ok else "no replica is answering", "model": self.model_name,
                 "method": self.method, "queue_length": sum(a["queue_length"] for a in good) + self._waiting,
-                "running": sum(a["running"] for a in good), "replicas": replicas}, ok
+                "running": sum(a["running"] for a in good), "exactness": exactness, "replicas": replicas}, ok
 
     async def metrics_text(self) -> str:
         answers = await self._ask_all("metrics")
@@ -432,6 +434,16 @@ class ClusterService(Frontend):
 
     def close(self) -> None:
         super().close()
+
+
+def cluster_promise(promises: list[str | None]) -> str | None:
+    """What a cluster's /health promises about each answer's bits: its answering replicas' promise where they agree;
+    where they do not (a node whose kernels did not build, a GPU beside CPUs) each, named as differing - a failover
+    between such replicas may end a stream in an error event rather than splice two trajectories."""
+    found = list(dict.fromkeys(p for p in promises if p))
+    if len(found) <= 1:
+        return found[0] if found else None
+    return "replicas differ: " + " | ".join(found)
 
 
 # --- metrics: the replicas' series added up ------------------------------------------------------------------------
