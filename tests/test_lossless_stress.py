@@ -18,6 +18,11 @@ summed in another order because of the batch, the thread count or the verifier's
 within a few positions, where a plain random model would carry it unseen.  Sampling is tested with top-k 2 so
 its choice set is decided at that level too (Gumbel noise over the whole vocabulary would hide it).
 
+The same tests run on four families, so the one-call layer kernels each takes are under the near tie too:
+Huginn's sandwich layers (the bundled model's layout; interleaved RoPE), Ouro's peri-norm loop (``recur_rows``
+over "peri" layers, T = 4), Nanbeige's pre-norm loop (the same over "pre" layers, T = 2) and IQuest-Loop's gated
+loop 2 over a sliding window (``loop_recur_rows``, the windowed pool's rings, T = 2).
+
 Every comparison is exact (token ids equal).  ``tests/conftest.py`` pins one thread; the two-thread cases set two
 and the autouse fixture there restores one.
 """
@@ -39,19 +44,32 @@ KEY_LIMIT = 128
 THREADS = (1, 2)
 NEAR_TIE = 1e-5              # the head's random part, against its shared row (the float32 rounding level)
 SAMPLED = dict(do_sample=True, temperature=0.7, top_k=2)
-# Every method (knobs small enough for R = 4) and auto; the wide drafters' trees and DAS-Wave's windows included.
-METHODS = [("ar", {}), ("self-spec", {"draft_depth": 2, "block": 4}),
-           ("mature-spec", {"draft_depth": 2, "block": 3}),
-           ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 2, "k": 1}),
-           ("pld", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}),
-           ("sam", {}), ("auto", {})]
+
+
+def methods(R: int) -> list[tuple[str, dict]]:
+    """Every method (knobs small enough for R = 4, or R = 2) and auto; the wide drafters' trees and DAS-Wave's
+    windows included."""
+    d = R // 2
+    return [("ar", {}), ("self-spec", {"draft_depth": d, "block": 4}),
+            ("mature-spec", {"draft_depth": d, "block": 3}),
+            ("das-wave", {"gamma": 6, "rounds": 4, "w_init": 2, "k": 1}),
+            ("pld", {}), ("lookahead", {"window": 3, "ngram": 3, "guess_set": 3}), ("token-recycling", {}),
+            ("sam", {}), ("auto", {})]
+
+
+METHODS = methods(4)
+NAMES = [m for m, _ in METHODS]
+# The near-tie fixtures: weights on both sides of PACK_THRESHOLD (the MLP's, the untied head), R = 4 or T = 2.
+SHAPES = dict(vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64, intermediate_size=1024,
+              tie_embeddings=False, block_size=512)
+FAMILIES = {"huginn": dict(mean_recurrence=4), "ouro": dict(n_kv_heads=2, mean_recurrence=4),
+            "nanbeige": dict(n_kv_heads=2, head_dim=96), "iquest-loop": dict(n_kv_heads=2, loop_window=16)}
 # Mixed lengths: three past KEY_LIMIT (one a prompt of repeats, for the lookup drafters), one ending on it.
 LENGTHS = (150, 9, 133, 40, 200, 3, 127, 70, 24)
 
 
-def _model():
-    model = random_model("huginn", seed=5, vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64,
-                         intermediate_size=1024, mean_recurrence=4, tie_embeddings=False, block_size=512)
+def _model(family: str = "huginn"):
+    model = random_model(family, seed=5, **{**SHAPES, **FAMILIES[family]})
     with torch.no_grad():
         head = model.lm_head.weight
         shared = head[0].clone()
@@ -88,17 +106,18 @@ def _reference(model, prompts, sampled: bool) -> list[list[int]]:
                 for i, p in enumerate(prompts)]
 
 
-@pytest.fixture(scope="module")
-def case():
-    model = _model()
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def case(request):
+    """(model, prompts, each prompt's reference greedy and sampled, the methods' knobs for the model's depth)."""
+    model = _model(request.param)
     prompts = _prompts(model.config.vocab_size)
-    return model, prompts, {s: _reference(model, prompts, s) for s in (False, True)}
+    return model, prompts, {s: _reference(model, prompts, s) for s in (False, True)}, methods(model.depth(None))
 
 
 def test_the_fixture_takes_every_path(case):
     """The shapes are what the module's docstring says (a guard against a fixture that drifts to small shapes):
     weights on both sides of the packing threshold, prompts on both sides of the kernel's key limit."""
-    model, prompts, _ = case
+    model, prompts, _, _ = case
     sizes = [p.numel() for p in model.parameters() if p.dim() == 2]
     assert any(n >= PACK_THRESHOLD for n in sizes) and any(n < PACK_THRESHOLD for n in sizes)
     assert model.lm_head.weight.numel() >= PACK_THRESHOLD
@@ -112,14 +131,15 @@ def _mismatches(outs: list[list[int]], refs: list[list[int]], labels) -> list:
 
 
 # AR alone at one thread is the reference itself: only its two-thread case can fail.
-ALONE = [(m, k, t) for m, k in METHODS for t in THREADS if (m, t) != ("ar", 1)]
+ALONE = [(m, t) for m in NAMES for t in THREADS if (m, t) != ("ar", 1)]
 
 
-@pytest.mark.parametrize("method,knobs,n_threads", ALONE, ids=[f"{m}-{t}thr" for m, _, t in ALONE])
-def test_each_method_alone(case, method, knobs, n_threads):
+@pytest.mark.parametrize("method,n_threads", ALONE, ids=[f"{m}-{t}thr" for m, t in ALONE])
+def test_each_method_alone(case, method, n_threads):
     """``dasspec.generate`` of two prompts (past the key limit; ending its decode past it), greedy, and of one
     sampled: AR's tokens at one thread."""
-    model, prompts, refs = case
+    model, prompts, refs, known = case
+    knobs = dict(known)[method]
     picks = [0, 6]
     with threads(n_threads):
         outs = [dasspec.generate(model, prompts[i], method, max_new_tokens=NEW, eos=False, seed=i, **knobs).tokens
@@ -147,8 +167,8 @@ def _engine_run(engine: Engine, requests: list[tuple[int, str, dict]], sampled: 
 def test_batches_of_every_method_mixed(case, B, sampled, n_threads):
     """One engine, nine requests of mixed lengths, each with another method (every method and auto), at most B at
     a time: each request's tokens are its own batch-1 AR decode at one thread."""
-    model, prompts, refs = case
-    requests = [(j % len(prompts), *METHODS[j % len(METHODS)]) for j in range(max(len(prompts), len(METHODS)))]
+    model, prompts, refs, known = case
+    requests = [(j % len(prompts), *known[j % len(known)]) for j in range(max(len(prompts), len(known)))]
     with threads(n_threads):
         outs = _engine_run(Engine(model, "ar", max_batch=B), requests, sampled, prompts)
     bad = _mismatches(outs, [refs[sampled][j] for j, _, _ in requests],
@@ -160,8 +180,8 @@ def test_batches_of_every_method_mixed(case, B, sampled, n_threads):
 @pytest.mark.parametrize("method", ("das-wave", "auto"))
 def test_generate_batch(case, method, n_threads):
     """``dasspec.generate_batch`` of every prompt at max_batch 8 (the public batched call), greedy."""
-    model, prompts, refs = case
-    knobs = dict(METHODS)[method]
+    model, prompts, refs, known = case
+    knobs = dict(known)[method]
     with threads(n_threads):
         outs = [o.tokens for o in dasspec.generate_batch(model, prompts, method, max_new_tokens=NEW, eos=False,
                                                          max_batch=8, **knobs)]
@@ -174,18 +194,20 @@ def test_chunked_and_shared_prefills(case, n_threads):
     """Prompts that share their first 144 tokens (nine blocks of 16): prefilled in chunks under a small step
     budget (depth slices), the shared blocks computed once in the engine, and through a ``PrefixCache`` built at
     one thread in another engine - every answer its own batch-1 AR decode at one thread."""
-    model, _, _ = case
+    model, _, _, known = case
     base = _prompts(model.config.vocab_size, lengths=(144, 30, 12, 60), seed=9)
     prompts = [base[0] + tail for tail in base[1:]] + [base[0][:150]]
     refs = _reference(model, prompts, False)
     with threads(1):
         pc = dasspec.PrefixCache(model, base[0], block_size=16)
-    methods = [METHODS[3], METHODS[6], METHODS[8], METHODS[0]]
-    requests = [(j, *methods[j]) for j in range(len(prompts))]
+    picked = [(m, dict(known)[m]) for m in ("das-wave", "token-recycling", "auto", "ar")]
+    requests = [(j, *picked[j]) for j in range(len(prompts))]
     with threads(n_threads):
         chunked = _engine_run(Engine(model, "ar", max_batch=4, block_size=16, max_step_tokens=24), requests, False,
                               prompts)
-        cached = _engine_run(Engine(model, "ar", max_batch=2, block_size=16), requests, False, prompts,
+        # a windowed pool (IQuest-Loop's) keeps no prompt rows past the window to share: the full layout does
+        full = {"window_kv": False} if model.config.loop_window else {}
+        cached = _engine_run(Engine(model, "ar", max_batch=2, block_size=16, **full), requests, False, prompts,
                              prefix_cache=pc)
     labels = [f"prompt {j} by {m}" for j, m, _ in requests]
     bad = _mismatches(chunked, refs, [f"chunked {x}" for x in labels])
@@ -216,8 +238,8 @@ def test_preempted_and_resumed_in_a_small_pool(case, sampled, n_threads):
     batch-1 AR decode at one thread.  Which pool size swaps is not monotonic (a tighter pool admits fewer requests at
     once) and auto's choices follow its measured timings, so where one pool happens to swap nothing the next is
     tried; every run's answers are checked."""
-    model, prompts, refs = case
-    requests = [(j % len(prompts), *METHODS[(j + j // len(prompts)) % len(METHODS)]) for j in range(2 * len(prompts))]
+    model, prompts, refs, known = case
+    requests = [(j % len(prompts), *known[(j + j // len(prompts)) % len(known)]) for j in range(2 * len(prompts))]
     bad, swapped = [], 0
     for pool in (352, 480, 320):
         engine = Engine(model, "ar", max_batch=8, block_size=16, kv_budget=pool)
