@@ -5,7 +5,10 @@
 
 * llama.cpp: the ``llama-cpp-python`` package (a CPU build from the registry's source distribution, which vendors a
   llama.cpp with the ``nanbeige`` architecture), in a worker process run with ``--llama-path`` on its PYTHONPATH,
-  greedy (``top_k=1``) on the same token ids, one prompt at a time (batch 1: its Python API has no batching).
+  greedy (``top_k=1``) on the same token ids, one prompt at a time (batch 1: its high-level API has no batching);
+  and at batch 8 through its low-level API (``llama_decode`` over one ``llama_batch`` holding every sequence, a
+  sequence id each, a unified K/V cache: the prompts in one call, then a token per sequence a call, greedy by argmax
+  of each sequence's logits), as ``llama-batched-bench`` decodes.
 * upstream's HF remote code (``--hf-path``: transformers and ``modeling_nanbeige.py`` as the package ``hfmod``,
   outside the repository), float32, eager attention, greedy through its own cache, batch 1.
 * dasspec: ``generate(..., "ar")`` and the default method (``auto``) at batch 1, ``generate_batch(...,
@@ -62,6 +65,50 @@ def worker(gguf: str, threads: int) -> None:
         print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
 
 
+def batch_worker(gguf: str, threads: int) -> None:
+    """llama.cpp at batch B: read {"batch": [[ids], ...], "n": N} per line, answer {"tokens": [[...], ...],
+    "seconds": s} - every sequence in one ``llama_batch`` (its own sequence id and positions), greedy."""
+    import llama_cpp as L
+    import numpy as np
+
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+    V = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 2048, 2048, 8
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = True
+    ctx = L.llama_init_from_model(model, cp)
+    batch = L.llama_batch_init(2048, 0, 1)
+    print(json.dumps({"ready": True}), flush=True)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:     # (token, position, sequence, logits wanted)
+        batch.n_tokens = len(items)
+        for i, (t, pos, seq, want) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, want
+            batch.seq_id[i][0] = seq
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def greedy(i: int) -> int:
+        return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(V,)).argmax())
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        seqs, n = req["batch"], req["n"]
+        t = time.perf_counter()
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        items = [(tok, p, s, p == len(ids) - 1) for s, ids in enumerate(seqs) for p, tok in enumerate(ids)]
+        decode(items)
+        last = [i for i, it in enumerate(items) if it[3]]
+        out = [[greedy(i)] for i in last]
+        for step in range(1, n):
+            decode([(o[-1], len(ids) + step - 1, s, True) for s, (ids, o) in enumerate(zip(seqs, out))])
+            for s, o in enumerate(out):
+                o.append(greedy(s))
+        print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
+
+
 def hf_worker(folder: str, threads: int) -> None:
     """Upstream's HF remote code side (``modeling_nanbeige.py`` importable as ``hfmod``; transformers on the path),
     float32, eager attention, greedy through its own DynamicCache, ``inv_freq`` recomputed after construction."""
@@ -113,7 +160,13 @@ class Peer:
         assert json.loads(self.proc.stdout.readline())["ready"]
 
     def run(self, ids: list[int], n: int) -> dict:
-        self.proc.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
+        return self._ask({"ids": ids, "n": n})
+
+    def run_batch(self, seqs: list[list[int]], n: int) -> dict:
+        return self._ask({"batch": seqs, "n": n})
+
+    def _ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
@@ -148,7 +201,7 @@ def main() -> None:
     p.add_argument("--kind", default="llama", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        (hf_worker if args.kind == "hf" else worker)(args.worker, args.threads)
+        {"hf": hf_worker, "batch": batch_worker}.get(args.kind, worker)(args.worker, args.threads)
         return
 
     import torch
@@ -160,6 +213,7 @@ def main() -> None:
     prompts = [tok.encode(t) for t in PROMPTS[: args.prompts]]
     n = args.tokens
     peers = {"llama.cpp f32": Peer(args.gguf, args.llama_path, args.threads)} if args.gguf else {}
+    batched = {"llama.cpp f32 B=8": Peer(args.gguf, args.llama_path, args.threads, kind="batch")} if args.gguf else {}
     if args.gguf_q8:
         peers["llama.cpp q8_0"] = Peer(args.gguf_q8, args.llama_path, args.threads)
     if args.hf_path:
@@ -180,6 +234,7 @@ def main() -> None:
         return [o.tokens for o in outs], time.perf_counter() - t
 
     sides = {name: (lambda peer=peer: _peer_all(peer, prompts, n)) for name, peer in peers.items()}
+    sides.update({name: (lambda peer=peer: _peer_batch(peer, prompts, n)) for name, peer in batched.items()})
     sides.update({"dasspec AR B=1": lambda: dasspec_b1("ar"), "dasspec auto B=1": lambda: dasspec_b1("auto"),
                   "dasspec AR B=8": lambda: dasspec_b8("ar"), "dasspec auto B=8": lambda: dasspec_b8("auto")})
     rates: dict[str, list[float]] = {k: [] for k in sides}
@@ -191,7 +246,7 @@ def main() -> None:
             rates[name].append(len(prompts) * n / seconds)
             tokens[name] = outs
             print(f"round {r} {name}: {rates[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
-    for peer in peers.values():
+    for peer in [*peers.values(), *batched.values()]:
         peer.close()
     ar = tokens["dasspec AR B=1"]
     res = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "tokens": n,
@@ -210,11 +265,23 @@ def main() -> None:
         per = [a / b for a, b in zip(v, base)]
         lines.append(f"| {k} | {max(v):.1f} | {statistics.median(per):.2f} [{min(per):.2f}, {max(per):.2f}] | "
                      f"{res['agree_with_dasspec_ar'][k]} |")
+    if "llama.cpp f32 B=8" in rates:               # batch 8 against llama.cpp's own batch of 8
+        b8 = rates["llama.cpp f32 B=8"]
+        lines += ["", "| side | x llama.cpp f32 B=8 per round: median [range] |", "|---|---|"]
+        for k in ("dasspec AR B=8", "dasspec auto B=8"):
+            per = [a / b for a, b in zip(rates[k], b8)]
+            lines.append(f"| {k} | {statistics.median(per):.2f} [{min(per):.2f}, {max(per):.2f}] |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _peer_batch(peer: Peer, prompts: list[list[int]], n: int):
+    t = time.perf_counter()
+    outs = peer.run_batch(prompts, n)["tokens"]
+    return outs, time.perf_counter() - t
 
 
 def _peer_all(peer: Peer, prompts: list[list[int]], n: int):
