@@ -4,7 +4,9 @@ model - a float32 replica's answer, the same answer re-run, and a bfloat16 repli
 one at token 14 of this prompt (what "another replica's hardware or dtype" looks like) - streamed as a replica
 streams them (``IncrementalText``).  Not through Ray: making a live replica decode differently would need a
 deployment whose replicas differ, which the application does not offer; test_serve_ray.py covers the real
-failover of identical replicas."""
+failover of identical replicas.  The ingress's own failover loop runs here over HTTP: ``ClusterService`` behind the
+real app on 127.0.0.1, the real ``openai`` client, and a scripted deployment handle in place of Ray's whose first
+replica dies mid-stream and whose second decodes the same answer or the bfloat16 one."""
 
 from __future__ import annotations
 
@@ -118,3 +120,113 @@ def test_a_clusters_health_states_its_replicas_promise_and_names_a_difference():
     assert cluster_promise([]) is None
     mixed = cluster_promise([strong, weak, strong])
     assert mixed.startswith("replicas differ") and strong in mixed and weak in mixed
+
+
+# --- the ingress's failover over HTTP: a real server on 127.0.0.1, the real openai client, a scripted replica handle
+
+
+class _Events:
+    """One attempt's event stream, as a Ray Serve streaming call yields it (``cancel`` as its response has)."""
+
+    def __init__(self, events, dies: bool):
+        self.events, self.dies, self.cancelled = events, dies, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for ev in self.events:
+            yield ev
+        if self.dies:
+            raise RuntimeError("the replica's actor died")      # what the ingress treats as a lost replica
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """A deployment handle whose replicas run scripted attempts, in order (one per ``generate`` call)."""
+
+    def __init__(self, attempts):
+        self.attempts, self.calls = list(attempts), []
+
+    def options(self, method_name: str, stream: bool = False):
+        handle = self
+
+        class _Call:
+            def remote(self, *args, **kw):
+                handle.calls.append(method_name)
+                if method_name != "generate":
+                    raise RuntimeError("not scripted")
+                events, dies = handle.attempts.pop(0)
+                return _Events(events, dies)
+        return _Call()
+
+
+def _replica_events(rid: str, ids, text, decode, chunk: int, dies_after: int | None) -> tuple[list, bool]:
+    chunks, done = _attempt(ids, text, decode, chunk, dies_after)
+    evs = [{"replica": rid, "pid": 1}, {"started": 0.0}]
+    evs += [{"text": t, "tokens": len(part), "ids": part} for t, part in chunks]
+    if done is not None:
+        evs.append({"done": {"text": text, "tokens": list(ids), "stop_reason": "max_new_tokens", "tail": done[0],
+                             "cancelled": False, "stats": {}}})
+    return evs, done is None
+
+
+@pytest.mark.parametrize("rerun", ["same", "other"])
+def test_a_failover_over_http_continues_the_stream_or_ends_it_with_an_error(answers, rerun):
+    """The ingress (``ClusterService`` behind ``create_app``) streams a replica's answer, the replica dies past
+    the point where a bfloat16 replica's decode leaves the float32 one, and the request is re-run: a re-run that
+    decodes the same continues the client's stream to the whole answer (failover "resumed"); one that decodes
+    otherwise ends it with an error event (failover "diverged") and the client never gets a spliced answer."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    import openai
+    import uvicorn
+
+    from dasspec.serve.app import create_app
+    from dasspec.serve.ray_app import ClusterOptions, ClusterService
+
+    (a_ids, a_text), (b_ids, b_text), first, decode = answers
+    cut = first // 2 + 2                     # chunks of 2 tokens: the replica dies having streamed past ``first``
+    again = (a_ids, a_text) if rerun == "same" else (b_ids, b_text)
+    handle = _Handle([_replica_events("r1", a_ids, a_text, decode, 2, cut),
+                      _replica_events("r2", *again, decode, 2, None)])
+    model = dasspec.load_model()
+    service = ClusterService(handle, model.tokenizer, model.config.block_size, model.config.vocab_size,
+                             ClusterOptions(server={"model_name": "tiny"}).check())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        got, error = [], None
+        try:
+            for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, stream=True):
+                got.append(c.choices[0].text if c.choices else "")
+        except openai.APIError as err:
+            error = err
+        text = "".join(got)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert handle.calls.count("generate") == 2          # (/metrics asks the replicas too: not scripted here)
+    if rerun == "same":
+        assert error is None and text == a_text
+        assert 'dasspec_failovers_total{outcome="resumed"} 1' in metrics
+    else:
+        assert error is not None and "decoded differently" in str(error), (error, text)
+        assert a_text.startswith(text) and len(text) < len(a_text)     # the first attempt's prefix, never spliced
+        assert 'dasspec_failovers_total{outcome="diverged"} 1' in metrics
