@@ -93,7 +93,7 @@ def test_eos_ids_the_configs_name_stop_generation_where_the_tokenizer_marks_them
     (IQuest-Loop lists three): a reply stops there as with Hugging Face's generate, beside the tokenizer's own EOS.
     An id the tokenizer holds as a word (a Raven config's stale Huginn ids) stops nothing."""
     free = dasspec.generate(raven, TEXT, max_new_tokens=8, num_steps=2, eos=False).tokens
-    i = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    i = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i] and not raven.tokenizer.is_special(t))
     own = raven.tokenizer.token_to_id("<|end_of_text|>")
     edits = {"eos_token_id": [own, free[i]]} if where == "config.json" else {}
     folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
@@ -113,7 +113,17 @@ def test_eos_ids_the_configs_name_stop_generation_where_the_tokenizer_marks_them
     assert got.tokens == want
 
 
-@pytest.mark.parametrize("value", ["2", [1, "x"], -1, 1.5, True])
+def test_without_a_tokenizer_generation_configs_eos_stops_nothing(tmp_path):
+    """Without a tokenizer nothing tells a stale id from a real one: only config.json's ids as the family keeps them
+    stop (none for Raven, whose files carry Huginn's 65505 - an ordinary word of its vocabulary - in both)."""
+    folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=70000, mean_recurrence=2,
+                              config_edits={"eos_token_id": 65505})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [65505, 7]}))
+    model = dasspec.load_model(folder, device="cpu")
+    assert model.tokenizer is None and default_stop_ids(model) == []
+
+
+@pytest.mark.parametrize("value", ["2", [1, "x"], [2, None], -1, 1.5, True])
 def test_a_bad_generation_config_eos_is_named(tmp_path, value):
     folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
                               tokenizer=write_tokenizer("raven-llama"))

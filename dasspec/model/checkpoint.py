@@ -152,9 +152,8 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     gen = folder / "generation_config.json"
     generation_defaults = read_json(gen, within=root) if os.path.lexists(gen) else {}
     gen_eos = generation_defaults.get("eos_token_id")       # stop ids too (``default_stop_ids``): checked as config's
-    for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
-        if i is not None:
-            whole("eos_token_id of generation_config.json", i, least=0)
+    for i in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
+        whole("eos_token_id of generation_config.json", i, least=0)
     itemsize = torch.empty((), dtype=dtype).element_size()
     weight_bytes = sum(math.prod(slot.shape) for slot in slots.values()) * itemsize
     _check_memory(weight_bytes + _rope_bytes(cfg), device,

@@ -440,7 +440,7 @@ def cluster_promise(promises: list[str | None]) -> str | None:
     """What a cluster's /health promises about each answer's bits: its answering replicas' promise where they agree;
     where they do not (a node whose kernels did not build, a GPU beside CPUs) each, named as differing - a failover
     between such replicas may end a stream in an error event rather than splice two trajectories."""
-    found = list(dict.fromkeys(p for p in promises if p))
+    found = list(dict.fromkeys(p or "unknown (a replica that does not state it)" for p in promises))
     if len(found) <= 1:
         return found[0] if found else None
     return "replicas differ: " + " | ".join(found)

@@ -120,13 +120,15 @@ def default_stop_ids(model: LoopedLM, tokenizer=None) -> list[int]:
     and generation_config.json's ``eos_token_id`` name that the tokenizer marks special (Hugging Face's generate and
     vLLM stop at those: a chat model may list its end-of-turn id there alone; an id the tokenizer holds as a word - a
     Raven config's stale Huginn ids - is not a stop), each once, inside the vocabulary.  Without a tokenizer (or
-    one that names no EOS) the configs' ids."""
+    one that names no EOS) config.json's ids as its family keeps them (generation_config.json's are not checked
+    by anything then: not stops)."""
     tok = tokenizer or model.tokenizer
     gen = model.generation_defaults if isinstance(model.generation_defaults, dict) else {}
-    named = list(model.config.eos_token_id) + eos_list(gen.get("eos_token_id"))
+    named = list(model.config.eos_token_id)         # (a family drops ids it knows to be stale: Raven's)
     if tok is not None and tok.eos_ids:
         special = getattr(tok, "is_special", None)      # (a tokenizer of the caller's may not tell)
-        named = list(tok.eos_ids) + [i for i in named if special is not None and special(i)]
+        named = list(tok.eos_ids) + [i for i in named + eos_list(gen.get("eos_token_id"))
+                                     if special is not None and special(i)]
     return [i for i in dict.fromkeys(named) if 0 <= i < model.config.vocab_size]
 
 
