@@ -16,7 +16,8 @@ Models (``--models``):
   ``dasspec.testing.build_real_checkpoint`` into ``--models-dir`` (the mid-size Ouro of docs/performance-journal.md);
 * ``bf16-stack``: Ouro-1.4B's real layer widths (2048, 16 heads of 128, intermediate 5632, the 49,152-id
   vocabulary) with ``--bf16-layers`` layers, bfloat16, random weights (with dasspec's kernels bfloat16 rows on a
-  CPU are batch-invariant as float32 ones are: this measures that it holds; before them it often did not).
+  CPU are batch-invariant as float32 ones are: this measures that it holds; before them it often did not);
+* ``NAME=FOLDER``: any checkpoint folder, float32 (the mid-size Nanbeige and IQuest-Loop of the vLLM comparisons).
 
 Prompts: GSM8K training questions and answers run together (``$DASSPEC_DATA`` or ../shared/data; random ids where
 there is none) cut to a length drawn in [--min-len, --max-len], ``--new-tokens`` each, ``eos=False``.  The
@@ -96,6 +97,8 @@ def load_plain(name: str, args: argparse.Namespace):
     import torch
     import dasspec
     src, models = Path(args.ouro_src), Path(args.models_dir)
+    if name in getattr(args, "folders", {}):
+        return dasspec.load_model(args.folders[name], device="cpu", dtype=torch.float32)
     if name == "bundled":
         return dasspec.load_model(device="cpu", dtype=torch.float32)
     if name == "ouro-mid":
@@ -242,7 +245,8 @@ def report(out: Path, cells: list[dict], info: dict, args: argparse.Namespace) -
              "`generate_batch(..., max_batch=B)` of all the prompts (`mixed`: every method as requests of one "
              "Engine).  Entries: requests whose tokens differ from their reference / requests.", ""]
     models = sorted({(c["model"], c["dtype"], c["mode"]) for c in cells},
-                    key=lambda x: (MODELS.index(x[0].split("@")[0]), x[0], x[2]))
+                    key=lambda x: (MODELS.index(x[0].split("@")[0]) if x[0].split("@")[0] in MODELS else len(MODELS),
+                                   x[0], x[2]))
     cols = sorted({(c["threads"], c["B"]) for c in cells})
     lines += ["| model | dtype | decoding | method | " + " | ".join(f"{t} thr, B={b}" for t, b in cols) + " |",
               "|---|---|---|---|" + "---|" * len(cols)]
@@ -304,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     all_methods = [m for m in dasspec.method_names() if m != "ar"]
     all_methods = ["ar"] + sorted(m for m in all_methods if m != "auto") + ["auto"]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.folders = dict(m.split("=", 1) for m in models if "=" in m)        # NAME=FOLDER: a checkpoint of one's own
+    models = [m.split("=", 1)[0] for m in models]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
