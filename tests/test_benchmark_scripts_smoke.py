@@ -27,6 +27,8 @@ RUNS = {
     "one-call/one_call_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4", "--threads", "1"],
     "closed-budget/budget_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "2", "--threads", "1"],
     "closed-budget/product_rows.py": ["--rows", "17,64", "--threads", "1"],
+    "noise/noise_ab.py": ["--model", BUNDLED, "--methods", "ar,token-recycling", "--pairs", "1", "--tokens", "2",
+                          "--threads", "1"],
 }
 HELPERS = {"auto/batch8.py", "ouro-vllm/decoding.py"}
 

@@ -206,6 +206,39 @@ def test_a_seed_uses_every_bit():
     assert [round(x, 6) for x in position_noise(torch.tensor([3]), 4, 12345).flatten().tolist()] == STATE_12345
 
 
+@pytest.mark.parametrize("vocab", [97, 166144])
+def test_gumbel_noise_is_the_formulas_bits_for_any_rows_drawn_once_per_position(vocab):
+    """The noise is drawn in blocks of rows, in place, once per distinct position (a tree's siblings share it): the
+    same bits as the formula written out op for op, for repeated, unordered and distinct positions, any seed - and
+    a tree's rows cost one draw per position, not one per row."""
+    from dasspec.model import noise
+    from dasspec.model.noise import _GUMBEL_STREAM, _MASK32, _hash32, gumbel_noise, seed_key
+
+    def formula(positions, seed):
+        s = torch.tensor(seed_key(seed, _GUMBEL_STREAM), dtype=torch.int64)
+        row = _hash32((positions.to(torch.int64) ^ s) & _MASK32)
+        bits = _hash32(_hash32(row[:, None] ^ torch.arange(vocab)) + 0x9E3779B9 & _MASK32)
+        u = (bits.to(torch.float64) + 0.5) / float(1 << 32)
+        return (-torch.log(-torch.log(u))).to(torch.float32)
+
+    tree = torch.tensor([7, 8, 8, 8, 9, 9, 10, 3])
+    for pos in (torch.tensor([5]), torch.arange(100, 103), tree):
+        for seed in (0, 123, -5, 2**40 + 3):
+            assert torch.equal(gumbel_noise(pos, vocab, seed), formula(pos, seed)), (pos, seed)
+    drawn = []
+    hash_ = noise._hash32_
+
+    def count(x):
+        drawn.append(x.shape[0])
+        return hash_(x)
+    try:
+        noise._hash32_ = count
+        gumbel_noise(tree, vocab, 0)
+    finally:
+        noise._hash32_ = hash_
+    assert sum(drawn) == 2 * len(set(tree.tolist()))          # two mixes per row of each distinct position
+
+
 GUMBEL_SEED0 = [-0.58012, 1.191041, 1.489094, -0.325356, 3.175548, -0.153169]    # noise of seeds < 2^32 as
 STATE_12345 = [0.753463, -0.767677, 1.117164, -0.917536]                       # drawn before the full width
 
