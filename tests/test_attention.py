@@ -71,3 +71,28 @@ def test_two_source_attention_is_one_softmax_over_both_sources(heads, kv_heads):
                                           attn_mask=torch.cat((mc, mu), 1), enable_gqa=heads != kv_heads)
     got = attention.two_source_attention(q, kc, vc, mc, ku, vu, mu, hd ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro", "nanbeige", "iquest-loop"])
+def test_float32_cpu_decoding_of_every_family_never_calls_torchs_products_or_attention(family, monkeypatch):
+    """One arithmetic, by construction: in float32 on a CPU with the kernels built, decoding - prefill, AR steps,
+    chains, trees, windows, a batch, sampled rows - never reaches torch's products or attention (``F.linear``,
+    ``torch.matmul`` / ``bmm`` / ``einsum``, SDPA), whose sums may follow the batch; a path routed back through
+    one of them fails here on every family that takes it."""
+    from dasspec.model import decode_kernel
+    if not decode_kernel.available():
+        pytest.skip("no kernels: tests/test_kernel_build.py fails where a compiler exists")
+    model = random_model(family, seed=4)
+    calls: list[str] = []
+    for mod, name in ((torch.nn.functional, "linear"), (torch.nn.functional, "scaled_dot_product_attention"),
+                      (torch, "matmul"), (torch, "bmm"), (torch, "einsum")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    prompts = [[3, 4, 5, 6] * 5, list(range(7, 30)), [9, 8] * 3]
+    ref = [dasspec.generate(model, p, "ar", max_new_tokens=10, eos=False).tokens for p in prompts]
+    for method in ("das-wave", "token-recycling", "pld", "auto"):
+        assert dasspec.generate(model, prompts[0], method, max_new_tokens=10, eos=False).tokens == ref[0], method
+    got = dasspec.generate_batch(model, prompts, "das-wave", max_new_tokens=10, eos=False)
+    assert [g.tokens for g in got] == ref
+    dasspec.generate(model, prompts[1], "token-recycling", max_new_tokens=6, eos=False, do_sample=True, seed=3)
+    assert calls == [], sorted(set(calls))
