@@ -124,11 +124,16 @@ def test_without_a_tokenizer_generation_configs_eos_stops_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["2", [1, "x"], [2, None], -1, 1.5, True])
-def test_a_bad_generation_config_eos_is_named(tmp_path, value):
+def test_a_bad_eos_id_in_either_config_is_named(tmp_path, value):
+    """One check for an eos_token_id value wherever it stands (``fields.eos_list``): config.json's (a null inside a
+    list once reached ``int(None)``) and generation_config.json's."""
     folder = write_checkpoint(tmp_path / "m", "raven-llama", vocab_size=320, mean_recurrence=3,
                               tokenizer=write_tokenizer("raven-llama"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
     with pytest.raises(ValueError, match="eos_token_id of generation_config.json"):
+        dasspec.load_model(folder, device="cpu")
+    folder = write_checkpoint(tmp_path / "c", "huginn", vocab_size=320, config_edits={"eos_token_id": value})
+    with pytest.raises(ValueError, match="eos_token_id"):
         dasspec.load_model(folder, device="cpu")
 
 

@@ -57,8 +57,7 @@ def methods(R: int) -> list[tuple[str, dict]]:
             ("sam", {}), ("auto", {})]
 
 
-METHODS = methods(4)
-NAMES = [m for m, _ in METHODS]
+NAMES = [m for m, _ in methods(4)]     # the same at every depth: only the knobs follow R
 # The near-tie fixtures: weights on both sides of PACK_THRESHOLD (the MLP's, the untied head), R = 4 or T = 2.
 SHAPES = dict(vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64, intermediate_size=1024,
               tie_embeddings=False, block_size=512)

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from . import memory          # memory.available_memory: one reading of free memory, the loader's and the cache's
 from .config import ConfigError, LoopedConfig
-from .fields import whole
+from .fields import eos_list
 from .layers import rope_tables
 from .looped import LoopedLM
 from .safetensors_io import (FLOAT_CODES, CheckpointError, TensorEntry, checkpoint_root, confine, read_header,
@@ -151,9 +151,8 @@ def load_checkpoint(source: str | os.PathLike | None = None, device: str | torch
     tokenizer = _load_tokenizer(folder, cfg)
     gen = folder / "generation_config.json"
     generation_defaults = read_json(gen, within=root) if os.path.lexists(gen) else {}
-    gen_eos = generation_defaults.get("eos_token_id")       # stop ids too (``default_stop_ids``): checked as config's
-    for i in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
-        whole("eos_token_id of generation_config.json", i, least=0)
+    # stop ids too (``default_stop_ids``): checked here, as config.json's are
+    eos_list(generation_defaults.get("eos_token_id"), "eos_token_id of generation_config.json")
     itemsize = torch.empty((), dtype=dtype).element_size()
     weight_bytes = sum(math.prod(slot.shape) for slot in slots.values()) * itemsize
     _check_memory(weight_bytes + _rope_bytes(cfg), device,

@@ -145,6 +145,7 @@ class Fields:
         return special
 
 
-def eos_list(eos: Any) -> list[int]:
-    """An eos_token_id value (None, an id or a list of ids) as a list."""
-    return [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
+def eos_list(eos: Any, name: str = "eos_token_id") -> list[int]:
+    """An eos_token_id value (None, an id or a list of ids) as a list, each a whole number >= 0 (``name``: the
+    field as an error names it)."""
+    return [] if eos is None else [whole(name, e, least=0) for e in (eos if isinstance(eos, list) else [eos])]
