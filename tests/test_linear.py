@@ -93,9 +93,11 @@ def _kernels():
     return decode_kernel
 
 
-# Shapes on every branch of the product: register blocks of 1-4 rows and their remainders, outputs past a chunk,
-# widths below, at and past the 16 lanes with a tail, more than 16 rows (the blocked path), a weight over 2^18.
-SHAPES = [(1, 17, 5), (3, 100, 37), (7, 49, 200), (16, 33, 16), (17, 576, 192), (70, 129, 300), (5, 1024, 300)]
+# Shapes on every branch of the product: register blocks of 1-4 rows and their remainders, AVX-512's 8-row block
+# (5-8 rows of 1,025-4,096 values: 5 to 8 rows here, through subsets of 6, 8 and 9), outputs past a chunk, widths
+# below, at and past the 16 lanes with a tail, more than 16 rows (the blocked path), a weight over 2^18.
+SHAPES = [(1, 17, 5), (3, 100, 37), (7, 49, 200), (16, 33, 16), (17, 576, 192), (70, 129, 300), (5, 1024, 300),
+          (9, 40, 1408), (6, 37, 1025), (8, 20, 4096)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -79,6 +79,7 @@ DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c
 DASSPEC_INLINE f16v acc_lanes(Acc a) { return (f16v)a; }
 constexpr int MG = 4;                                // rows of x per register block
 constexpr int NR_OF[5] = {0, 16, 8, 4, 4};           // rows of w per block, by rows of x
+constexpr int MW = 8, NW = 2;                        // the wide block: up to 8 rows of x against 2 of w
 #elif defined(DASSPEC_ISA_AVX2)
 struct Acc { __m256 lo, hi; };
 DASSPEC_INLINE Acc acc_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -104,6 +105,7 @@ DASSPEC_INLINE f16v acc_lanes(Acc a) {
 }
 constexpr int MG = 2;
 constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
+constexpr int MW = MG, NW = 2;                       // no wide block: 16 registers
 #else
 typedef f16v Acc;
 DASSPEC_INLINE Acc acc_zero() { return f16v{}; }
@@ -122,7 +124,9 @@ DASSPEC_INLINE Acc acc_fma(Acc a, Acc b, Acc c) {
 DASSPEC_INLINE f16v acc_lanes(Acc a) { return a; }
 constexpr int MG = 4;
 constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
+constexpr int MW = MG, NW = 2;
 #endif
+constexpr int64_t WIDE_K[2] = {1024, 4096};          // the wide block for rows of more than [0], at most [1]
 
 DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
   c10::BFloat16 t[LANES];
@@ -152,11 +156,20 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   for (int64_t turn = 0; k + LANES <= K; k += LANES, turn = turn + 1 == pf_period ? 0 : turn + 1) {
     if (pf && turn == pf_phase)
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
-    Acc xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
-    for (int n = 0; n < NR; ++n) {
-      const Acc wv = acc_load(wr[n] + k);
-      for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
+    if constexpr (MR > 4) {            // the 8-row block holds the weight's vectors and loads x row by row
+      Acc wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = acc_load(wr[n] + k);
+      for (int m = 0; m < MR; ++m) {
+        const Acc xv = acc_load(xr[m] + k);
+        for (int n = 0; n < NR; ++n) acc[m * NR + n] = acc_fma(xv, wv[n], acc[m * NR + n]);
+      }
+    } else {
+      Acc xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
+      for (int n = 0; n < NR; ++n) {
+        const Acc wv = acc_load(wr[n] + k);
+        for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
+      }
     }
   }
   if (k < K) {
@@ -183,11 +196,10 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   }
 }
 
-template <int MR, typename T>
+template <int MR, int NR, typename T>
 inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t n0, int64_t n1,
                       int64_t K, T* out, int64_t ldo, const T* bias, int64_t pf, int64_t pf_period,
                       int64_t pf_phase) {
-  constexpr int NR = NR_OF[MR];
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
     gemm_tile<MR, NR, T>(x, ldx, w + n * ldw, ldw, K, out + n, ldo, mr, nr, bias ? bias + n : nullptr, pf,
@@ -197,29 +209,43 @@ inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
-// than MG (a decode step) stream the weight in chunks of 16 rows.  While a chunk computes, a later chunk's weight
-// rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x rows (a block reads four weight
-// rows at a time: a weight coming from memory, not a cache, would otherwise leave the memory idle between blocks).
+// than MG (a decode step) stream the weight in chunks of 16 rows.  5 to MW float32 rows of WIDE_K's lengths (a batch's
+// decode step on a mid-size model: the weight comes from memory, once) are one block of MW rows against NW weight
+// rows where the ISA has the registers for it (faster there, slower on shorter or longer rows and on bfloat16:
+// docs/performance-journal.md).  While a chunk computes, a later chunk's weight rows are fetched into L2, the fetches
+// spread evenly over the chunk's blocks of x rows (a block reads few weight rows at a time: a weight coming from
+// memory, not a cache, would otherwise leave the memory idle between blocks).  A block changes which values share
+// registers, never an output's sum: every path gives the same bits.
 template <typename T>
 inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,
                        int64_t n1, int64_t K, T* out, int64_t ldo, const T* bias) {
-  const int64_t NC = m1 - m0 < MG ? 16 : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
-  const int64_t blocks = (m1 - m0 + MG - 1) / MG;      // the fetches of a chunk spread over its blocks of x rows
+  const bool wide = MW > MG && std::is_same_v<T, float> && m1 - m0 > MG && m1 - m0 <= MW && K > WIDE_K[0] &&
+                    K <= WIDE_K[1];
+  const int64_t NC = m1 - m0 < MG ? 16
+                     : wide      ? 8
+                                 : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
+  const int64_t blocks = wide ? 1 : (m1 - m0 + MG - 1) / MG;      // a chunk's fetches spread over its blocks
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
     const int64_t pf = c1 < n1 ? (NC * K < 16384 ? 2 : 1) * NC * ldw : 0;    // up to 128 KB ahead
+    if (wide) {
+      gemm_rows<MW, NW, T>(x + m0 * ldx, ldx, static_cast<int>(m1 - m0), w, ldw, c0, c1, K, out + m0 * ldo, ldo,
+                           bias, pf, 1, 0);
+      continue;
+    }
     int64_t m = m0;
     for (; m + MG <= m1; m += MG) {
       const int64_t phase = (m - m0) / MG;
-      gemm_rows<MG, T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks, phase);
+      gemm_rows<MG, NR_OF[MG], T>(x + m * ldx, ldx, MG, w, ldw, c0, c1, K, out + m * ldo, ldo, bias, pf, blocks,
+                                  phase);
     }
     const T* xm = x + m * ldx;
     T* om = out + m * ldo;
     const int64_t phase = (m - m0) / MG;
     switch (m1 - m) {
-      case 3: gemm_rows<3, T>(xm, ldx, 3, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
-      case 2: gemm_rows<2, T>(xm, ldx, 2, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
-      case 1: gemm_rows<1, T>(xm, ldx, 1, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
+      case 3: gemm_rows<3, NR_OF[3], T>(xm, ldx, 3, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
+      case 2: gemm_rows<2, NR_OF[2], T>(xm, ldx, 2, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
+      case 1: gemm_rows<1, NR_OF[1], T>(xm, ldx, 1, w, ldw, c0, c1, K, om, ldo, bias, pf, blocks, phase); break;
       default: break;
     }
   }
