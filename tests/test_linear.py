@@ -149,3 +149,24 @@ def test_autograd_keeps_f_linear():
     w = torch.randn(64, 32).requires_grad_()
     lin.linear(torch.randn(3, 32), w).sum().backward()
     assert w.grad is not None
+
+
+def test_the_products_benchmark_times_a_revisions_kernels_beside_todays(capsys):
+    """benchmarks/cpu_products.py --against REV (a kernel change's paired A/B) builds REV's kernels beside today's,
+    checks their outputs equal and prints one row per cache state with a ratio over the rounds."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    _kernels()
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "rev-parse", "HEAD:dasspec/csrc"], cwd=root, capture_output=True).returncode:
+        pytest.skip("not a git checkout with the kernels' sources committed")
+    spec = importlib.util.spec_from_file_location("bench_cpu_products", root / "benchmarks" / "cpu_products.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--against", "HEAD", "--shapes", "40x1408", "--rows", "8", "--rounds", "2",
+                     "--cold-mb", "0.5"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 x 1408 | 8 |")]
+    assert [r.split(" | ")[2] for r in rows] == ["warm", "cold"]
+    assert all(float(r.split(" | ")[5].split()[0]) > 0 for r in rows)
