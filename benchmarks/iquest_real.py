@@ -13,7 +13,11 @@ the repository's files are not on this machine; rope_theta and rms_norm_eps are 
    at a time so memory stays bounded), loaded as a user would, and decoded: AR and a speculative method, their
    tokens compared, load time, peak memory, tokens/s.
 
-    python benchmarks/iquest_real.py --out /tmp/dasspec-big/iquest-40b-loop-2l --layers 2 --tokens 8
+    python benchmarks/iquest_real.py --out /tmp/dasspec-big/iquest-40b-loop-2l --layers 2 --tokens 8 \
+        [--results runs/iquest-real]
+
+``--out`` is the checkpoint's folder; ``--results DIR`` also writes what is printed (``results.md``) and the numbers
+(``results.json``) there.
 """
 
 from __future__ import annotations
@@ -127,35 +131,53 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--method", default="self-spec")
+    ap.add_argument("--results", help="a folder for results.md and results.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.out, args.tokens, args.method)))
         return
+    lines: list[str] = []
+
+    def say(text: str) -> None:                    # printed, and kept for --results
+        lines.append(text)
+        print(text, flush=True)
+
     full = layout(PUBLISHED)
-    print(f"full depth (80 layers x 2 loops): {full['tensors']} tensors (published: {PUBLISHED_TENSORS}), "
-          f"{full['params'] / 1e9:.2f} B parameters, {full['bf16_bytes'] / 2**30:.1f} GiB in bfloat16")
+    say(f"full depth (80 layers x 2 loops): {full['tensors']} tensors (published: {PUBLISHED_TENSORS}), "
+        f"{full['params'] / 1e9:.2f} B parameters, {full['bf16_bytes'] / 2**30:.1f} GiB in bfloat16")
     assert full["tensors"] == PUBLISHED_TENSORS, full["tensors"]
     gate = full["shapes"]["model.gate_projections.0.weight"]
-    print(f"gate projection per layer: weight {gate} + bias {full['shapes']['model.gate_projections.0.bias']}")
-    print(f"depth cache, bfloat16: {full['kv_bytes_per_row'] / 1024:.0f} KiB per position (both loops)")
-    print("context | pool allocates (both loops, every row) | loop 2 kept to its window | saved")
+    say(f"gate projection per layer: weight {gate} + bias {full['shapes']['model.gate_projections.0.bias']}")
+    say(f"depth cache, bfloat16: {full['kv_bytes_per_row'] / 1024:.0f} KiB per position (both loops)")
+    say("context | pool allocates (both loops, every row) | loop 2 kept to its window | saved")
     for n in CONTEXTS:
         a, w = full["cache_allocated"][n], full["cache_windowed"][n]
-        print(f"{n:>7} | {a / 2**30:8.2f} GiB | {w / 2**30:8.2f} GiB | {1 - w / a:.1%}")
+        say(f"{n:>7} | {a / 2**30:8.2f} GiB | {w / 2**30:8.2f} GiB | {1 - w / a:.1%}")
     folder = Path(args.out)
     t0 = time.perf_counter()
     if not (folder / "config.json").exists():
         build(folder, args.layers)
-    print(f"built {args.layers}-layer checkpoint in {time.perf_counter() - t0:.0f} s: {folder}")
+    say(f"built {args.layers}-layer checkpoint in {time.perf_counter() - t0:.0f} s: {folder}")
     res = subprocess.run([sys.executable, __file__, "--child", "--out", str(folder), "--tokens", str(args.tokens),
                           "--method", args.method], capture_output=True, text=True, check=True)
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"load (bfloat16): {r['load_s']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB")
+    say(f"load (bfloat16): {r['load_s']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB")
     for m in ("ar", args.method):
-        print(f"{m}: {args.tokens / r[m]['s']:.2f} tok/s ({r[m]['s']:.1f} s for {args.tokens}), tokens {r[m]['tokens']}")
-    print(f"{args.method} tokens == AR tokens: {r[args.method]['tokens'] == r['ar']['tokens']} (bfloat16: need not "
-          f"hold; float32 is where lossless is asserted)")
+        say(f"{m}: {args.tokens / r[m]['s']:.2f} tok/s ({r[m]['s']:.1f} s for {args.tokens}), tokens {r[m]['tokens']}")
+    say(f"{args.method} tokens == AR tokens: {r[args.method]['tokens'] == r['ar']['tokens']} (bfloat16: need not "
+        f"hold; float32 is where lossless is asserted)")
+    if args.results:
+        dst = Path(args.results)
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / "results.md").write_text(f"# IQuest-Coder-V1-40B-Loop at its published shape, {args.layers} layers\n\n"
+                                        "```\n" + "\n".join(lines) + "\n```\n")
+        summary = {k: full[k] for k in ("tensors", "params", "bf16_bytes", "kv_bytes_per_row")}
+        summary["cache"] = {n: {"allocated": full["cache_allocated"][n], "windowed": full["cache_windowed"][n]}
+                            for n in CONTEXTS}
+        (dst / "results.json").write_text(json.dumps({"layers": args.layers, "tokens": args.tokens,
+                                                      "method": args.method, "full_depth": summary, "run": r},
+                                                     indent=1))
 
 
 if __name__ == "__main__":
