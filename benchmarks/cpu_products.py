@@ -40,17 +40,17 @@ def per_call_ms(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int) -> 
 def build_at(rev: str):
     """The CPU kernels of git revision ``rev``, built (cached by their sources, as today's are) and imported."""
     root = Path(__file__).resolve().parents[1]
-    folder = Path(tempfile.mkdtemp(prefix="dasspec-csrc-"))
-    for name in decode_kernel.SOURCES + decode_kernel.HEADERS:
-        text = subprocess.run(["git", "show", f"{rev}:dasspec/csrc/{name}"], cwd=root, check=True,
-                              capture_output=True).stdout
-        (folder / name).write_bytes(text)
     today = decode_kernel.CSRC
-    decode_kernel.CSRC = folder
-    try:
-        return decode_kernel._build()
-    finally:
-        decode_kernel.CSRC = today
+    with tempfile.TemporaryDirectory(prefix="dasspec-csrc-") as tmp:    # the build copies them beside itself
+        for name in decode_kernel.SOURCES + decode_kernel.HEADERS:
+            text = subprocess.run(["git", "show", f"{rev}:dasspec/csrc/{name}"], cwd=root, check=True,
+                                  capture_output=True).stdout
+            (Path(tmp) / name).write_bytes(text)
+        decode_kernel.CSRC = Path(tmp)
+        try:
+            return decode_kernel._build()
+        finally:
+            decode_kernel.CSRC = today
 
 
 def against(old, args) -> None:
@@ -65,7 +65,8 @@ def against(old, args) -> None:
         for cache, ws in (("warm", cold[:1]), ("cold", cold)):
             for M in map(int, args.rows.split(",")):
                 x = torch.randn(M, K)
-                assert all(torch.equal(new.linear(x, w, None), old.linear(x, w, None)) for w in ws[:2])
+                if not all(torch.equal(new.linear(x, w, None), old.linear(x, w, None)) for w in ws[:2]):
+                    raise SystemExit(f"{N} x {K}, {M} rows: today's kernels and {args.against}'s differ in bits")
                 reps = max(2, int(20e6 // (N * K * len(ws))))
                 times = {"new": [], "old": []}
                 for r in range(args.rounds):

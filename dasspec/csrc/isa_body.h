@@ -9,8 +9,8 @@
 // The lanes are 16 whatever the registers are (one AVX-512 register, two AVX2 ones, scalars on the portable
 // path), the build has -ffp-contract=off (no FMA the source does not write) and an FMA is one rounding on every
 // path, so the three paths give the same bits.  Work is split over threads by rows and outputs, never along a sum.
-// Needs: <cstdint>, <cstring>, <algorithm>, <cmath>, <limits>, <immintrin.h> (x86) before the include, and
-// DASSPEC_ISA_AVX512 / DASSPEC_ISA_AVX2 / neither defined.
+// Needs: <cstdint>, <cstring>, <algorithm>, <cmath>, <limits>, <type_traits>, <immintrin.h> (x86) before the
+// include, and DASSPEC_ISA_AVX512 / DASSPEC_ISA_AVX2 / neither defined.
 
 typedef float f16v __attribute__((vector_size(16 * sizeof(float))));
 typedef float f8v __attribute__((vector_size(8 * sizeof(float))));
@@ -126,7 +126,7 @@ constexpr int MG = 4;
 constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
 constexpr int MW = MG, NW = 2;
 #endif
-constexpr int64_t WIDE_K[2] = {1024, 4096};          // the wide block for rows of more than [0], at most [1]
+constexpr int64_t WIDE_K_MIN = 1024, WIDE_K_MAX = 4096;   // the wide block's rows: longer than MIN, at most MAX
 
 DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
   c10::BFloat16 t[LANES];
@@ -209,18 +209,18 @@ inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
 
 // Rows [m0, m1) of x times w rows [n0, n1): a chunk of weight rows that fits the L1 cache beside MG rows of x
 // against every row of x (in register blocks of MG rows, then the rows left), chunk after chunk.  Fewer rows of x
-// than MG (a decode step) stream the weight in chunks of 16 rows.  5 to MW float32 rows of WIDE_K's lengths (a batch's
-// decode step on a mid-size model: the weight comes from memory, once) are one block of MW rows against NW weight
-// rows where the ISA has the registers for it (faster there, slower on shorter or longer rows and on bfloat16:
-// docs/performance-journal.md).  While a chunk computes, a later chunk's weight rows are fetched into L2, the fetches
+// than MG (a decode step) stream the weight in chunks of 16 rows.  MG + 1 to MW float32 rows of WIDE_K_MIN / MAX's
+// lengths (a batch's decode step on a mid-size model, its weight read from memory once) are one block of MW rows
+// against NW weight rows where the ISA has the registers for it: each weight vector is loaded once instead of once
+// per block of MG rows (where it pays: docs/performance-journal.md, "Products at 5-8 rows").  While a chunk computes, a later chunk's weight rows are fetched into L2, the fetches
 // spread evenly over the chunk's blocks of x rows (a block reads few weight rows at a time: a weight coming from
 // memory, not a cache, would otherwise leave the memory idle between blocks).  A block changes which values share
 // registers, never an output's sum: every path gives the same bits.
 template <typename T>
 inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,
                        int64_t n1, int64_t K, T* out, int64_t ldo, const T* bias) {
-  const bool wide = MW > MG && std::is_same_v<T, float> && m1 - m0 > MG && m1 - m0 <= MW && K > WIDE_K[0] &&
-                    K <= WIDE_K[1];
+  constexpr bool has_wide = MW > MG && std::is_same_v<T, float>;    // compiled only where it can be taken
+  const bool wide = has_wide && m1 - m0 > MG && m1 - m0 <= MW && K > WIDE_K_MIN && K <= WIDE_K_MAX;
   const int64_t NC = m1 - m0 < MG ? 16
                      : wide      ? 8
                                  : std::max<int64_t>(4, std::min<int64_t>(32, 7168 / K - MG) & ~int64_t(3));
@@ -228,10 +228,12 @@ inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T*
   for (int64_t c0 = n0; c0 < n1; c0 += NC) {
     const int64_t c1 = std::min(n1, c0 + NC);
     const int64_t pf = c1 < n1 ? (NC * K < 16384 ? 2 : 1) * NC * ldw : 0;    // up to 128 KB ahead
-    if (wide) {
-      gemm_rows<MW, NW, T>(x + m0 * ldx, ldx, static_cast<int>(m1 - m0), w, ldw, c0, c1, K, out + m0 * ldo, ldo,
-                           bias, pf, 1, 0);
-      continue;
+    if constexpr (has_wide) {
+      if (wide) {
+        gemm_rows<MW, NW, T>(x + m0 * ldx, ldx, static_cast<int>(m1 - m0), w, ldw, c0, c1, K, out + m0 * ldo, ldo,
+                             bias, pf, 1, 0);
+        continue;
+      }
     }
     int64_t m = m0;
     for (; m + MG <= m1; m += MG) {
