@@ -2,7 +2,7 @@
 
     python benchmarks/paired_versions.py --old c6dd6bb --out runs/paired --rounds 3 [--models bundled,ouro-mid,NAME=FOLDER]
 
-The old commit is checked out into a temporary git worktree; each round runs one worker process per version (old
+The old commit is checked out into a git worktree named by its hash and removed at the end; each round runs one worker process per version (old
 first on odd rounds, new first on even ones, so drift of a shared machine hits both alike).  A worker loads each model
 with its version's code and decodes the same token ids: every prompt alone (``dasspec.generate``, B = 1) and all of
 them together (``dasspec.generate_batch``, B = 8), for each method, ``--new-tokens`` greedy tokens without EOS.
@@ -105,9 +105,20 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointError:                       # a folder without tokenizer files
             cfg = json.loads((Path(path) / "config.json").read_text())
             prompts[name] = random_prompts(args.prompts, min(cfg["vocab_size"], 32000))
-    old = args.work / f"old-{args.old}"
+    # the worktree is named by the commit, not by the name given (``--old HEAD`` must not reuse an earlier HEAD's)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.old}^{{commit}}"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    old = args.work / f"old-{commit[:12]}"
     if not old.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), args.old], check=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), commit], check=True)
+    try:
+        return compare(args, old, models, prompts)
+    finally:                                          # temporary: no worktree left registered in the repository
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], capture_output=True)
+
+
+def compare(args: argparse.Namespace, old: Path, models: dict, prompts: dict) -> int:
+    """The rounds, old and new in turn, and the report."""
     job = {"models": models, "prompts": prompts, "methods": args.methods.split(","), "new": args.new_tokens,
            "threads": args.threads}
     new_env = dict(kv.split("=", 1) for kv in args.new_env)
