@@ -14,7 +14,8 @@ from test_serve import PROMPT, ar, chat_ids, checkpoint, model, start_server  # 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 QUEUE, BATCH = 3, 2
-TOL = dict(rel=1e-5, abs=2e-5)     # float32: the server's log-softmax against torch's over a plain forward (test_scoring.py: batching moves no bit)
+# float32: the server's log-softmax against torch's over a plain forward (test_scoring.py: batching moves no bit)
+TOL = dict(rel=1e-5, abs=2e-5)
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,7 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   for (int64_t turn = 0; k + LANES <= K; k += LANES, turn = turn + 1 == pf_period ? 0 : turn + 1) {
     if (pf && turn == pf_phase)
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
-    if constexpr (MR > 4) {            // the 8-row block holds the weight's vectors and loads x row by row
+    if constexpr (MR == MW && MW > MG) {   // the wide block holds the weight's vectors, loads x row by row
       Acc wv[NR];
       for (int n = 0; n < NR; ++n) wv[n] = acc_load(wr[n] + k);
       for (int m = 0; m < MR; ++m) {
@@ -212,9 +212,10 @@ inline void gemm_rows(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
 // than MG (a decode step) stream the weight in chunks of 16 rows.  MG + 1 to MW float32 rows of WIDE_K_MIN / MAX's
 // lengths (a batch's decode step on a mid-size model, its weight read from memory once) are one block of MW rows
 // against NW weight rows where the ISA has the registers for it: each weight vector is loaded once instead of once
-// per block of MG rows (where it pays: docs/performance-journal.md, "Products at 5-8 rows").  While a chunk computes, a later chunk's weight rows are fetched into L2, the fetches
-// spread evenly over the chunk's blocks of x rows (a block reads few weight rows at a time: a weight coming from
-// memory, not a cache, would otherwise leave the memory idle between blocks).  A block changes which values share
+// per block of MG rows (where it pays: docs/performance-journal.md, "Products at 5-8 rows").  While a chunk
+// computes, a later chunk's weight rows are fetched into L2, the fetches spread evenly over the chunk's blocks of x
+// rows (a block reads few weight rows at a time: a weight coming from memory, not a cache, would otherwise leave the
+// memory idle between blocks).  A block changes which values share
 // registers, never an output's sum: every path gives the same bits.
 template <typename T>
 inline void gemm_block(const T* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t ldw, int64_t n0,

@@ -52,6 +52,7 @@ def position_noise(positions: Tensor, dim: int, seed: int) -> Tensor:
 
 
 _GUMBEL_STREAM = 0x5DEECE66D                   # keeps the sampling noise independent of the initial-state noise
+_NOISE_BLOCK = 1 << 17          # int64 values per block of rows (1 MB): a row at a time for a large vocabulary
 
 
 def gumbel_noise(positions: Tensor, vocab: int, seed: int) -> Tensor:
@@ -76,9 +77,6 @@ def gumbel_noise(positions: Tensor, vocab: int, seed: int) -> Tensor:
         u = bits.to(torch.float64).add_(0.5).div_(float(1 << 32))            # uniform in (0, 1)
         out[i: i + step] = u.log_().neg_().log_().neg_()                      # -log(-log u), rounded once
     return out
-
-
-_NOISE_BLOCK = 1 << 17          # int64 values per block of rows (1 MB): a row at a time for a large vocabulary
 
 
 def _hash32_(x: Tensor) -> Tensor:
