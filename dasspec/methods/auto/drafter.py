@@ -131,6 +131,7 @@ class AutoDrafter(Drafter):
         self.step_tok = self.step_rows = self.step_n = 0     # the step being verified (from the verdicts)
         self.last: tuple[int, int, int, float] | None = None   # the last step: sessions, tokens, rows, drafting s
         self._laps: list[tuple[str, int, Lap]] = []          # this step's drafting, per arm and group
+        self._unpriced: float | None = None      # this step has a first-measure probe: the budget charged before it
         self.bound = False
         self.device = None                       # the model's: drafting laps are timed on it
 
@@ -248,9 +249,29 @@ class AutoDrafter(Drafter):
         if self.step_n:
             self.last = (self.step_n, self.step_tok, self.step_rows, spent)
             # fitted only on a pass of auto's own requests alone: prices are asked of auto's rows (``others``)
-            if not timing.prefill_rows and timing.requests == self.step_n and timing.rows == self.step_rows:
+            alone = not timing.prefill_rows and timing.requests == self.step_n and timing.rows == self.step_rows
+            plain = self.costs.verify_time(self.step_n, self.step_n)
+            if alone:
                 self.costs.add_pass(timing.seconds, timing.rows, timing.requests)
+            if self._unpriced is not None:
+                self._charge_unpriced(timing.seconds if alone else None, spent, plain)
+        self._unpriced = None
         self.step_tok = self.step_rows = self.step_n = 0
+
+    def _charge_unpriced(self, seconds: float | None, spent: float, plain: float | None) -> None:
+        """A first-measure probe is taken before its price is known; once measured, what its step lost against a
+        plain one is charged to the exploration budget, so that ``explore`` bounds every probe: the step's seconds
+        (its pass, or the pass's price where other rows rode along) and drafting, less its tokens at the plain
+        step's rate, less what this step's other probes were charged already.  ``plain``: the price of a plain
+        step of these requests before this pass was fitted (None: priced from this pass)."""
+        n, t = self.step_n, self.tuning
+        plain = self.costs.verify_time(n, n) if plain is None else plain
+        if seconds is None:
+            seconds = self.costs.verify_time(self.step_rows, n)
+        if plain is None or seconds is None:
+            return
+        lost = seconds + spent - self.step_tok * plain / n - (self.budget.explored - self._unpriced)
+        self.budget.explored += max(lost, t.probe_loss_floor * plain / n)
 
     def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
         t = self.tuning
@@ -258,13 +279,17 @@ class AutoDrafter(Drafter):
         self._laps = []                                  # (a step that never reached ``measured``: its own are lost)
         self.step_tok = self.step_rows = self.step_n = 0
         B = len(sessions)
+        explored = self.budget.explored
+        self.costs.memo = {}                             # nothing is fitted until the shadow drafts below
         picks = [s.choose(B) for s in sessions]
         if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
             picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
                                    [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
         else:
             picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t, self.budget)
+        self.costs.memo = None
         picks = [Choice("ar", False, "one-to-go") if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
+        self._unpriced = explored if any(p.rule == "first-measure" for p in picks) else None
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):
             s.choice = pick
