@@ -80,6 +80,8 @@ class TemplateSandbox:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""
+        self._count = threading.Lock()
+        self.rendering = 0           # renders in flight (waiting for the child included): a server's /health says
 
     def render(self, template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str], template_kwargs: Mapping[str, Any] | None = None) -> str:
@@ -88,15 +90,21 @@ class TemplateSandbox:
         request = json.dumps({"template": template, "messages": [dict(m) for m in messages],
                               "add_generation_prompt": add_generation_prompt, "special": dict(special_tokens),
                               "kwargs": dict(template_kwargs or {}), "max_chars": self.max_chars}).encode() + b"\n"
-        with self._lock:
-            proc = self._child()
-            try:
-                proc.stdin.write(request)
-                proc.stdin.flush()
-            except OSError:
-                self._kill()
-                raise TemplateLimit("the chat template's render process stopped (exceeded its memory?)") from None
-            line = self._read_line(proc, time.monotonic() + self.timeout_s)
+        with self._count:
+            self.rendering += 1
+        try:
+            with self._lock:
+                proc = self._child()
+                try:
+                    proc.stdin.write(request)
+                    proc.stdin.flush()
+                except OSError:
+                    self._kill()
+                    raise TemplateLimit("the chat template's render process stopped (exceeded its memory?)") from None
+                line = self._read_line(proc, time.monotonic() + self.timeout_s)
+        finally:
+            with self._count:
+                self.rendering -= 1
         answer = json.loads(line)
         if "error" in answer:
             raise TemplateLimit(answer["error"], answer.get("bound", True))

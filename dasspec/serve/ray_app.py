@@ -426,7 +426,8 @@ class ClusterService(Frontend):
         ok = bool(good)
         return {"status": "ok" if ok else "no replica is answering", "model": self.model_name,
                 "method": self.method, "queue_length": sum(a["queue_length"] for a in good) + self._waiting,
-                "running": sum(a["running"] for a in good), "exactness": exactness, "replicas": replicas}, ok
+                "running": sum(a["running"] for a in good), "exactness": exactness,
+                "templates_rendering": self.templates.rendering, "replicas": replicas}, ok
 
     async def metrics_text(self) -> str:
         answers = await self._ask_all("metrics")

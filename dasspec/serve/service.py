@@ -320,7 +320,7 @@ class Service(Frontend):
         return {"status": "ok" if ok else "the decode worker has stopped", "model": self.model_name,
                 "method": self.method, "queue_length": self.worker.queue_length,
                 "running": self.worker.running, "exactness": self.exactness, "overlap": self.engine.overlap,
-                "kv_window": self.engine.window}, ok
+                "kv_window": self.engine.window, "templates_rendering": self.templates.rendering}, ok
 
     async def metrics_text(self) -> str:
         return self.metrics.render()
