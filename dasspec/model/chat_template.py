@@ -81,7 +81,7 @@ class TemplateSandbox:
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._count = threading.Lock()
-        self.rendering = 0           # renders in flight (waiting for the child included): a server's /health says
+        self.rendering = 0           # renders asked for and not yet answered (those waiting for the child too)
 
     def render(self, template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str], template_kwargs: Mapping[str, Any] | None = None) -> str:

@@ -413,6 +413,7 @@ class ClusterService(Frontend):
         return answers
 
     async def health(self) -> tuple[dict[str, Any], bool]:
+        rendering = self.templates.rendering          # now, not after the replicas' answers
         answers = await self._ask_all("health")
         replicas = [{"replica": rid, "status": f"unreachable: {type(a).__name__}"} if isinstance(a, Exception)
                     else {k: a.get(k) for k in ("replica", "status", "pid", "queue_length", "running", "requests",
@@ -427,7 +428,7 @@ class ClusterService(Frontend):
         return {"status": "ok" if ok else "no replica is answering", "model": self.model_name,
                 "method": self.method, "queue_length": sum(a["queue_length"] for a in good) + self._waiting,
                 "running": sum(a["running"] for a in good), "exactness": exactness,
-                "templates_rendering": self.templates.rendering, "replicas": replicas}, ok
+                "templates_rendering": rendering, "replicas": replicas}, ok
 
     async def metrics_text(self) -> str:
         answers = await self._ask_all("metrics")

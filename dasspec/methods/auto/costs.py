@@ -89,9 +89,9 @@ class CostModel:
         self.early: list[tuple[float, int, int]] = []   # drafted passes before the first plain one: v, rows, n
         # per arm and ``bucket`` of the group drafting together: drafting seconds and ``draft_units``
         self.dcost: dict[str, dict[int, tuple[float, float]]] = {}
-        # prices asked while the fits stand still (one step's choices and plans): the drafter sets a dict; a fit
-        # clears it
-        self.memo: dict | None = None
+        # prices asked while the fits stand still (one step's choices and plans; the drafter sets a dict): keyed by
+        # what a price is asked of; a fit, or a new calibration, clears it
+        self.memo: dict[tuple, float | None] | None = None
 
     # -- fitting --
     def add_pass(self, v: float, rows: int, n: int) -> None:

@@ -14,7 +14,8 @@ and the estimates compared (tokens per second of the step per arm) - a trace exp
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ...engine.drafting import Draft, Drafter, Lap, PassTiming, Session, Verdict
@@ -26,6 +27,24 @@ from .explorer import Budget, Choice, Situation, choose
 from .knobs import AutoKnobs
 from .planners import closed_plan, together
 from .tuning import TUNING, Tuning
+
+
+@dataclass
+class StepProbes:
+    """One step's probing requests (a probe's own, or put on a drafter by a batch plan that probes): the exploration
+    budget charged before the step, the probers per arm, and their tokens, verifier rows and count (from their
+    verdicts)."""
+
+    explored: float
+    arms: dict[str, int]
+    tok: int = 0
+    rows: int = 0
+    n: int = 0
+
+    def add(self, tok: int, rows: int) -> None:
+        self.tok += tok
+        self.rows += rows
+        self.n += 1
 
 
 class AutoSession(Session):
@@ -100,6 +119,8 @@ class AutoSession(Session):
         d.step_tok += tok
         d.step_rows += rows
         d.step_n += 1
+        if d.probes is not None and probing(self.choice):
+            d.probes.add(tok, rows)
         if arm != "ar":
             self.earnings.verdict(arm, tok, rows, self.steps)
             if arm in LOOKUP and self.probe and rows > 1:       # a price probe that measured rows
@@ -131,7 +152,7 @@ class AutoDrafter(Drafter):
         self.step_tok = self.step_rows = self.step_n = 0     # the step being verified (from the verdicts)
         self.last: tuple[int, int, int, float] | None = None   # the last step: sessions, tokens, rows, drafting s
         self._laps: list[tuple[str, int, Lap]] = []          # this step's drafting, per arm and group
-        self._unpriced: float | None = None      # this step has a first-measure probe: the budget charged before it
+        self.probes: StepProbes | None = None    # this step's probes, charged as measured
         self.bound = False
         self.device = None                       # the model's: drafting laps are timed on it
 
@@ -206,6 +227,7 @@ class AutoDrafter(Drafter):
     @sizing.setter
     def sizing(self, s: Sizing | None) -> None:
         self.costs.sizing = s
+        self.costs.memo = None
 
     # -- what a step is expected to cost --
     def pass_cost(self, rows: float) -> float:
@@ -239,10 +261,13 @@ class AutoDrafter(Drafter):
         """The executor's timing of the pass that verified this step's drafts: the prices learn from it (not from a
         pass that carried prompt rows: that time is not the drafts'), and the drafting laps are read now that the
         device has passed them."""
-        spent = 0.0
+        probes, self.probes = self.probes, None
+        spent = probed = 0.0
         for arm, m, lap in self._laps:
             dt = lap.seconds()
             spent += dt
+            if probes is not None:
+                probed += dt * probes.arms.get(arm, 0) / m
             self.costs.add_draft(arm, dt, m)
         self._laps = []
         self.budget.elapsed += timing.seconds + timing.draft_seconds
@@ -250,28 +275,33 @@ class AutoDrafter(Drafter):
             self.last = (self.step_n, self.step_tok, self.step_rows, spent)
             # fitted only on a pass of auto's own requests alone: prices are asked of auto's rows (``others``)
             alone = not timing.prefill_rows and timing.requests == self.step_n and timing.rows == self.step_rows
-            plain = self.costs.verify_time(self.step_n, self.step_n)
+            priced = None
+            if probes is not None and probes.n:         # this step's prices, before this pass moves them
+                priced = (self.costs.verify_time(self.step_rows, self.step_n),
+                          self.costs.verify_time(self.step_rows - probes.rows + probes.n, self.step_n))
             if alone:
                 self.costs.add_pass(timing.seconds, timing.rows, timing.requests)
-            if self._unpriced is not None:
-                self._charge_unpriced(timing.seconds if alone else None, spent, plain)
-        self._unpriced = None
+            if priced is not None:
+                self._charge_probes(probes, timing.seconds if alone else None, spent, probed, *priced)
         self.step_tok = self.step_rows = self.step_n = 0
 
-    def _charge_unpriced(self, seconds: float | None, spent: float, plain: float | None) -> None:
-        """A first-measure probe is taken before its price is known; once measured, what its step lost against a
-        plain one is charged to the exploration budget, so that ``explore`` bounds every probe: the step's seconds
-        (its pass, or the pass's price where other rows rode along) and drafting, less its tokens at the plain
-        step's rate, less what this step's other probes were charged already.  ``plain``: the price of a plain
-        step of these requests before this pass was fitted (None: priced from this pass)."""
-        n, t = self.step_n, self.tuning
-        plain = self.costs.verify_time(n, n) if plain is None else plain
-        if seconds is None:
-            seconds = self.costs.verify_time(self.step_rows, n)
-        if plain is None or seconds is None:
+    def _charge_probes(self, probes: StepProbes, seconds: float | None, spent: float, probed: float,
+                       v_step: float | None, v_plain: float | None) -> None:
+        """A probe is charged to the exploration budget when taken by its estimated loss (none for a first-measure
+        probe: nothing is priced yet); once measured, the step's charge becomes what its probes lost, so that
+        ``explore`` bounds what probing cost, not what it was expected to.  The step is compared with the same step
+        with the probing requests plain (a row and a token each, the others as they were): its seconds -
+        ``seconds``, the pass, where it carried auto's rows alone, else ``v_step``, their price (until a drafted
+        pass is measured that prices a draft's rows at the calibration's shape, so probes riding beside other rows
+        are charged low) - and its drafting (``spent``, ``probed`` of it the probes'), less the step's tokens at the
+        alternative's rate; at least the probe floor per prober.  ``v_step`` / ``v_plain``: the prices of the
+        step's rows and of the alternative's."""
+        if not v_step or v_plain is None:
             return
-        lost = seconds + spent - self.step_tok * plain / n - (self.budget.explored - self._unpriced)
-        self.budget.explored += max(lost, t.probe_loss_floor * plain / n)
+        seconds = v_step if seconds is None else seconds
+        alt = seconds * v_plain / v_step + spent - probed              # the alternative step's seconds
+        lost = seconds + spent - self.step_tok * alt / (self.step_tok - probes.tok + probes.n)
+        self.budget.explored = probes.explored + max(lost, self.tuning.probe_loss_floor * alt * probes.n / self.step_n)
 
     def propose_batch(self, sessions: list[AutoSession]) -> list[Draft]:
         t = self.tuning
@@ -281,15 +311,19 @@ class AutoDrafter(Drafter):
         B = len(sessions)
         explored = self.budget.explored
         self.costs.memo = {}                             # nothing is fitted until the shadow drafts below
-        picks = [s.choose(B) for s in sessions]
-        if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
-            picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
-                                   [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
-        else:
-            picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t, self.budget)
-        self.costs.memo = None
+        try:
+            picks = [s.choose(B) for s in sessions]
+            if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
+                picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
+                                       [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
+            else:
+                picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t,
+                                    self.budget)
+        finally:
+            self.costs.memo = None
         picks = [Choice("ar", False, "one-to-go") if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
-        self._unpriced = explored if any(p.rule == "first-measure" for p in picks) else None
+        probers = Counter(p.arm for p in picks if probing(p))
+        self.probes = StepProbes(explored, dict(probers)) if probers else None
         groups: dict[str, list[int]] = {}
         for i, (s, pick) in enumerate(zip(sessions, picks)):
             s.choice = pick
@@ -315,6 +349,11 @@ class AutoDrafter(Drafter):
             out.append(replace(dr, notes={**(dr.notes or {}), **_notes(s.choice, s.seen)}))
         self.groups_last = {arm: len(idx) for arm, idx in groups.items()}
         return out
+
+
+def probing(c: Choice) -> bool:
+    """Whether a request's step is a probe: its own, or a batch plan's that probes (``planners``)."""
+    return c.probe or (c.plan or "").endswith("-probe")
 
 
 def _notes(c: Choice, values: dict) -> dict:

@@ -3,8 +3,10 @@ way of deciding a named rule, a plain function of what the request sees (``Situa
 exploration budget (``Budget``), tested alone (tests/test_auto.py).  ``choose`` tries them in a fixed order and
 returns a ``Choice`` that names the rule that decided and the estimates it compared (the trace shows both).
 
-Exploring is bounded by ``explore``: the probes' estimated losses stay within that share of the decoded time, and
-at most one request probes an arm per step.
+Exploring is bounded by ``explore``: a probe is taken only while the probes' losses, its own estimated one
+included, stay within that share of the decoded time, and once its step is measured it is charged what it lost
+(``AutoDrafter.measured``; a first-measure probe, taken before anything is priced, only then).  At most one request
+probes an arm per step.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Situation:
 
 class Budget:
     """The drafter-wide exploration state: decoded seconds (measured passes and drafting), what the probes so far
-    were estimated to cost over the best arm, the arms probed this step, when each arm last drafted, and the price
+    cost over the best arm (estimated when taken, measured once their step is), the arms probed this step, when each arm last drafted, and the price
     probes per lookup arm."""
 
     def __init__(self, explore: float):
@@ -94,7 +96,8 @@ def unpriced(sit: Situation, budget: Budget, t: Tuning) -> Choice | None:
 
 
 def first_measure(sit: Situation, budget: Budget, t: Tuning) -> Choice | None:
-    """A model-drafting arm nobody has measured: probed at once, by one request a step."""
+    """A model-drafting arm nobody has measured: probed at once, by one request a step (charged to the budget
+    what it lost, once measured)."""
     for arm, v in sit.values.items():
         if arm != "ar" and arm not in LOOKUP and v is None and arm not in budget.probed:
             return _probe(budget, arm, "first-measure")
