@@ -21,6 +21,7 @@ BUNDLED = str(BUNDLED_DIR)
 # script -> its arguments: the smallest run that still goes through every line of its measurement
 RUNS = {
     "auto/step_trace.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
+    "auto/probe_trace.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
     "auto/auto_pair.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4"],
     "auto/server_life.py": ["1", "2", "ar,auto", "greedy", BUNDLED, "4"],      # rounds, levels, methods, -, model, tokens
     "ouro-vllm/step_profile.py": [BUNDLED, "1", "2"],                           # model, threads, B

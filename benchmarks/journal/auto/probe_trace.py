@@ -1,10 +1,11 @@
 """Where auto's time goes against AR on random-id prompts (issue 53): the steps its probes took, and its own host
-work per part.  8 prompts of 40-120 random ids x 32 greedy tokens, no EOS.
-    python benchmarks/journal/auto/probe_trace.py --model FOLDER [--threads N] [--rounds N] [--batch]
-Without --batch: every prompt alone (``dasspec.generate``: a fresh drafter each) after an AR pass of the same
-prompts; prints auto / AR and, per prompt, each step not decided by exploiting (step, rule, choosing + drafting
-ms, the step's ms).  With --batch: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the
-milliseconds spent in auto's parts (choosing, the batch plan, the lookups' shadow drafts, the whole propose)."""
+work per part.  8 prompts of 40-120 random ids x 32 (--tokens) greedy tokens, no EOS.
+    python benchmarks/journal/auto/probe_trace.py --model FOLDER [--threads N] [--rounds N] [--tokens N] \
+        [--parts trace,batch]
+``trace``: every prompt alone (``dasspec.generate``: a fresh drafter each) after an AR pass of the same prompts;
+prints auto / AR and, per prompt, each step not decided by exploiting (step, rule, choosing + drafting ms, the
+step's ms).  ``batch``: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the milliseconds
+spent in auto's parts (choosing, the batch plan, the lookups' shadow drafts, the whole propose)."""
 import argparse, collections, os, sys, time
 import torch, dasspec
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -15,7 +16,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--rounds", type=int, default=2)
-p.add_argument("--batch", action="store_true")
+p.add_argument("--tokens", type=int, default=32)
+p.add_argument("--parts", default="trace,batch")
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 model = dasspec.load_model(a.model, dtype=torch.float32)
@@ -36,28 +38,28 @@ def timed(f, key, record=False):
 
 
 D.AutoDrafter.propose_batch = timed(D.AutoDrafter.propose_batch, "propose", record=True)
-if a.batch:
+parts = a.parts.split(",")
+if "batch" in parts:
     D.AutoSession.choose = timed(D.AutoSession.choose, "choose")
     E.Earnings.shadow = timed(E.Earnings.shadow, "shadow")
     D.closed_plan = timed(D.closed_plan, "closed_plan")
     D.together = timed(D.together, "together")
 dasspec.generate(model, P[0], "auto", max_new_tokens=4, eos=False)
-for r in range(a.rounds):
-    if a.batch:
-        dasspec.generate_batch(model, P, method="auto", max_new_tokens=32, eos=False, max_batch=8)
-        acc.clear()
-        t = time.perf_counter()
-        dasspec.generate_batch(model, P, method="auto", max_new_tokens=32, eos=False, max_batch=8)
-        print(f"auto {time.perf_counter() - t:.3f} s", {k: round(v * 1e3, 1) for k, v in acc.items()})
-        continue
+for r in range(a.rounds if "batch" in parts else 0):
+    dasspec.generate_batch(model, P, method="auto", max_new_tokens=a.tokens, eos=False, max_batch=8)
+    acc.clear()
+    t = time.perf_counter()
+    dasspec.generate_batch(model, P, method="auto", max_new_tokens=a.tokens, eos=False, max_batch=8)
+    print(f"auto {time.perf_counter() - t:.3f} s", {k: round(v * 1e3, 1) for k, v in acc.items()})
+for r in range(a.rounds if "trace" in parts else 0):
     t = time.perf_counter()
     for q in P:
-        dasspec.generate(model, q, "ar", max_new_tokens=32, eos=False)
+        dasspec.generate(model, q, "ar", max_new_tokens=a.tokens, eos=False)
     t_ar, t_auto, steps = time.perf_counter() - t, 0.0, []
     for q in P:
         log.clear()
         t = time.perf_counter()
-        dasspec.generate(model, q, "auto", max_new_tokens=32, eos=False)
+        dasspec.generate(model, q, "auto", max_new_tokens=a.tokens, eos=False)
         t_auto += time.perf_counter() - t
         steps.append([(i, rules[0], round(dt * 1e3, 1), round((log[i + 1][0] - t0) * 1e3, 1))
                       for i, (t0, dt, rules) in enumerate(log[:-1]) if rules[0] not in ("best", "margin")])
