@@ -77,6 +77,31 @@ def test_lookup_matchers_match_brute_force(find, brute, seed: int) -> None:
             assert got == brute(seq, max_ngram, k), (seq, max_ngram, k)
 
 
+@pytest.mark.parametrize("find", [find_draft, find_copy], ids=["pld", "copy"])
+@pytest.mark.parametrize("seed", range(12))
+def test_prompt_lookup_drafts_as_its_matcher_while_the_text_grows(find, seed: int) -> None:
+    """A request's prompt lookup keeps an index of its text's n-grams as it grows (several tokens a step, as a
+    verified block commits): every step's draft equals the matcher's on the whole text, for n-grams short enough
+    to index and past that (fails when the index counts the text's own suffix as an earlier occurrence, or forgets
+    where an n-gram last ended)."""
+    from types import SimpleNamespace
+
+    from dasspec.methods.pld import INDEX_MAX_NGRAM, PromptLookup
+    rng = random.Random(seed)
+    text = random_text(rng, 240, rng.choice([2, 4, 8, 30]))
+    for max_ngram in (1, 2, 3, 5, INDEX_MAX_NGRAM, INDEX_MAX_NGRAM + 1):
+        P = rng.randrange(1, 20)
+        req = SimpleNamespace(P=P, prompt=text[:P], generated=[], budget=len(text) - P, room=len(text) - P)
+        lookup = PromptLookup(req, max_ngram, 10, find)
+        assert (lookup.index is not None) == (max_ngram <= INDEX_MAX_NGRAM)
+        while P + len(req.generated) < len(text):
+            k = rng.randrange(1, 12)
+            got = lookup.propose(req, k).tolist()
+            whole = np.array(text[: P + len(req.generated)], dtype=np.int64)
+            assert got == find(whole, max_ngram, k).tolist(), (max_ngram, len(whole), k)
+            req.generated = text[P: P + len(req.generated) + rng.randrange(1, 6)]
+
+
 def test_copy_extends_runs_and_cycles() -> None:
     assert find_copy(np.array([7, 1, 1, 1]), 3, 6).tolist() == [1] * 6
     assert find_copy(np.array([9, 4, 5, 6, 4, 5, 6]), 3, 7).tolist() == [4, 5, 6, 4, 5, 6, 4]

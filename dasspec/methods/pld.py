@@ -65,8 +65,44 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     return seq[L - p + np.arange(num_pred) % p]
 
 
+# Suffix n-grams up to this long are matched through an index kept as the text grows (an entry per n per
+# position); longer ones by a scan of the text every step.
+INDEX_MAX_NGRAM = 8
+
+
+class SuffixIndex:
+    """Each n-gram's (n <= ``max_ngram``) earliest and latest end position in a growing text, so that a step finds
+    the longest earlier occurrence of the text's suffix in ``max_ngram`` lookups instead of a scan of the text: the
+    end positions before the text's last are indexed (the suffix itself is not its own match), each once."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.ends: list[dict[tuple, list[int]]] = [{} for _ in range(max_ngram + 1)]   # n -> gram -> [first, last]
+        self.done = 0                                 # end positions indexed: [0, done)
+
+    def match(self, seq: list[int]) -> list[int] | None:
+        """[earliest, latest] end of the longest suffix n-gram's earlier occurrences in ``seq`` (which only grows
+        between calls); None when even its last token never occurred before."""
+        L = len(seq)
+        for e in range(self.done, L - 1):
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                gram = tuple(seq[e - n + 1: e + 1])
+                got = self.ends[n].get(gram)
+                if got is None:
+                    self.ends[n][gram] = [e, e]
+                else:
+                    got[1] = e
+        self.done = max(self.done, L - 1)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            got = self.ends[n].get(tuple(seq[L - n:]))
+            if got is not None:
+                return got
+        return None
+
+
 class PromptLookup:
-    """Host copy of the committed text, appended incrementally, and the per-step draft."""
+    """Host copy of the committed text, appended incrementally, and the per-step draft (``find_draft`` or
+    ``find_copy``'s, through a ``SuffixIndex`` where the n-grams are short enough; another ``find`` as it is)."""
 
     def __init__(self, req: DraftContext, max_ngram: int, num_pred: int, find=find_draft):
         self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
@@ -74,16 +110,30 @@ class PromptLookup:
         self.text[: req.P] = req.prompt
         self.P = req.P
         self.fed = 0                              # generated tokens copied so far
+        indexed = max_ngram <= INDEX_MAX_NGRAM and find in (find_draft, find_copy)
+        self.index = SuffixIndex(max_ngram) if indexed else None
+        self.seq: list[int] = self.text[: req.P].tolist() if indexed else []
 
     def propose(self, req: DraftContext, num_pred: int | None = None) -> np.ndarray:
         """The draft for the committed text: up to ``num_pred`` tokens (default: the constructor's)."""
         gen = req.generated
         self.text[self.P + self.fed: self.P + len(gen)] = gen[self.fed:]
+        if self.index is not None:
+            self.seq.extend(int(t) for t in gen[self.fed:])
         self.fed = len(gen)
         k = min(self.num_pred if num_pred is None else num_pred, req.room - 1)   # a bonus chain (the budget rule)
+        L = self.P + self.fed
         if k < 1:
             return self.text[:0]
-        return self.find(self.text[: self.P + self.fed], self.max_ngram, k)
+        if self.index is None:
+            return self.find(self.text[:L], self.max_ngram, k)
+        hit = self.index.match(self.seq)
+        if hit is None:
+            return self.text[:0]
+        if self.find is find_draft:               # after the earliest occurrence (find_draft)
+            return self.text[hit[0] + 1: min(hit[0] + 1 + k, L)]
+        p = L - 1 - hit[1]                        # find_copy: the period back to the latest occurrence
+        return self.text[L - p + np.arange(k) % p]
 
 
 @dataclass(frozen=True)

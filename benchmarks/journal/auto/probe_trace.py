@@ -1,10 +1,10 @@
 """Where auto's time goes against AR on random-id prompts (issue 53): the steps its probes took, and its own host
 work per part.  8 prompts of 40-120 random ids x 32 (--tokens) greedy tokens, no EOS.
     python benchmarks/journal/auto/probe_trace.py --model FOLDER [--threads N] [--rounds N] [--tokens N] \
-        [--parts trace,batch]
+        [--parts trace,kept,batch]
 ``trace``: every prompt alone (``dasspec.generate``: a fresh drafter each) after an AR pass of the same prompts;
 prints auto / AR and, per prompt, each step not decided by exploiting (step, rule, choosing + drafting ms, the
-step's ms).  ``batch``: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the milliseconds
+step's ms).  ``kept``: the same with one drafter kept across the prompts (``drafter=``, as a server keeps it).  ``batch``: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the milliseconds
 spent in auto's parts (choosing, the batch plan, the lookups' shadow drafts, the whole propose)."""
 import argparse, collections, os, sys, time
 import torch, dasspec
@@ -17,7 +17,7 @@ p.add_argument("--model", required=True)
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--tokens", type=int, default=32)
-p.add_argument("--parts", default="trace,batch")
+p.add_argument("--parts", default="trace,kept,batch")
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 model = dasspec.load_model(a.model, dtype=torch.float32)
@@ -51,18 +51,33 @@ for r in range(a.rounds if "batch" in parts else 0):
     t = time.perf_counter()
     dasspec.generate_batch(model, P, method="auto", max_new_tokens=a.tokens, eos=False, max_batch=8)
     print(f"auto {time.perf_counter() - t:.3f} s", {k: round(v * 1e3, 1) for k, v in acc.items()})
-for r in range(a.rounds if "trace" in parts else 0):
-    t = time.perf_counter()
-    for q in P:
-        dasspec.generate(model, q, "ar", max_new_tokens=a.tokens, eos=False)
-    t_ar, t_auto, steps = time.perf_counter() - t, 0.0, []
+def traced(drafter_of) -> tuple[float, list]:
+    """auto over every prompt alone, the drafter of each call from ``drafter_of()``: seconds, per prompt the steps
+    not decided by exploiting."""
+    total, steps = 0.0, []
     for q in P:
         log.clear()
         t = time.perf_counter()
-        dasspec.generate(model, q, "auto", max_new_tokens=a.tokens, eos=False)
-        t_auto += time.perf_counter() - t
+        dasspec.generate(model, q, max_new_tokens=a.tokens, eos=False, drafter=drafter_of())
+        total += time.perf_counter() - t
         steps.append([(i, rules[0], round(dt * 1e3, 1), round((log[i + 1][0] - t0) * 1e3, 1))
                       for i, (t0, dt, rules) in enumerate(log[:-1]) if rules[0] not in ("best", "margin")])
-    print(f"round {r}: AR {t_ar:.3f} s, auto {t_auto:.3f} s, auto / AR {t_ar / t_auto:.3f}")
-    for s in steps:
-        print("  ", s)
+    return total, steps
+
+
+ways = [w for w in ("trace", "kept") if w in parts]
+for r in range(a.rounds if ways else 0):
+    t = time.perf_counter()
+    for q in P:
+        dasspec.generate(model, q, "ar", max_new_tokens=a.tokens, eos=False)
+    t_ar = time.perf_counter() - t
+    for way in ways:
+        if way == "trace":                                  # a fresh drafter per call, as generate(method=) builds
+            t_auto, steps = traced(lambda: dasspec.build_drafter(model, "auto"))
+        else:                                               # one drafter kept across the calls, as a server keeps
+            kept = dasspec.build_drafter(model, "auto")
+            t_auto, steps = traced(lambda: kept)
+        print(f"round {r} ({'fresh drafter per prompt' if way == 'trace' else 'one drafter kept'}): "
+              f"AR {t_ar:.3f} s, auto {t_auto:.3f} s, auto / AR {t_ar / t_auto:.3f}")
+        for s in steps:
+            print("  ", s)
