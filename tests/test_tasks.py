@@ -136,6 +136,32 @@ def test_the_data_folder_is_the_flag_else_the_environment_never_a_guess(monkeypa
         data_dir()
 
 
+def test_without_a_network_the_hub_is_not_tried(monkeypatch):
+    """No data folder, ``datasets`` installed, and the hub's name does not resolve: the task says so at once
+    instead of letting ``datasets`` retry for tens of seconds (fails when the download is attempted anyway); in
+    ``datasets``' offline mode the cache is asked (no name lookup)."""
+    import socket
+    import types
+
+    from dasspec.eval.tasks import base
+    calls = []
+    fake = types.SimpleNamespace(load_dataset=lambda *a, **k: calls.append(a) or [{"question": "q", "answer": "#### 1"}])
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.delenv("DASSPEC_DATA", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def no_dns(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(base.socket, "getaddrinfo", no_dns)
+    with pytest.raises(DataError, match="cannot resolve huggingface.co.*HF_DATASETS_OFFLINE=1"):
+        base.from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main", split="test")
+    assert calls == []
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert base.from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main", split="test") == [
+        {"question": "q", "answer": "#### 1"}]
+
+
 def test_missing_data_names_the_remedy(monkeypatch, tmp_path):
     monkeypatch.delenv("DASSPEC_DATA", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", None)           # `import datasets` fails: offline fresh install

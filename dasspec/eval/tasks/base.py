@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -80,6 +81,21 @@ def select(pool: int, n: int, split: str = "eval", seed: int = 0, task: str = "t
     return order[:n] if split == "eval" else order[::-1][:n]
 
 
+HUB_HOST = "huggingface.co"
+
+
+def hub_unreachable() -> bool:
+    """Whether the hub's name does not resolve (no network): ``datasets`` would retry with back-off for tens of
+    seconds before failing.  Not asked in its offline mode (a cached copy is read then)."""
+    if os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE"):
+        return False
+    try:
+        socket.getaddrinfo(HUB_HOST, 443)
+    except OSError:
+        return True
+    return False
+
+
 def from_hub(task: str, relative: str, *args, **kwargs) -> list[dict]:
     """Rows from Hugging Face ``datasets`` (online use); a clear error when that is not possible."""
     hint = (f"{task} needs its data: pass --data DIR (or set {DATA_ENV}) with {relative} inside, or "
@@ -88,6 +104,9 @@ def from_hub(task: str, relative: str, *args, **kwargs) -> list[dict]:
         import datasets                 # optional: only to download a task's data (the hint above)
     except ImportError:
         raise DataError(hint) from None
+    if hub_unreachable():
+        raise DataError(f"{hint} (this machine cannot resolve {HUB_HOST}; a copy in the datasets cache is read "
+                        "with HF_DATASETS_OFFLINE=1)")
     try:
         return [dict(r) for r in datasets.load_dataset(*args, **kwargs)]
     except Exception as err:       # network / hub errors come in many types
