@@ -214,7 +214,8 @@ def prefill_notes(s: Summary) -> list[str]:
 def markdown(s: Summary, info: dict, skipped: list[dict] | None = None) -> str:
     sessions = info.get("sessions", [])
     env = sessions[-1] if sessions else {}
-    where = env.get("gpu") or f"CPU ({env.get('machine', '?')}, {env.get('threads', '?')} threads)"
+    threads = env.get("threads", "?")
+    where = env.get("gpu") or f"CPU ({env.get('machine', '?')}, {threads} thread{'' if threads == 1 else 's'})"
     out = [
         "# dasspec benchmark",
         "",
