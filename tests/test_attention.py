@@ -33,8 +33,8 @@ def test_gemm_attention_matches_sdpa(heads, kv_heads, dtype, tol):
 
 def test_float32_cpu_calls_of_every_shape_take_the_row_kernel_and_stay_lossless(monkeypatch):
     """On CPU in float32 no attention call takes SDPA or the GEMM path: causal prefills, one-query steps, masked
-    draft windows, chains and prefix reads at another depth all go through ``rows_attention`` (one arithmetic), and
-    every method's tokens equal AR's."""
+    draft windows, chains and prefix reads at another depth all go through ``rows_attention`` (one arithmetic; the
+    one-call sublayers and layers run it inside), and every method's tokens equal AR's."""
     from dasspec.model import decode_kernel
     if not decode_kernel.available():
         pytest.skip("no kernels: tests/test_kernel_build.py fails where a compiler exists")
@@ -47,6 +47,10 @@ def test_float32_cpu_calls_of_every_shape_take_the_row_kernel_and_stay_lossless(
                         lambda *a, **k: torch_paths.append("sdpa") or real_sdpa(*a, **k))
     monkeypatch.setattr(decode_kernel, "rows_attention",
                         lambda *a: two_source.append(len(a) > 7 and a[7] is not None) or real_rows(*a))
+    # sublayers or whole layers in one call (a batch of one included): the row kernel inside, over one source
+    for name in ("attention_rows", "pre_layer_rows", "peri_layer_rows", "recur_rows", "loop_recur_rows"):
+        real = getattr(decode_kernel, name)
+        monkeypatch.setattr(decode_kernel, name, lambda *a, real=real, **k: two_source.append(False) or real(*a, **k))
     prompt = [3, 4, 5, 6] * 6
     ref = dasspec.generate(model, prompt, "ar", max_new_tokens=24, eos=False)
     for method, knobs in (("das-wave", {"gamma": 24, "rounds": 3, "w_init": 24, "k": 1}), ("pld", {"num_pred": 20}),

@@ -334,7 +334,8 @@ def test_wave_early_stop_ends_the_rounds_at_the_first_unchanged_round(monkeypatc
         out = real_readout(h, span, cache, rows)
         if "req" in live:                    # the guesses in the token scratch are the previous round's
             W, guesses = h.shape[1], live["req"].tokens
-            rounds[-1].append(bool((out[0].argmax(-1) != guesses[span.start + 1: span.start + W + 1]).any()))
+            start = span.parts[0].start if hasattr(span, "parts") else span.start     # a batch of one, or a span
+            rounds[-1].append(bool((out[0].argmax(-1) != guesses[start + 1: start + W + 1]).any()))
         return out
 
     class Spy(WaveDrafter):                  # marks the draft phase, where readouts are rounds

@@ -10,7 +10,8 @@ in one pass, and how drafters that read the model batch their passes.
 Each request reads and writes only its own cache (its blocks of the engine's pool) and sees only its own verified
 prefix, so a row's value does not depend on what else is in the batch; the linear layers run once over all T rows
 (``attention.RaggedSpan``) and attention runs per segment.  A request may appear more than once (consecutive prompt
-blocks prefilled as segments of one pass).  A batch of one is exactly the request's own call.  Drafters build
+blocks prefilled as segments of one pass).  A batch of one is the request's own call (on a CPU, a ragged call of one
+segment, which takes the one-call kernels: the same bits).  Drafters build
 batches over their ``DraftContext``s; the engine over its requests.
 """
 
@@ -22,9 +23,16 @@ import torch
 from torch import Tensor
 
 from ...model.attention import RaggedSpan, Span
-from ...model.cache import BatchCache
+from ...model.cache import BatchCache, PagedCache
 from ..base.request import Request
 from .context import DraftContext
+
+
+def _one_call(span: Span, cache) -> bool:
+    """Whether a request alone is called as a batch of one: on a CPU, in the engine's pool and without static rows,
+    a batch's layers can run in one kernel call per step (``attention.row_plan``, the families' ``recur_rows``)
+    where a lone span runs each layer from Python; the same kernels, so the same bits."""
+    return isinstance(cache, PagedCache) and span.rows is None and cache.pool.core_k.device.type == "cpu"
 
 
 class Batch:
@@ -37,7 +45,7 @@ class Batch:
         spans = [r.span(s, w, positions=p, mask=m)
                  for r, s, w, p, m in zip(self.reqs, self.starts, self.widths, self.positions, masks)]
         self.net = self.reqs[0].net
-        if len(self.reqs) == 1:
+        if len(self.reqs) == 1 and not _one_call(spans[0], self.reqs[0].cache):
             self.span: Span | RaggedSpan = spans[0]
             self.cache = self.reqs[0].cache
         else:
