@@ -26,6 +26,7 @@ RUNS = {
     "auto/server_life.py": ["1", "2", "ar,auto", "greedy", BUNDLED, "4"],      # rounds, levels, methods, -, model, tokens
     "ouro-vllm/step_profile.py": [BUNDLED, "1", "2"],                           # model, threads, B
     "one-call/one_call_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4", "--threads", "1"],
+    "one-call/alone_ab.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
     "closed-budget/budget_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "2", "--threads", "1"],
     "closed-budget/product_rows.py": ["--rows", "17,64", "--threads", "1"],
     "noise/noise_ab.py": ["--model", BUNDLED, "--methods", "ar,token-recycling", "--pairs", "1", "--tokens", "2",
