@@ -9,7 +9,8 @@ plain AR step - never a dummy draft token.
 
 The draft is verified as a chain with the bonus token: the verifier input is [anchor, d_1..d_k] (k + 1
 positions) and up to k + 1 tokens are committed per pass.  Matching runs on a host copy of the text kept
-incrementally; it is vectorised over all end positions and n-gram sizes (numpy), inside the timed draft phase.
+incrementally, through an index of its n-grams that grows with it (``SuffixIndex``); past the index's bounds, by a
+scan vectorised over all end positions and n-gram sizes (numpy), inside the timed draft phase.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     return seq[L - p + np.arange(num_pred) % p]
 
 
-# Suffix n-grams up to this long are matched through an index kept as the text grows (an entry per n per
-# position); longer ones by a scan of the text every step.
+# Suffix n-grams up to this long, in texts up to this long, are matched through an index kept as the text grows
+# (an entry per n per position, ~0.2 KB each); longer ones by a scan of the text every step.
 INDEX_MAX_NGRAM = 8
+INDEX_MAX_TEXT = 32768
 
 
 class SuffixIndex:
@@ -110,9 +112,11 @@ class PromptLookup:
         self.text[: req.P] = req.prompt
         self.P = req.P
         self.fed = 0                              # generated tokens copied so far
-        indexed = max_ngram <= INDEX_MAX_NGRAM and find in (find_draft, find_copy)
+        indexed = max_ngram <= INDEX_MAX_NGRAM and len(self.text) <= INDEX_MAX_TEXT and find in (find_draft, find_copy)
         self.index = SuffixIndex(max_ngram) if indexed else None
         self.seq: list[int] = self.text[: req.P].tolist() if indexed else []
+        if self.index is not None:
+            self.index.match(self.seq)            # the prompt indexed now, not in a timed draft
 
     def propose(self, req: DraftContext, num_pred: int | None = None) -> np.ndarray:
         """The draft for the committed text: up to ``num_pred`` tokens (default: the constructor's)."""

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ...model import decode_kernel
 from ...model.attention import RaggedSpan, Span
 from ...model.cache import BatchCache, PagedCache
 from ..base.request import Request
@@ -29,10 +30,14 @@ from .context import DraftContext
 
 
 def _one_call(span: Span, cache) -> bool:
-    """Whether a request alone is called as a batch of one: on a CPU, in the engine's pool and without static rows,
-    a batch's layers can run in one kernel call per step (``attention.row_plan``, the families' ``recur_rows``)
-    where a lone span runs each layer from Python; the same kernels, so the same bits."""
-    return isinstance(cache, PagedCache) and span.rows is None and cache.pool.core_k.device.type == "cpu"
+    """Whether a request alone is called as a batch of one: in float32 on a CPU with the kernels built, in the
+    engine's pool and without static rows, a batch's layers run in one kernel call per step (``attention.row_plan``,
+    the families' ``recur_rows``) where a lone span runs each layer from Python; the same kernels, so the same
+    bits.  Elsewhere no one-call kernel runs, and a lone span skips the batch's checks."""
+    if not isinstance(cache, PagedCache) or span.rows is not None:
+        return False
+    k = cache.pool.core_k
+    return k.device.type == "cpu" and k.dtype == torch.float32 and decode_kernel.available()
 
 
 class Batch:
