@@ -175,3 +175,11 @@ def test_a_contiguous_paged_read_or_write_stays_within_the_sequences_blocks():
     with pytest.raises(IndexError, match="outside the sequence"):
         kv.store(span, torch.ones(H, 1, hd), torch.ones(H, 1, hd))
     assert torch.equal(pool_k, before)                    # block 3's rows are untouched
+    # the same write in a ragged call (a batch, or a request alone on a CPU) is refused as well, not put in the
+    # null block
+    from dasspec.model.attention import BatchKV, RaggedSpan
+    rot = (torch.ones(1, hd), torch.ones(1, hd))
+    with pytest.raises(IndexError, match="outside the sequence"):
+        BatchKV([kv]).store(RaggedSpan.of([Span(n=2 * B, start=2 * B, W=1, rot=rot)]), torch.ones(H, 1, hd),
+                            torch.ones(H, 1, hd))
+    assert torch.equal(pool_k, before)

@@ -271,6 +271,10 @@ class RaggedSpan:
         key = ("store",) + tuple([id(kv.table) for kv in kvs])
         rows = self._rows_cache.get(key)
         if rows is None:
+            for kv, p in zip(kvs, self.parts):        # rows past its blocks would land in the null block (or worse)
+                if not 0 <= p.start <= p.end <= kv.table.backed:
+                    raise IndexError(f"rows [{p.start}, {p.end}) are outside the sequence's {kv.table.backed} "
+                                     "backed rows")
             rows = self._rows_cache[key] = torch.cat([kv.table.rows[p.start: p.end] for kv, p in zip(kvs, self.parts)])
         return rows
 
