@@ -145,7 +145,8 @@ def test_without_a_network_the_hub_is_not_tried(monkeypatch):
 
     from dasspec.eval.tasks import base
     calls = []
-    fake = types.SimpleNamespace(load_dataset=lambda *a, **k: calls.append(a) or [{"question": "q", "answer": "#### 1"}])
+    rows = [{"question": "q", "answer": "#### 1"}]
+    fake = types.SimpleNamespace(load_dataset=lambda *a, **k: calls.append(a) or rows)
     monkeypatch.setitem(sys.modules, "datasets", fake)
     monkeypatch.delenv("DASSPEC_DATA", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
@@ -158,8 +159,7 @@ def test_without_a_network_the_hub_is_not_tried(monkeypatch):
         base.from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main", split="test")
     assert calls == []
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert base.from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main", split="test") == [
-        {"question": "q", "answer": "#### 1"}]
+    assert base.from_hub("GSM8K", "gsm8k/test.jsonl", "openai/gsm8k", "main", split="test") == rows
 
 
 def test_missing_data_names_the_remedy(monkeypatch, tmp_path):

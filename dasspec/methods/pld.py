@@ -67,7 +67,7 @@ def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
 
 
 # Suffix n-grams up to this long, in texts up to this long, are matched through an index kept as the text grows
-# (an entry per n per position, ~0.2 KB each); longer ones by a scan of the text every step.
+# (an entry per n per position: its memory grows with the text); longer ones by a scan of the text every step.
 INDEX_MAX_NGRAM = 8
 INDEX_MAX_TEXT = 32768
 

@@ -89,9 +89,6 @@ class CostModel:
         self.early: list[tuple[float, int, int]] = []   # drafted passes before the first plain one: v, rows, n
         # per arm and ``bucket`` of the group drafting together: drafting seconds and ``draft_units``
         self.dcost: dict[str, dict[int, tuple[float, float]]] = {}
-        # prices asked while the fits stand still (one step's choices and plans; the drafter sets a dict): keyed by
-        # what a price is asked of; a fit, or a new calibration, clears it
-        self.memo: dict[tuple, float | None] | None = None
 
     # -- fitting --
     def add_pass(self, v: float, rows: int, n: int) -> None:
@@ -99,7 +96,6 @@ class CostModel:
         to ``step_clip`` x its price where that was measured (``shape_clip`` x where it comes from other widths; not
         while only the calibration's shape prices the rows a draft adds, often far too low)."""
         t = self.t
-        self.memo = None
         f = self.pass_cost(rows)
         expected = self.verify_time(rows, n)
         if expected is not None and (rows <= n or self.extra):
@@ -126,7 +122,6 @@ class CostModel:
 
     def add_draft(self, arm: str, seconds: float, m: int = 1) -> None:
         """Fold ``arm``'s drafting for a group of m requests into its measured cost at that group size."""
-        self.memo = None
         table = self.dcost.setdefault(arm, {})
         b = bucket(m)
         table[b] = ema2(table.get(b), seconds, self.draft_units(arm, m), self.t.step_alpha)
@@ -157,14 +152,6 @@ class CostModel:
         calibration's shape ``full(rows) - full(n)``); before plain passes, every row at the one fitted ``scale``.
         ``hoped_rows``: that many of the extra rows (one request's draft) at the lower of the measured rate and the
         calibration's shape - what a lookup's price probe hopes for."""
-        if self.memo is None:
-            return self._verify_time(rows, n, hoped_rows)
-        key = ("v", rows, n, hoped_rows)
-        if key not in self.memo:
-            self.memo[key] = self._verify_time(rows, n, hoped_rows)
-        return self.memo[key]
-
-    def _verify_time(self, rows: float, n: int, hoped_rows: float) -> float | None:
         if self.plain is None:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
@@ -196,14 +183,6 @@ class CostModel:
         """Expected drafting seconds per request of ``arm`` in a group of m requests (None: never measured)."""
         if arm == "ar":
             return 0.0
-        if self.memo is None:
-            return self._draft_time(arm, m)
-        key = ("d", arm, m)
-        if key not in self.memo:
-            self.memo[key] = self._draft_time(arm, m)
-        return self.memo[key]
-
-    def _draft_time(self, arm: str, m: int) -> float | None:
         table = self.dcost.get(arm)
         if not table:
             return None

@@ -227,7 +227,6 @@ class AutoDrafter(Drafter):
     @sizing.setter
     def sizing(self, s: Sizing | None) -> None:
         self.costs.sizing = s
-        self.costs.memo = None
 
     # -- what a step is expected to cost --
     def pass_cost(self, rows: float) -> float:
@@ -310,17 +309,12 @@ class AutoDrafter(Drafter):
         self.step_tok = self.step_rows = self.step_n = 0
         B = len(sessions)
         explored = self.budget.explored
-        self.costs.memo = {}                             # nothing is fitted until the shadow drafts below
-        try:
-            picks = [s.choose(B) for s in sessions]
-            if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
-                picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
-                                       [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
-            else:
-                picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t,
-                                    self.budget)
-        finally:
-            self.costs.memo = None
+        picks = [s.choose(B) for s in sessions]
+        if B > 1 and sessions[0].ctx.closed:            # alone, the step's tokens per second is its end
+            picks, _ = closed_plan(self.costs, [s.earnings for s in sessions], picks, list(self.subs),
+                                   [s.ctx.budget for s in sessions], [s.prev for s in sessions], t, self.budget)
+        else:
+            picks, _ = together(self.costs, [s.earnings for s in sessions], picks, list(self.subs), t, self.budget)
         picks = [Choice("ar", False, "one-to-go") if s.ctx.room <= 1 else p for s, p in zip(sessions, picks)]
         probers = Counter(p.arm for p in picks if probing(p))
         self.probes = StepProbes(explored, dict(probers)) if probers else None

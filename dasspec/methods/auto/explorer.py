@@ -52,8 +52,8 @@ class Situation:
 
 class Budget:
     """The drafter-wide exploration state: decoded seconds (measured passes and drafting), what the probes so far
-    cost over the best arm (estimated when taken, measured once their step is), the arms probed this step, when each arm last drafted, and the price
-    probes per lookup arm."""
+    cost over the best arm (estimated when taken, measured once their step is), the arms probed this step, when
+    each arm last drafted, and the price probes per lookup arm."""
 
     def __init__(self, explore: float):
         self.explore = explore

@@ -67,12 +67,14 @@ def batch_value(costs: CostModel, earnings: Sequence[Earnings], arms: Sequence[s
     return tok / (verify + drafting) if verify + drafting > 0 else None
 
 
-def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]]) -> float | None:
+def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]], memo: dict | None = None) -> float | None:
     """Seconds until the last request has used its budget when request j stays on ``plan[j]`` = (arm, steps, rows
     per step): each step costs one pass over the rows of the requests still decoding plus each arm's drafting for
-    its group then (None while a cost is unmeasured)."""
+    its group then (None while a cost is unmeasured).  ``memo``: drafting times by (arm, group) shared by the plans
+    of one step."""
     if costs.verify_time(1, 1) is None:
         return None
+    memo = {} if memo is None else memo
     rows = sum(r for _, _, r in plan)
     group: dict[str, int] = {}
     for arm, _, _ in plan:
@@ -84,7 +86,9 @@ def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]]) -> fl
             step = costs.verify_time(rows, n)
             for a, m in group.items():
                 if m and a != "ar":
-                    d = costs.draft_time(a, m)
+                    if (a, m) not in memo:
+                        memo[a, m] = costs.draft_time(a, m)
+                    d = memo[a, m]
                     if d is None:
                         return None
                     step += d * m
@@ -140,6 +144,7 @@ def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[
         [("closed-own", [p.arm for p in picks])]
     held = prev[0] if all(p == prev[0] for p in prev) else "ar"
     best = best_time = plain = held_time = None
+    memo: dict = {}
 
     def timed(arms: Sequence[str]) -> float | None:
         plan = []
@@ -148,7 +153,7 @@ def closed_plan(costs: CostModel, earnings: Sequence[Earnings], picks: Sequence[
             if tok is None or rows is None:
                 return None
             plan.append((arm, max(b, 1) / max(tok, 1.0), rows))
-        return batch_time(costs, plan)
+        return batch_time(costs, plan, memo)
 
     probe = None
     for rule, arms in plans:
