@@ -118,6 +118,36 @@ def test_choices_are_recorded() -> None:
     assert any(d.notes.get("probe") for d, _ in out.trace)
 
 
+def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
+    """``generate`` builds a drafter per call; what auto measured (prices, what each drafter earned) is kept on the
+    model, so the next call's drafter neither waits for a plain pass to price nor probes DAS-Wave at its first step
+    (fails without ``remember`` after a call, or when kept outcomes are recalled at another thread count)."""
+    model = random_model("huginn", seed=6)
+    prompt = _prompts(model.config.vocab_size, 1, seed=11)[0]
+
+    def rules(**kw) -> list[str]:
+        out = dasspec.generate(model, prompt, "auto", max_new_tokens=12, eos=False, trace=True, calibrate=False, **kw)
+        assert out.tokens == ar.tokens
+        return [d.notes["rule"] for d, _ in out.trace]
+
+    ar = dasspec.generate(model, prompt, "ar", max_new_tokens=12, eos=False)
+    first = rules()
+    assert first[:2] == ["unpriced", "first-measure"], first
+    again = rules()
+    assert "unpriced" not in again and "first-measure" not in again, again
+    assert rules(recall=False)[:2] == ["unpriced", "first-measure"]      # a knob for a fresh start
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert rules()[:2] == ["unpriced", "first-measure"]                # prices are per thread count
+    finally:
+        torch.set_num_threads(threads)
+    # each drafter learns on its own copy: a drafter built now starts from the kept state, not from a live one
+    a, b = (build_drafter(model, "auto", {"calibrate": False}) for _ in range(2))
+    assert a.costs is not b.costs and a.priors is not b.priors and a.priors.table == b.priors.table != {}
+    assert a.budget.elapsed == b.budget.elapsed == 0        # the budget is each call's own
+
+
 # --- the chooser, on a simulated clock ------------------------------------------------------------------------
 
 class TickClock:
@@ -953,7 +983,8 @@ def test_a_knob_of_another_method_names_that_method() -> None:
     # auto is the server's and lm-eval's default: DAS-Wave's knobs sent to it (a config, a request, DasspecLM's
     # keywords) say where they belong
     model = random_model("ouro", seed=4)
-    with pytest.raises(ValueError, match=r"does not take gamma; its knobs: arms, explore, calibrate; gamma is a knob "
+    with pytest.raises(ValueError, match=r"does not take gamma; its knobs: arms, explore, calibrate, recall; "
+                                         r"gamma is a knob "
                                          r"of das-wave \(name that method\)"):
         build_drafter(model, "auto", {"gamma": 4})
     with pytest.raises(ValueError, match=r"does not take nope; its knobs: [a-z, _]+$"):

@@ -23,6 +23,7 @@ RUNS = {
     "auto/step_trace.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
     "auto/probe_trace.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
     "auto/auto_pair.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4"],
+    "auto/recall_ab.py": ["--model", BUNDLED, "--rounds", "1", "--tokens", "4"],
     "auto/server_life.py": ["1", "2", "ar,auto", "greedy", BUNDLED, "4"],      # rounds, levels, methods, -, model, tokens
     "ouro-vllm/step_profile.py": [BUNDLED, "1", "2"],                           # model, threads, B
     "one-call/one_call_ab.py": ["--model", BUNDLED, "--pairs", "1", "--tokens", "4", "--threads", "1"],

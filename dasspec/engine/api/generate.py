@@ -81,6 +81,7 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
                          exit_at_step=exit_at_step)
         while engine.has_work:
             engine.step()
+    drafter.remember()
     return _raised(engine.result(rid))
 
 
@@ -206,4 +207,5 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                 for p, c, s, sd, pc in zip(ids, caps, stops, seeds, prefixes)]
         while engine.has_work:
             engine.step()
+    drafter.remember()
     return [_raised(engine.result(r)) for r in rids]

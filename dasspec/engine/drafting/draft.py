@@ -176,6 +176,10 @@ class Drafter:
         """The drafts of every running session of this drafter, in order (one engine step)."""
         return [s.propose() for s in sessions]
 
+    def remember(self) -> None:
+        """A ``generate`` / ``generate_batch`` call that drafted with it has ended: a drafter that keeps what it
+        measured for the next one built on the same model (auto) does so now."""
+
     def measured(self, timing: "PassTiming") -> None:
         """What the executor measured of the step's verification pass that held this drafter's drafts (after the
         sessions observed their verdicts).  Drafters that price their choices (method auto) learn from it."""

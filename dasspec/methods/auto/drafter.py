@@ -25,6 +25,7 @@ from .costs import LOOKUP, CostModel
 from .earnings import Earnings, Priors
 from .explorer import Budget, Choice, Situation, choose
 from .knobs import AutoKnobs
+from .memory import keep, memory_key, recall, shelf
 from .planners import closed_plan, together
 from .tuning import TUNING, Tuning
 
@@ -155,6 +156,7 @@ class AutoDrafter(Drafter):
         self.probes: StepProbes | None = None    # this step's probes, charged as measured
         self.bound = False
         self.device = None                       # the model's: drafting laps are timed on it
+        self.kept: tuple[dict, str] | None = None    # where ``remember`` keeps the outcomes (``memory.py``)
 
     # -- building --
     def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
@@ -165,6 +167,11 @@ class AutoDrafter(Drafter):
         if self.knobs.calibrate:
             sizing = Sizing.of(calibration(model, tuning=self.tuning), R, self.tuning.wide_round)
         self.costs = CostModel(sizing, self.tuning)
+        if self.knobs.recall:
+            self.kept = shelf(model), memory_key(model, R, sampled, self.knobs)
+            got = recall(*self.kept)
+            if got is not None and got[0].sizing == sizing:      # (a calibration measured again: afresh)
+                self.costs, self.priors = got
         for arm in self.knobs.arm_list:
             user = self.wave_window(model, R, sampled) if arm == "das-wave" else {}
             self.subs[arm] = build_drafter(model, arm, user, num_steps, sampled)
@@ -180,6 +187,11 @@ class AutoDrafter(Drafter):
         reach = max([self.width] + [getattr(d, "reach", None) or d.width for d in subs.values()])
         self.reach = reach if reach > self.width else None
         self.bound = True
+
+    def remember(self) -> None:
+        """Keep the prices and the average earnings on the model for the next auto drafter built on it."""
+        if self.kept is not None:
+            keep(*self.kept, (self.costs, self.priors))
 
     def wave_window(self, model, R: int, sampled: bool) -> dict:
         """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a

@@ -18,6 +18,9 @@ class AutoKnobs(Knobs):
                           most=Most("1", "it is a fraction of the step time", lambda kn, s: 1.0))
     calibrate: bool = knob(True, "auto: measure pass costs when the drafter is built (cached per model and "
                            "machine) and size DAS-Wave's window from them")
+    recall: bool = knob(True, "auto: start from what auto measured on this model earlier in this process (pass "
+                        "prices, what each drafter earned; kept after each generate / generate_batch call) instead "
+                        "of probing every drafter again")
 
     def validate(self, R: int) -> "AutoKnobs":
         arms = self.arms
@@ -33,6 +36,7 @@ class AutoKnobs(Knobs):
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e <= 1:
             raise ValueError(f"explore must be a number in [0, 1], got {brief(e)}")
         boolean(self, "calibrate")
+        boolean(self, "recall")
         return replace(self, arms=",".join(names), explore=float(e))
 
     @property
