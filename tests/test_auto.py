@@ -6,6 +6,7 @@ defaults.  No timing assertions: the choice tests run on a simulated clock."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from types import SimpleNamespace
@@ -119,33 +120,47 @@ def test_choices_are_recorded() -> None:
 
 
 def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
-    """``generate`` builds a drafter per call; what auto measured (prices, what each drafter earned) is kept on the
-    model, so the next call's drafter neither waits for a plain pass to price nor probes DAS-Wave at its first step
-    (fails without ``remember`` after a call, or when kept outcomes are recalled at another thread count)."""
+    """``generate`` / ``generate_batch`` build a drafter per call; what auto measured (prices, what each drafter
+    earned) is kept for the next such call on the model, so its drafter neither waits for a plain pass to price
+    (``unpriced``) nor probes DAS-Wave at its first step - unless anything in the key differs (threads, depth,
+    knobs, greedy or the sampling options), the ``recall`` knob is off, the model is another object (a copy), or
+    the drafter was built by its user.  Fails without ``remember`` after either call, with any of those left out of
+    the key, or with the knob ignored."""
     model = random_model("huginn", seed=6)
     prompt = _prompts(model.config.vocab_size, 1, seed=11)[0]
+    ar = dasspec.generate(model, prompt, "ar", max_new_tokens=12, eos=False)
 
-    def rules(**kw) -> list[str]:
-        out = dasspec.generate(model, prompt, "auto", max_new_tokens=12, eos=False, trace=True, calibrate=False, **kw)
-        assert out.tokens == ar.tokens
+    def rules(m=model, batch: bool = False, **kw) -> list[str]:
+        opts = dict(max_new_tokens=12, eos=False, trace=True, calibrate=False, **kw)
+        out = (dasspec.generate_batch(m, [prompt, prompt[:5]], "auto", **opts)[0] if batch
+               else dasspec.generate(m, prompt, "auto", **opts))
+        assert {"do_sample", "num_steps"} & set(kw) or out.tokens == ar.tokens      # (AR at the same options)
         return [d.notes["rule"] for d, _ in out.trace]
 
-    ar = dasspec.generate(model, prompt, "ar", max_new_tokens=12, eos=False)
     first = rules()
     assert first[:2] == ["unpriced", "first-measure"], first
     again = rules()
     assert "unpriced" not in again and "first-measure" not in again, again
-    assert rules(recall=False)[:2] == ["unpriced", "first-measure"]      # a knob for a fresh start
+    assert rules(recall=False)[0] == rules(recall=False)[0] == "unpriced"     # off: nothing read, nothing kept
+    R = model.depth(None)
+    for kw in ({"explore": 0.5}, {"num_steps": R // 2}, {"do_sample": True}, {"do_sample": True, "temperature": 0.5}):
+        assert rules(**kw)[0] == "unpriced", kw
+        assert rules(**kw)[0] != "unpriced", kw                                # ... and kept under its own key
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert rules()[:2] == ["unpriced", "first-measure"]                # prices are per thread count
+        assert rules()[0] == "unpriced"                                        # prices are per thread count
     finally:
         torch.set_num_threads(threads)
-    # each drafter learns on its own copy: a drafter built now starts from the kept state, not from a live one
-    a, b = (build_drafter(model, "auto", {"calibrate": False}) for _ in range(2))
-    assert a.costs is not b.costs and a.priors is not b.priors and a.priors.table == b.priors.table != {}
-    assert a.budget.elapsed == b.budget.elapsed == 0        # the budget is each call's own
+    assert "_auto_outcomes" not in model.__dict__ and rules(copy.deepcopy(model))[0] == "unpriced"
+    # generate_batch keeps and reads under the same key as generate
+    other = random_model("huginn", seed=6)
+    assert rules(other, batch=True)[0] == "unpriced" and rules(other)[0] != "unpriced"
+    # a drafter built by its user carries its own state: nothing of it is kept for the calls that build theirs
+    mine = random_model("huginn", seed=6)
+    d = build_drafter(mine, "auto", {"calibrate": False})
+    dasspec.generate(mine, prompt, drafter=d, max_new_tokens=12, eos=False)
+    assert d.priors.table and rules(mine)[0] == "unpriced"
 
 
 # --- the chooser, on a simulated clock ------------------------------------------------------------------------

@@ -185,8 +185,8 @@ def _taken_port() -> tuple[object, int]:
     (["serve", "--threads", "100000"], "--threads 100000 is more than the"),
     (["serve", "--max-body", "0"], "--max-body must be a number > 0, got 0"),
     (["serve", "--template-timeout", "nan"], "--template-timeout must be a number > 0, got nan"),
-    (["serve", "--set", "gamma=6"], "--set gamma: method 'auto' has no knob 'gamma'; knobs: arms, calibrate, explore; "
-                                    "gamma is a knob of das-wave (name that method)"),
+    (["serve", "--set", "gamma=6"], "--set gamma: method 'auto' has no knob 'gamma'; knobs: arms, calibrate, explore, "
+                                    "recall; gamma is a knob of das-wave (name that method)"),
     (["serve", "--method", "pld", "--set", "nope=1"], "--set nope: method 'pld' has no knob 'nope'; knobs:"),
     (["generate", "--prompt", "x", "--threads", "5000"], "--threads 5000 is more than the"),
     (["train", "--out", "{tmp}/t", "--set", "threads=-3"], "threads must be >= 0"),

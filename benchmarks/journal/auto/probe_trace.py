@@ -2,7 +2,7 @@
 work per part.  8 prompts of 40-120 random ids x 32 (--tokens) greedy tokens, no EOS.
     python benchmarks/journal/auto/probe_trace.py --model FOLDER [--threads N] [--rounds N] [--tokens N] \
         [--parts trace,kept,batch]
-``trace``: every prompt alone (``dasspec.generate``: a fresh drafter each, ``recall=False``) after an AR pass of the same prompts;
+``trace``: every prompt alone (``dasspec.generate``: a fresh drafter each) after an AR pass of the same prompts;
 prints auto / AR and, per prompt, each step not decided by exploiting (step, rule, choosing + drafting ms, the
 step's ms).  ``kept``: the same with one drafter kept across the prompts (``drafter=``, as a server keeps it).  ``batch``: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the milliseconds
 spent in auto's parts (choosing, the batch plan, the lookups' shadow drafts, the whole propose)."""
@@ -73,7 +73,7 @@ for r in range(a.rounds if ways else 0):
     t_ar = time.perf_counter() - t
     for way in ways:
         if way == "trace":                                  # a fresh drafter per call, as generate(method=) builds
-            t_auto, steps = traced(lambda: dasspec.build_drafter(model, "auto", {"recall": False}))
+            t_auto, steps = traced(lambda: dasspec.build_drafter(model, "auto"))
         else:                                               # one drafter kept across the calls, as a server keeps
             kept = dasspec.build_drafter(model, "auto")
             t_auto, steps = traced(lambda: kept)

@@ -2,7 +2,9 @@
 each round runs, in a rotated order, AR, auto with ``recall=False`` (every call's drafter starts afresh, as before
 the change) and auto as ``generate`` now builds it (starting from what the process measured on the model), each
 over 8 prompts of 40-120 random ids x --tokens greedy tokens, no EOS: at B = 1 one ``generate`` call per prompt, at
-B = 8 one ``generate_batch``.  One warm-up call of each beforehand (which also leaves the kept outcomes).
+B = 8 one ``generate_batch``.  One warm-up call of each beforehand (which also leaves the kept outcomes), on prompts of
+its own; every round decodes 8 new prompts (the same in its three cells), so what a call recalls was measured on other
+texts.
     python benchmarks/journal/auto/recall_ab.py --model FOLDER [--threads N] [--rounds N] [--tokens N] [--batches 1,8]
 Prints per round and cell the seconds and auto / AR, then per B the median and range of auto / AR over rounds."""
 import argparse, os, statistics, sys, time
@@ -19,7 +21,7 @@ p.add_argument("--batches", default="1,8")
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 model = dasspec.load_model(a.model, dtype=torch.float32)
-P = random_prompts(8, 1000)
+P = random_prompts(8, 1000, seed=1000)          # the warm-up's; each round's below
 CELLS = {"ar": ("ar", {}), "auto-fresh": ("auto", {"recall": False}), "auto": ("auto", {})}
 
 
@@ -40,6 +42,7 @@ for B in batches:
         run(B, cell, 4)
 ratios = {(B, c): [] for B in batches for c in ("auto-fresh", "auto")}
 for r in range(a.rounds):
+    P = random_prompts(8, 1000, seed=r)
     for B in batches:
         order = list(CELLS)[r % 3:] + list(CELLS)[:r % 3]
         got = {c: run(B, c) for c in order}

@@ -62,8 +62,11 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
-    if drafter is None:
+    built = drafter is None
+    if built:
         drafter = build_drafter(model, method, knobs, R, sampled=do_sample is True)
+        drafter.recall(model, R, call_key(runtime, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
+                                          min_p))
     elif knobs or method not in ("ar", drafter.name):
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
@@ -81,8 +84,18 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
                          exit_at_step=exit_at_step)
         while engine.has_work:
             engine.step()
-    drafter.remember()
+    if built:
+        drafter.remember()
     return _raised(engine.result(rid))
+
+
+def call_key(runtime: Runtime | None, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
+             min_p) -> tuple:
+    """What a call decides besides its drafter that moves a drafter's prices or earnings (a kept drafter's key,
+    ``Drafter.recall``): the runtime's shapes, the exit rule, greedy or the sampling options."""
+    shapes = None if runtime is None else (runtime.static_shapes, runtime.compile, runtime.cuda_graphs)
+    sampling = (temperature, top_k, top_p, min_p) if do_sample is True else None
+    return shapes, exit_threshold, exit_at_step, sampling
 
 
 def _raised(result: GenerationResult) -> GenerationResult:
@@ -180,8 +193,11 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     stops = _per_prompt("stop", stop, count, _stop_is_one)
     R = model.depth(num_steps)
     sampled = do_sample is True
-    if drafter is None:
+    built = drafter is None
+    if built:
         drafter = build_drafter(model, method, knobs, R, sampled=sampled)
+        drafter.recall(model, R, call_key(runtime, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
+                                          min_p))
     elif knobs or method not in ("ar", drafter.name):
         raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
                          f"method {method!r}, knobs {sorted(knobs)})")
@@ -207,5 +223,6 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
                 for p, c, s, sd, pc in zip(ids, caps, stops, seeds, prefixes)]
         while engine.has_work:
             engine.step()
-    drafter.remember()
+    if built:
+        drafter.remember()
     return [_raised(engine.result(r)) for r in rids]

@@ -176,9 +176,12 @@ class Drafter:
         """The drafts of every running session of this drafter, in order (one engine step)."""
         return [s.propose() for s in sessions]
 
+    def recall(self, model, R: int, call: tuple) -> None:
+        """Built by a ``generate`` / ``generate_batch`` call for itself: a drafter that starts from what the last such
+        call measured on ``model`` (auto) takes it now.  ``call``: what the call decides besides the drafter."""
+
     def remember(self) -> None:
-        """A ``generate`` / ``generate_batch`` call that drafted with it has ended: a drafter that keeps what it
-        measured for the next one built on the same model (auto) does so now."""
+        """That call has ended: keep what was measured for the next one (after ``recall``)."""
 
     def measured(self, timing: "PassTiming") -> None:
         """What the executor measured of the step's verification pass that held this drafter's drafts (after the

@@ -15,8 +15,8 @@ One idea per module:
 * ``explorer.py``     one request's choice: named rules (exploit with a margin; first measure, trusted prior, prior
                       probe, price probe, hint probe, interval probe) within one exploration budget;
 * ``planners.py``     the batch planners: a server batch drafting together, a closed batch timed to its end;
-* ``memory.py``       what auto measured on a model (prices, average earnings), kept on it for the next auto
-                      drafter built on it in this process (``recall``): a ``generate`` call does not start blind;
+* ``memory.py``       what a ``generate`` call's drafter measured on a model (prices, average earnings), kept in
+                      this process for the next such call's (``recall``): a call does not start blind;
 * ``drafter.py``      the drafter and its sessions, composing them per step.
 
 What was chosen and why: each draft's notes in a trace (``auto``: the arm; ``rule``; ``plan``; ``probe``;

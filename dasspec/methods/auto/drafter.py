@@ -25,7 +25,7 @@ from .costs import LOOKUP, CostModel
 from .earnings import Earnings, Priors
 from .explorer import Budget, Choice, Situation, choose
 from .knobs import AutoKnobs
-from .memory import keep, memory_key, recall, shelf
+from . import memory
 from .planners import closed_plan, together
 from .tuning import TUNING, Tuning
 
@@ -156,7 +156,7 @@ class AutoDrafter(Drafter):
         self.probes: StepProbes | None = None    # this step's probes, charged as measured
         self.bound = False
         self.device = None                       # the model's: drafting laps are timed on it
-        self.kept: tuple[dict, str] | None = None    # where ``remember`` keeps the outcomes (``memory.py``)
+        self.kept: tuple[Any, str] | None = None     # (model, key): where ``remember`` keeps the outcomes
 
     # -- building --
     def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
@@ -167,11 +167,6 @@ class AutoDrafter(Drafter):
         if self.knobs.calibrate:
             sizing = Sizing.of(calibration(model, tuning=self.tuning), R, self.tuning.wide_round)
         self.costs = CostModel(sizing, self.tuning)
-        if self.knobs.recall:
-            self.kept = shelf(model), memory_key(model, R, sampled, self.knobs)
-            got = recall(*self.kept)
-            if got is not None and got[0].sizing == sizing:      # (a calibration measured again: afresh)
-                self.costs, self.priors = got
         for arm in self.knobs.arm_list:
             user = self.wave_window(model, R, sampled) if arm == "das-wave" else {}
             self.subs[arm] = build_drafter(model, arm, user, num_steps, sampled)
@@ -188,10 +183,21 @@ class AutoDrafter(Drafter):
         self.reach = reach if reach > self.width else None
         self.bound = True
 
+    def recall(self, model, R: int, call: tuple) -> None:
+        """Start from what the last call with the same key left (``memory.py``; ``generate`` calls this on the
+        drafter it built, ``call`` its own part of the key), unless the ``recall`` knob is off."""
+        if not self.knobs.recall:
+            return
+        self.kept = model, memory.memory_key(model, R, self.knobs, self.tuning, call)
+        got = memory.recall(*self.kept)
+        if got is not None and got[0].sizing == self.costs.sizing:   # (a calibration measured again: afresh)
+            got[0].wave = self.costs.wave
+            self.costs, self.priors = got
+
     def remember(self) -> None:
-        """Keep the prices and the average earnings on the model for the next auto drafter built on it."""
+        """Keep the prices and the average earnings for the next call's drafter (after ``recall``)."""
         if self.kept is not None:
-            keep(*self.kept, (self.costs, self.priors))
+            memory.keep(*self.kept, (self.costs, self.priors))
 
     def wave_window(self, model, R: int, sampled: bool) -> dict:
         """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a

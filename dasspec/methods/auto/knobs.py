@@ -18,9 +18,9 @@ class AutoKnobs(Knobs):
                           most=Most("1", "it is a fraction of the step time", lambda kn, s: 1.0))
     calibrate: bool = knob(True, "auto: measure pass costs when the drafter is built (cached per model and "
                            "machine) and size DAS-Wave's window from them")
-    recall: bool = knob(True, "auto: start from what auto measured on this model earlier in this process (pass "
-                        "prices, what each drafter earned; kept after each generate / generate_batch call) instead "
-                        "of probing every drafter again")
+    recall: bool = knob(True, "auto: a generate / generate_batch call's drafter starts from the prices and "
+                        "averages the last such call measured on the model in this process, instead of probing "
+                        "every drafter again")
 
     def validate(self, R: int) -> "AutoKnobs":
         arms = self.arms

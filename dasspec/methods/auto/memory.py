@@ -1,22 +1,28 @@
-"""What auto measured on a model, kept on the model object for the next auto drafter this process builds on it: the
-cost model's prices and each arm's average earnings over the requests (``Priors``).  The exploration budget is not
-kept: each call's probes stay within ``explore`` of that call's own decoding.
+"""What auto measured on a model in this process, kept for the next ``generate`` / ``generate_batch`` call on it:
+the cost model's prices and each arm's average earnings over the requests (``Priors``).  The exploration budget is
+not kept: each call's probes stay within ``explore`` of that call's own decoding.
 
 Why: ``generate`` and ``generate_batch`` build a drafter per call.  A fresh one knows nothing, so it waits for a
 plain pass to price and probes every model-drafting arm at its first step (``first-measure``) - on a model where the
 drafts earn nothing, a probe that costs a few percent of a short request, paid by every call.  With the prices and
 averages kept, a call starts where the last one left off; a request still measures an arm itself before it relies
 on it, except where the average says it wins by far (``trusted-prior``).  Carrying the budget too, as a drafter kept
-across requests does, measured worse (``benchmarks/journal/auto/recall_ab.py``; docs/performance-journal.md): later
-calls then spent their share on probes that a short call does not repay.  In memory only: what a drafter earns
-follows the text, so nothing is written to disk.
+across requests does, measured worse (docs/performance-journal.md, "auto's outcomes kept on the model"): later calls
+then spent their share on probes that a short call does not repay.
 
-Keyed by the machine's key of the calibration (model shape, dtype, device, threads, kernels), the depth, greedy or
-sampled, and the knobs, so a drafter never starts from prices measured at another thread count or depth."""
+Only the calls that build their drafter read and write here: a drafter built by its user (``build_drafter``), an
+``Engine``, the server or lm-eval carries its own state.  The shelf is weakly keyed by the model object - not in its
+``__dict__``, so a pickled, saved or copied model starts afresh - and holds the last ``MAX_ENTRIES`` keys.  A key
+is everything that moves the prices or the averages: the calibration's machine key (model shape, dtype, device,
+threads, kernels), the depth, the knobs, the tuning, the call's runtime and exit rule, greedy or the sampling
+options."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import weakref
+from collections import OrderedDict
 from dataclasses import astuple
 
 from .calibrate import _keys
@@ -24,25 +30,31 @@ from .costs import CostModel
 from .earnings import Priors
 
 Kept = tuple[CostModel, Priors]
+MAX_ENTRIES = 16                   # per model: a sweep of knob values keeps the last 16 (about 2 KB each)
 
-ATTR = "_auto_outcomes"
+_shelves: "weakref.WeakKeyDictionary[object, OrderedDict[str, Kept]]" = weakref.WeakKeyDictionary()
 
 
-def memory_key(model, R: int, sampled: bool, knobs) -> str:
+def memory_key(model, R: int, knobs, tuning, call: tuple) -> str:
+    """``call``: what the calling ``generate`` decides besides (runtime, exit rule, greedy or its sampling)."""
     mkey, machine = _keys(model)
-    return f"{mkey}:{machine}:R={R}:{'sampled' if sampled else 'greedy'}:{astuple(knobs)!r}"
+    rest = repr((R, astuple(knobs), astuple(tuning), call))
+    return f"{mkey}:{machine}:" + hashlib.sha256(rest.encode()).hexdigest()[:16]
 
 
-def shelf(model) -> dict:
-    """The model's kept outcomes (created on first use; on the model object, so they go with it)."""
-    return model.__dict__.setdefault(ATTR, {})
-
-
-def recall(kept: dict, key: str) -> Kept | None:
+def recall(model, key: str) -> Kept | None:
     """A copy of what was kept under ``key``: the drafter that takes it learns on its own copy."""
-    got = kept.get(key)
-    return None if got is None else copy.deepcopy(got)
+    shelf = _shelves.get(model)
+    got = None if shelf is None else shelf.get(key)
+    if got is None:
+        return None
+    shelf.move_to_end(key)
+    return copy.deepcopy(got)
 
 
-def keep(kept: dict, key: str, state: Kept) -> None:
-    kept[key] = copy.deepcopy(state)
+def keep(model, key: str, state: Kept) -> None:
+    shelf = _shelves.setdefault(model, OrderedDict())
+    shelf[key] = copy.deepcopy(state)
+    shelf.move_to_end(key)
+    while len(shelf) > MAX_ENTRIES:
+        shelf.popitem(last=False)
