@@ -163,6 +163,21 @@ def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
     assert d.priors.table and rules(mine)[0] == "unpriced"
 
 
+def test_the_kept_outcomes_hold_the_last_keys_used() -> None:
+    """At most ``kept_keys`` keys per model, the least recently used dropped (a sweep of knob values must not grow
+    the process); a recall counts as a use; another model's keys are its own."""
+    from dasspec.methods.auto import memory
+    a, b = random_model("huginn", seed=1), random_model("huginn", seed=2)
+    state = ({"p": 1}, {"x": 1})
+    for key in ("k1", "k2"):
+        memory.keep(a, key, state, 2)
+    assert memory.recall(a, "k1") is not None                # k1 used last: k2 goes first
+    memory.keep(a, "k3", state, 2)
+    memory.keep(b, "k2", state, 2)
+    assert memory.recall(a, "k2") is None and memory.recall(a, "k1") and memory.recall(a, "k3")
+    assert memory.recall(b, "k2") == state and memory.recall(b, "k1") is None
+
+
 # --- the chooser, on a simulated clock ------------------------------------------------------------------------
 
 class TickClock:

@@ -197,7 +197,7 @@ class AutoDrafter(Drafter):
     def remember(self) -> None:
         """Keep the prices and the average earnings for the next call's drafter (after ``recall``)."""
         if self.kept is not None:
-            memory.keep(*self.kept, (self.costs, self.priors))
+            memory.keep(*self.kept, (self.costs, self.priors), self.tuning.kept_keys)
 
     def wave_window(self, model, R: int, sampled: bool) -> dict:
         """DAS-Wave knobs the calibration lowers: gamma = W_init to the widest nearly-free window, the rounds so a

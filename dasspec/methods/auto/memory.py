@@ -12,7 +12,7 @@ then spent their share on probes that a short call does not repay.
 
 Only the calls that build their drafter read and write here: a drafter built by its user (``build_drafter``), an
 ``Engine``, the server or lm-eval carries its own state.  The shelf is weakly keyed by the model object - not in its
-``__dict__``, so a pickled, saved or copied model starts afresh - and holds the last ``MAX_ENTRIES`` keys.  A key
+``__dict__``, so a pickled, saved or copied model starts afresh - and holds the last ``kept_keys`` keys.  A key
 is everything that moves the prices or the averages: the calibration's machine key (model shape, dtype, device,
 threads, kernels), the depth, the knobs, the tuning, the call's runtime and exit rule, greedy or the sampling
 options."""
@@ -30,7 +30,6 @@ from .costs import CostModel
 from .earnings import Priors
 
 Kept = tuple[CostModel, Priors]
-MAX_ENTRIES = 16                   # per model: a sweep of knob values keeps the last 16 (about 2 KB each)
 
 _shelves: "weakref.WeakKeyDictionary[object, OrderedDict[str, Kept]]" = weakref.WeakKeyDictionary()
 
@@ -52,9 +51,10 @@ def recall(model, key: str) -> Kept | None:
     return copy.deepcopy(got)
 
 
-def keep(model, key: str, state: Kept) -> None:
+def keep(model, key: str, state: Kept, most: int) -> None:
+    """Keep a copy of ``state`` under ``key``, and the ``most`` keys used last for ``model``."""
     shelf = _shelves.setdefault(model, OrderedDict())
     shelf[key] = copy.deepcopy(state)
     shelf.move_to_end(key)
-    while len(shelf) > MAX_ENTRIES:
+    while len(shelf) > most:
         shelf.popitem(last=False)
