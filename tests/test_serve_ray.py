@@ -290,7 +290,10 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     cancelled = 'dasspec_requests_total{endpoint="completions",outcome="cancelled"}'
     before = cluster.metric(cancelled)
     conn = http.client.HTTPConnection("127.0.0.1", int(cluster.url.rsplit(":", 1)[1]), timeout=60)
-    body = {"prompt": "def fibonacci(n):", "max_tokens": 400, "stream": True, "dasspec": {"method": "ar"}}
+    # a request that cannot finish before its client's departure is noticed, however loaded the machine: the
+    # replica must end it as cancelled (a finished one would be counted completed), so the wait is bounded by the
+    # request's work, not by a guess at this machine's speed
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 3500, "stream": True, "dasspec": {"method": "ar"}}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     line = b""
@@ -298,8 +301,8 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
         line = r.fp.readline()
         assert line, "the stream ended before its first text"
     assert sum(x["running"] for x in cluster.health()["replicas"] if x["status"] == "ok") == 1
-    conn.close()                                      # 400 AR tokens take tens of seconds: gone long before
-    deadline = time.monotonic() + 15
+    conn.close()
+    deadline = time.monotonic() + 120                 # only a hang's bound
     while sum(x["running"] for x in cluster.health()["replicas"] if x["status"] == "ok") > 0 \
             or cluster.metric(cancelled) == before:
         assert time.monotonic() < deadline, cluster.health()
