@@ -33,7 +33,7 @@ RUNS = {
     "noise/noise_ab.py": ["--model", BUNDLED, "--methods", "ar,token-recycling", "--pairs", "1", "--tokens", "2",
                           "--threads", "1"],
 }
-HELPERS = {"auto/batch8.py", "ouro-vllm/decoding.py"}
+HELPERS = {"auto/batch8.py", "common.py", "ouro-vllm/decoding.py"}
 
 
 def test_every_journal_script_is_run_or_a_helper():

@@ -6,21 +6,13 @@ work per part.  8 prompts of 40-120 random ids x 32 (--tokens) greedy tokens, no
 prints auto / AR and, per prompt, each step not decided by exploiting (step, rule, choosing + drafting ms, the
 step's ms).  ``kept``: the same with one drafter kept across the prompts (``drafter=``, as a server keeps it).  ``batch``: ``generate_batch`` of the 8 at max_batch 8; prints the run's seconds and the milliseconds
 spent in auto's parts (choosing, the batch plan, the lookups' shadow drafts, the whole propose)."""
-import argparse, collections, os, sys, time
-import torch, dasspec
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from iquest_vllm import random_prompts
+import collections, os, sys, time
+import dasspec
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import random_prompts, setup
 from dasspec.methods.auto import drafter as D, earnings as E
 
-p = argparse.ArgumentParser()
-p.add_argument("--model", required=True)
-p.add_argument("--threads", type=int, default=1)
-p.add_argument("--rounds", type=int, default=2)
-p.add_argument("--tokens", type=int, default=32)
-p.add_argument("--parts", default="trace,kept,batch")
-a = p.parse_args()
-torch.set_num_threads(a.threads)
-model = dasspec.load_model(a.model, dtype=torch.float32)
+a, model = setup(rounds=2, add=lambda p: p.add_argument("--parts", default="trace,kept,batch"))
 P = random_prompts(8, 1000)
 log, acc = [], collections.Counter()
 

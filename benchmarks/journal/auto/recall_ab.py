@@ -7,20 +7,12 @@ its own; every round decodes 8 new prompts (the same in its three cells), so wha
 texts.
     python benchmarks/journal/auto/recall_ab.py --model FOLDER [--threads N] [--rounds N] [--tokens N] [--batches 1,8]
 Prints per round and cell the seconds and auto / AR, then per B the median and range of auto / AR over rounds."""
-import argparse, os, statistics, sys, time
-import torch, dasspec
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from iquest_vllm import random_prompts
+import os, statistics, sys, time
+import dasspec
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import random_prompts, setup
 
-p = argparse.ArgumentParser()
-p.add_argument("--model", required=True)
-p.add_argument("--threads", type=int, default=1)
-p.add_argument("--rounds", type=int, default=3)
-p.add_argument("--tokens", type=int, default=32)
-p.add_argument("--batches", default="1,8")
-a = p.parse_args()
-torch.set_num_threads(a.threads)
-model = dasspec.load_model(a.model, dtype=torch.float32)
+a, model = setup(add=lambda p: p.add_argument("--batches", default="1,8"))
 P = random_prompts(8, 1000, seed=1000)          # the warm-up's; each round's below
 CELLS = {"ar": ("ar", {}), "auto-fresh": ("auto", {"recall": False}), "auto": ("auto", {})}
 

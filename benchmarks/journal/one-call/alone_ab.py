@@ -2,20 +2,13 @@
 process: AR over 8 prompts of 40-120 random ids, ``dasspec.generate`` per prompt; prints each pass's seconds and
 whether its tokens equal the first pass's.
     python benchmarks/journal/one-call/alone_ab.py --model FOLDER [--threads N] [--rounds N] [--tokens N]"""
-import argparse, os, sys, time
-import torch, dasspec
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from iquest_vllm import random_prompts
+import os, sys, time
+import dasspec
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import random_prompts, setup
 from dasspec.engine.drafting import batch as BT
 
-p = argparse.ArgumentParser()
-p.add_argument("--model", required=True)
-p.add_argument("--threads", type=int, default=1)
-p.add_argument("--rounds", type=int, default=3)
-p.add_argument("--tokens", type=int, default=32)
-a = p.parse_args()
-torch.set_num_threads(a.threads)
-model = dasspec.load_model(a.model, dtype=torch.float32)
+a, model = setup()
 P = random_prompts(8, 1000)
 ways = [("plain", lambda span, cache: False), ("ragged", BT._one_call)]
 ref = None
