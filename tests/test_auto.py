@@ -141,9 +141,12 @@ def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
     assert first[:2] == ["unpriced", "first-measure"], first
     again = rules()
     assert "unpriced" not in again and "first-measure" not in again, again
-    assert rules(recall=False)[0] == rules(recall=False)[0] == "unpriced"     # off: nothing read, nothing kept
+    # off: neither kept nor read (either way the second call would start priced)
+    assert rules(recall=False)[0] == rules(recall=False)[0] == "unpriced"
     R = model.depth(None)
-    for kw in ({"explore": 0.5}, {"num_steps": R // 2}, {"do_sample": True}, {"do_sample": True, "temperature": 0.5}):
+    for kw in ({"explore": 0.5}, {"num_steps": R // 2}, {"do_sample": True}, {"do_sample": True, "temperature": 0.5},
+               {"runtime": dasspec.Runtime(static_shapes=True)},
+               {"batch": True, "policy": dasspec.SpeculationPolicy(max_tokens=2)}):
         assert rules(**kw)[0] == "unpriced", kw
         assert rules(**kw)[0] != "unpriced", kw                                # ... and kept under its own key
     threads = torch.get_num_threads()
@@ -152,7 +155,7 @@ def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
         assert rules()[0] == "unpriced"                                        # prices are per thread count
     finally:
         torch.set_num_threads(threads)
-    assert "_auto_outcomes" not in model.__dict__ and rules(copy.deepcopy(model))[0] == "unpriced"
+    assert rules(copy.deepcopy(model))[0] == "unpriced"                       # another object: its own shelf
     # generate_batch keeps and reads under the same key as generate
     other = random_model("huginn", seed=6)
     assert rules(other, batch=True)[0] == "unpriced" and rules(other)[0] != "unpriced"
@@ -161,6 +164,11 @@ def test_a_later_call_starts_from_what_earlier_calls_measured() -> None:
     d = build_drafter(mine, "auto", {"calibrate": False})
     dasspec.generate(mine, prompt, drafter=d, max_new_tokens=12, eos=False)
     assert d.priors.table and rules(mine)[0] == "unpriced"
+    # the target's exit rule is part of the key (Ouro's early exit moves every price)
+    ouro = random_model("ouro", seed=3)
+    opts = dict(max_new_tokens=12, eos=False, trace=True, calibrate=False)
+    dasspec.generate(ouro, prompt, "auto", **opts)
+    assert dasspec.generate(ouro, prompt, "auto", exit_threshold=0.5, **opts).trace[0][0].notes["rule"] == "unpriced"
 
 
 def test_the_kept_outcomes_hold_the_last_keys_used() -> None:
@@ -176,6 +184,22 @@ def test_the_kept_outcomes_hold_the_last_keys_used() -> None:
     memory.keep(b, "k2", state, 2)
     assert memory.recall(a, "k2") is None and memory.recall(a, "k1") and memory.recall(a, "k3")
     assert memory.recall(b, "k2") == state and memory.recall(b, "k1") is None
+    # copies both ways: what a drafter learns on, and what its caller still holds, are not the kept state
+    state[1]["x"] = 2
+    got = memory.recall(b, "k2")
+    got[1]["x"] = 3
+    assert memory.recall(b, "k2")[1] == {"x": 1}
+    # a kept state from another calibration, or another tuning's key, is not taken
+    d = build_drafter(a, "auto", {"calibrate": False})
+    d.recall(a, 8, ())
+    kept = copy.deepcopy((d.costs, d.priors))
+    kept[0].sizing, kept[1].table["das-wave"] = "another calibration", (3.0, 4.0)
+    memory.keep(*d.kept, kept, 2)
+    e = build_drafter(a, "auto", {"calibrate": False})
+    e.recall(a, 8, ())
+    assert e.kept == d.kept and e.priors.table == {}
+    key = memory.memory_key(a, 8, d.knobs, TUNING, ())
+    assert memory.memory_key(a, 8, d.knobs, replace(TUNING, margin=0.5), ()) != key
 
 
 # --- the chooser, on a simulated clock ------------------------------------------------------------------------

@@ -288,11 +288,12 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     import http.client
 
     cancelled = 'dasspec_requests_total{endpoint="completions",outcome="cancelled"}'
-    before = cluster.metric(cancelled)
+    finished = 'dasspec_requests_total{endpoint="completions",outcome="ok"}'
+    before, ok0 = cluster.metric(cancelled), cluster.metric(finished)
     conn = http.client.HTTPConnection("127.0.0.1", int(cluster.url.rsplit(":", 1)[1]), timeout=60)
-    # a request that cannot finish before its client's departure is noticed, however loaded the machine: the
-    # replica must end it as cancelled (a finished one would be counted completed), so the wait is bounded by the
-    # request's work, not by a guess at this machine's speed
+    # a request far longer than noticing a departure takes (3,500 tokens: about a minute alone on one thread; 400
+    # tokens and a 15 s wait failed once under a loaded suite): the replica must end it as cancelled - run to its
+    # end it counts as ok, and the test says so at once
     body = {"prompt": "def fibonacci(n):", "max_tokens": 3500, "stream": True, "dasspec": {"method": "ar"}}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -305,6 +306,7 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     deadline = time.monotonic() + 120                 # only a hang's bound
     while sum(x["running"] for x in cluster.health()["replicas"] if x["status"] == "ok") > 0 \
             or cluster.metric(cancelled) == before:
+        assert cluster.metric(finished) == ok0, "the request ran to its end: its client's departure was not noticed"
         assert time.monotonic() < deadline, cluster.health()
         time.sleep(0.2)
     assert cluster.metric(cancelled) == before + 1

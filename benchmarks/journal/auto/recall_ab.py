@@ -3,8 +3,8 @@ each round runs, in a rotated order, AR, auto with ``recall=False`` (every call'
 the change) and auto as ``generate`` now builds it (starting from what the process measured on the model), each
 over 8 prompts of 40-120 random ids x --tokens greedy tokens, no EOS: at B = 1 one ``generate`` call per prompt, at
 B = 8 one ``generate_batch``.  One warm-up call of each beforehand (which also leaves the kept outcomes), on prompts of
-its own; every round decodes 8 new prompts (the same in its three cells), so what a call recalls was measured on other
-texts.
+its own; every round and B decodes 8 new prompts (the same in its three cells), so what a call recalls was measured
+on other texts.
     python benchmarks/journal/auto/recall_ab.py --model FOLDER [--threads N] [--rounds N] [--tokens N] [--batches 1,8]
 Prints per round and cell the seconds and auto / AR, then per B the median and range of auto / AR over rounds."""
 import os, statistics, sys, time
@@ -34,8 +34,8 @@ for B in batches:
         run(B, cell, 4)
 ratios = {(B, c): [] for B in batches for c in ("auto-fresh", "auto")}
 for r in range(a.rounds):
-    P = random_prompts(8, 1000, seed=r)
     for B in batches:
+        P = random_prompts(8, 1000, seed=10 * r + B)
         order = list(CELLS)[r % 3:] + list(CELLS)[:r % 3]
         got = {c: run(B, c) for c in order}
         assert all(got[c][1] == got["ar"][1] for c in got), "tokens differ from AR"

@@ -62,16 +62,9 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     prompt = as_token_list(model, input_ids, tokenizer)
     R = model.depth(num_steps)
-    built = drafter is None
-    if built:
-        drafter = build_drafter(model, method, knobs, R, sampled=do_sample is True)
-        drafter.recall(model, R, call_key(runtime, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
-                                          min_p))
-    elif knobs or method not in ("ar", drafter.name):
-        raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
-                         f"method {method!r}, knobs {sorted(knobs)})")
-    else:
-        check_kept(model, drafter, R)
+    call = _call_key(runtime, exit_threshold, exit_at_step, do_sample, (temperature, top_k, top_p, min_p),
+                     prefix_cache is None, None)
+    drafter, built = _call_drafter(model, method, knobs, R, do_sample is True, drafter, call)
     rows = rows_needed(model.config.block_size, len(prompt), max_new_tokens, drafter.width)
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=1, kv_budget=max(rows, 1), tokenizer=tokenizer,
                     drafter=drafter, window_kv=prefix_cache is None)
@@ -89,13 +82,29 @@ def generate(model: LoopedLM, input_ids, method: str = "ar", max_new_tokens: int
     return _raised(engine.result(rid))
 
 
-def call_key(runtime: Runtime | None, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
-             min_p) -> tuple:
-    """What a call decides besides its drafter that moves a drafter's prices or earnings (a kept drafter's key,
-    ``Drafter.recall``): the runtime's shapes, the exit rule, greedy or the sampling options."""
-    shapes = None if runtime is None else (runtime.static_shapes, runtime.compile, runtime.cuda_graphs)
-    sampling = (temperature, top_k, top_p, min_p) if do_sample is True else None
-    return shapes, exit_threshold, exit_at_step, sampling
+def _call_drafter(model: LoopedLM, method: str, knobs: dict, R: int, sampled: bool, drafter: Drafter | None,
+                  call: tuple) -> tuple[Drafter, bool]:
+    """The call's drafter, and whether it was built here: the caller's kept one (its knobs checked at this depth),
+    or one built for this call and started from what the last such call measured (``Drafter.recall``)."""
+    if drafter is None:
+        drafter = build_drafter(model, method, knobs, R, sampled=sampled)
+        drafter.recall(model, R, call)
+        return drafter, True
+    if knobs or method not in ("ar", drafter.name):
+        raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
+                         f"method {method!r}, knobs {sorted(knobs)})")
+    check_kept(model, drafter, R)
+    return drafter, False
+
+
+def _call_key(runtime: Runtime | None, exit_threshold: float | None, exit_at_step: int | None, do_sample: bool,
+              sampling: tuple, window_kv: bool, policy) -> tuple:
+    """What a call decides besides its drafter that moves a drafter's prices or earnings (part of a kept state's
+    key, ``Drafter.recall``): the runtime, the exit rule, greedy or the sampling options, the pool's layout and the
+    speculation policy."""
+    rt = runtime or Runtime()
+    return ((rt.static_shapes, rt.compile, rt.cuda_graphs, rt.track_memory), exit_threshold, exit_at_step,
+            sampling if do_sample is True else None, window_kv, repr(policy))
 
 
 def _raised(result: GenerationResult) -> GenerationResult:
@@ -192,17 +201,10 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     prefixes = _per_prompt("prefix_cache", prefix_cache, count, lambda v: False)
     stops = _per_prompt("stop", stop, count, _stop_is_one)
     R = model.depth(num_steps)
-    sampled = do_sample is True
-    built = drafter is None
-    if built:
-        drafter = build_drafter(model, method, knobs, R, sampled=sampled)
-        drafter.recall(model, R, call_key(runtime, exit_threshold, exit_at_step, do_sample, temperature, top_k, top_p,
-                                          min_p))
-    elif knobs or method not in ("ar", drafter.name):
-        raise ValueError(f"give either a drafter or a method and its knobs, not both (drafter {drafter.name!r}, "
-                         f"method {method!r}, knobs {sorted(knobs)})")
-    else:
-        check_kept(model, drafter, R)
+    window_kv = all(pc is None for pc in prefixes) if window_kv is None else window_kv
+    call = _call_key(runtime, exit_threshold, exit_at_step, do_sample, (temperature, top_k, top_p, min_p), window_kv,
+                     policy)
+    drafter, built = _call_drafter(model, method, knobs, R, do_sample is True, drafter, call)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     if kv_budget is None:
@@ -213,7 +215,7 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     engine = Engine(model, num_steps=R, runtime=runtime, max_batch=max_batch, kv_budget=kv_budget,
                     max_step_tokens=max_step_tokens,
                     tokenizer=tokenizer, policy=policy, drafter=drafter, closed=True,
-                    window_kv=all(pc is None for pc in prefixes) if window_kv is None else window_kv)
+                    window_kv=window_kv)
     with torch.inference_mode():
         rids = [engine.add(p, max_new_tokens=c, stop=s, eos=eos, seed=sd, state_seed=state_seed, init_scale=init_scale,
                            do_sample=do_sample,

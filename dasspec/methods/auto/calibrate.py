@@ -30,7 +30,9 @@ def _cache_file() -> Path:
     return Path(root) / "calibration.json"
 
 
-def _keys(model) -> tuple[str, str]:
+def cache_keys(model) -> tuple[str, str]:
+    """The model's key (its shape, dtype, device) and this machine's (host, threads, torch, kernels or GPU): what a
+    measured cost is valid for."""
     cfg = model.config
     shape = {k: v for k, v in sorted(vars(cfg).items()) if isinstance(v, (int, float, str, bool))}
     shape.update(dtype=str(model.dtype), device=str(model.device))
@@ -100,7 +102,7 @@ def calibration(model, use_cache: bool = True, tuning: Tuning = TUNING) -> dict[
     """``measure_costs`` for this model on this machine, from the model's own copy or the JSON cache when they
     have them (the copy kept on the model: a server builds an auto drafter per set of request knobs, and a
     read-only home must not cost a measurement each)."""
-    mkey, machine = _keys(model)
+    mkey, machine = cache_keys(model)
     key = f"v{CAL_VERSION}:{mkey}:{machine}"
     kept: dict[str, dict] = model.__dict__.setdefault("_auto_calibrations", {})
     if use_cache and key in kept:

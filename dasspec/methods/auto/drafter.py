@@ -16,18 +16,21 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...engine.drafting import Draft, Drafter, Lap, PassTiming, Session, Verdict
 from .. import build_drafter, resolve_knobs
+from . import memory
 from .calibrate import Sizing, calibration
 from .costs import LOOKUP, CostModel
 from .earnings import Earnings, Priors
 from .explorer import Budget, Choice, Situation, choose
 from .knobs import AutoKnobs
-from . import memory
 from .planners import closed_plan, together
 from .tuning import TUNING, Tuning
+
+if TYPE_CHECKING:
+    from ...model.looped import LoopedLM
 
 
 @dataclass
@@ -156,7 +159,7 @@ class AutoDrafter(Drafter):
         self.probes: StepProbes | None = None    # this step's probes, charged as measured
         self.bound = False
         self.device = None                       # the model's: drafting laps are timed on it
-        self.kept: tuple[Any, str] | None = None     # (model, key): where ``remember`` keeps the outcomes
+        self.kept: tuple[LoopedLM, str] | None = None    # (model, key): where ``remember`` keeps the outcomes
 
     # -- building --
     def bind(self, model, num_steps: int | None = None, sampled: bool = False) -> None:
@@ -188,10 +191,10 @@ class AutoDrafter(Drafter):
         drafter it built, ``call`` its own part of the key), unless the ``recall`` knob is off."""
         if not self.knobs.recall:
             return
-        self.kept = model, memory.memory_key(model, R, self.knobs, self.tuning, call)
+        subs = sorted((arm, repr(kn)) for arm, kn in self.costs.wave.items())
+        self.kept = model, memory.memory_key(model, R, self.knobs, self.tuning, (call, subs))
         got = memory.recall(*self.kept)
         if got is not None and got[0].sizing == self.costs.sizing:   # (a calibration measured again: afresh)
-            got[0].wave = self.costs.wave
             self.costs, self.priors = got
 
     def remember(self) -> None:
