@@ -43,27 +43,36 @@ def longest_suffix_matches(seq: np.ndarray, max_ngram: int) -> np.ndarray:
     return np.flatnonzero(run == n) if n else run[:0]
 
 
+def after_first(seq: np.ndarray, first: int, last: int, num_pred: int) -> np.ndarray:
+    """The tokens after the earliest match (ending at ``first``): the PLD draft."""
+    return seq[first + 1: first + 1 + num_pred]
+
+
+def copy_latest(seq: np.ndarray, first: int, last: int, num_pred: int) -> np.ndarray:
+    """``num_pred`` tokens copied from after the latest match (ending at ``last``), continuing into the copy itself
+    (LZ77-style): with the match p tokens back the draft repeats the text's last p tokens, so a run of one token
+    (p = 1) or a cycle of period p extends to any length."""
+    L = seq.shape[0]
+    p = L - 1 - last                              # period: distance from the match's end to the text's end
+    return seq[L - p + np.arange(num_pred) % p]
+
+
 def find_draft(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
     """The PLD draft for text ``seq`` (1-D ints): tokens after the earliest earlier occurrence of the longest
     suffix n-gram, n <= max_ngram; empty when nothing matches."""
     hits = longest_suffix_matches(seq, max_ngram)
-    if not hits.size:
-        return seq[:0]
-    start = int(hits[0]) + 1
-    return seq[start: start + num_pred]
+    return after_first(seq, int(hits[0]), int(hits[-1]), num_pred) if hits.size else seq[:0]
 
 
 def find_copy(seq: np.ndarray, max_ngram: int, num_pred: int) -> np.ndarray:
-    """``num_pred`` tokens copied from after the *latest* earlier occurrence of the longest suffix n-gram,
-    continuing into the copy itself (LZ77-style): with the match p tokens back the draft repeats the text's last
-    p tokens, so a run of one token (p = 1) or a cycle of period p extends to any length.  Empty when nothing
+    """``copy_latest`` of the longest suffix n-gram's earlier occurrences, n <= max_ngram; empty when nothing
     matches."""
     hits = longest_suffix_matches(seq, max_ngram)
-    if not hits.size:
-        return seq[:0]
-    L = seq.shape[0]
-    p = L - 1 - int(hits[-1])                     # period: distance from the match's end to the text's end
-    return seq[L - p + np.arange(num_pred) % p]
+    return copy_latest(seq, int(hits[0]), int(hits[-1]), num_pred) if hits.size else seq[:0]
+
+
+# what each finder drafts from the matches' earliest and latest end (what ``SuffixIndex`` keeps)
+FROM_ENDS = {find_draft: after_first, find_copy: copy_latest}
 
 
 # Suffix n-grams up to this long, in texts up to this long, are matched through an index kept as the text grows
@@ -103,8 +112,8 @@ class SuffixIndex:
 
 
 class PromptLookup:
-    """Host copy of the committed text, appended incrementally, and the per-step draft (``find_draft`` or
-    ``find_copy``'s, through a ``SuffixIndex`` where the n-grams are short enough; another ``find`` as it is)."""
+    """Host copy of the committed text, appended incrementally, and the per-step draft: ``find``'s, from the ends a
+    ``SuffixIndex`` keeps (``FROM_ENDS``) where the n-grams and the text are short enough, else by ``find`` itself."""
 
     def __init__(self, req: DraftContext, max_ngram: int, num_pred: int, find=find_draft):
         self.max_ngram, self.num_pred, self.find = max_ngram, num_pred, find
@@ -112,9 +121,10 @@ class PromptLookup:
         self.text[: req.P] = req.prompt
         self.P = req.P
         self.fed = 0                              # generated tokens copied so far
-        indexed = max_ngram <= INDEX_MAX_NGRAM and len(self.text) <= INDEX_MAX_TEXT and find in (find_draft, find_copy)
-        self.index = SuffixIndex(max_ngram) if indexed else None
-        self.seq: list[int] = self.text[: req.P].tolist() if indexed else []
+        small = max_ngram <= INDEX_MAX_NGRAM and len(self.text) <= INDEX_MAX_TEXT
+        self.from_ends = FROM_ENDS.get(find) if small else None
+        self.index = SuffixIndex(max_ngram) if self.from_ends is not None else None
+        self.seq: list[int] = self.text[: req.P].tolist() if self.index is not None else []
         if self.index is not None:
             self.index.match(self.seq)            # the prompt indexed now, not in a timed draft
 
@@ -132,12 +142,7 @@ class PromptLookup:
         if self.index is None:
             return self.find(self.text[:L], self.max_ngram, k)
         hit = self.index.match(self.seq)
-        if hit is None:
-            return self.text[:0]
-        if self.find is find_draft:               # after the earliest occurrence (find_draft)
-            return self.text[hit[0] + 1: min(hit[0] + 1 + k, L)]
-        p = L - 1 - hit[1]                        # find_copy: the period back to the latest occurrence
-        return self.text[L - p + np.arange(k) % p]
+        return self.text[:0] if hit is None else self.from_ends(self.text[:L], hit[0], hit[1], k)
 
 
 @dataclass(frozen=True)
