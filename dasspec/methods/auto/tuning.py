@@ -70,8 +70,8 @@ class Tuning:
                                 "once (a run of matches is noticed at once)")
     hold_below: int = why(2, "a closed batch all on a drafter some request has measured fewer than 2 times stays on "
                              "it unless plain steps win by the margin: one block is a small sample")
-    kept_keys: int = why(16, "the outcomes kept between generate calls (memory.py) per model: the last 16 keys (about "
-                             "2 KB each), so a sweep of knob values does not grow the process")
+    kept_keys: int = why(16, "the outcomes kept between generate calls (memory.py) per model: the last 16 keys, so a "
+                             "sweep of knob values does not grow the process")
 
 
 TUNING = Tuning()
