@@ -4,8 +4,10 @@ with chunked and shared prefills, and preempted and resumed in a small pool - on
 product and attention path the small fixtures of the other suites never reach:
 
 * weights at or above 2^18 elements (``PACK_THRESHOLD``, where products once switched from MKL to oneDNN: the
-  MLP's fc 2048 x 256, proj 256 x 1024, the embedding and the untied head 2048 x 256) beside weights below it (Wqkv
-  768 x 256, the attention's proj 256 x 256, the adapter);
+  MLP's fc 2304 x 256, proj 256 x 1152, the embedding and the untied head 2048 x 256) beside weights below it (Wqkv
+  768 x 256, the attention's proj 256 x 256, the adapter); the MLP's proj sums rows of 1,152 values, which a decode
+  step of 5-8 rows takes through AVX-512's wide register block (``WIDE_K``) and every other call through the 4-row
+  blocks;
 * prompts past 128 keys (``KEY_LIMIT``, where causal rows once switched from the row kernel to SDPA) beside short
   ones, chains ending on either side of it,
   Token Recycling's and Lookahead's trees, DAS-Wave's windows, prompt blocks and wide verification blocks (the GEMM
@@ -41,6 +43,7 @@ from dasspec.testing import random_model
 NEW = 8                      # new tokens per request
 PACK_THRESHOLD = 1 << 18     # the shapes where the old kernels changed path: still covered on both sides
 KEY_LIMIT = 128
+WIDE_K = (1024, 4096)      # dasspec/csrc/isa_body.h's WIDE_K_MIN / MAX: rows longer than MIN, at most MAX
 THREADS = (1, 2)
 NEAR_TIE = 1e-5              # the head's random part, against its shared row (the float32 rounding level)
 SAMPLED = dict(do_sample=True, temperature=0.7, top_k=2)
@@ -59,7 +62,7 @@ def methods(R: int) -> list[tuple[str, dict]]:
 
 NAMES = [m for m, _ in methods(4)]     # the same at every depth: only the knobs follow R
 # The near-tie fixtures: weights on both sides of PACK_THRESHOLD (the MLP's, the untied head), R = 4 or T = 2.
-SHAPES = dict(vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64, intermediate_size=1024,
+SHAPES = dict(vocab_size=2048, n_embd=256, n_heads=4, n_kv_heads=4, head_dim=64, intermediate_size=1152,
               tie_embeddings=False, block_size=512)
 FAMILIES = {"huginn": dict(mean_recurrence=4), "ouro": dict(n_kv_heads=2, mean_recurrence=4),
             "nanbeige": dict(n_kv_heads=2, head_dim=96), "iquest-loop": dict(n_kv_heads=2, loop_window=16)}
@@ -115,11 +118,13 @@ def case(request):
 
 def test_the_fixture_takes_every_path(case):
     """The shapes are what the module's docstring says (a guard against a fixture that drifts to small shapes):
-    weights on both sides of the packing threshold, prompts on both sides of the kernel's key limit."""
+    weights on both sides of the packing threshold, one whose rows the wide block sums, prompts on both sides of
+    the kernel's key limit."""
     model, prompts, _, _ = case
     sizes = [p.numel() for p in model.parameters() if p.dim() == 2]
     assert any(n >= PACK_THRESHOLD for n in sizes) and any(n < PACK_THRESHOLD for n in sizes)
     assert model.lm_head.weight.numel() >= PACK_THRESHOLD
+    assert any(WIDE_K[0] < p.shape[1] <= WIDE_K[1] for p in model.parameters() if p.dim() == 2)
     assert any(len(p) > KEY_LIMIT for p in prompts)
     assert any(len(p) + NEW < KEY_LIMIT for p in prompts)
 

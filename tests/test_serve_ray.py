@@ -386,8 +386,9 @@ def test_requests_sent_while_every_replica_is_dead_wait_for_the_restarted_ones(c
         if r["status"] == "ok":
             os.kill(r["pid"], signal.SIGKILL)
     t0 = time.monotonic()
+    deadline = t0 + START_LIMIT_S                     # only a hang's bound: a loaded machine is slow, not broken
     while any(r["status"] == "ok" for r in cluster.health()["replicas"]):   # no replica alive (nor restarted yet)
-        assert time.monotonic() - t0 < 30, cluster.health()
+        assert time.monotonic() < deadline, cluster.health()
         time.sleep(0.1)
 
     def ask(i: int):
