@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the new side only (e.g. DASSPEC_CPU_ISA=avx2 with --old HEAD: "
                         "one code, two kernel paths)")
+    p.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the old side only (e.g. CXX=a wrapper adding -mno-avx512f and "
+                        "TORCH_EXTENSIONS_DIR=a folder of its own: the old code's kernels built for an AVX2 CPU)")
     p.add_argument("--random-ids", type=int, default=0, metavar="HIGH",
                    help="every model's prompts: random ids of 40-120 in [3, min(HIGH, vocabulary)) (the vLLM "
                         "comparisons' prompts: HIGH 166100 for Nanbeige), instead of GSM8K questions")
@@ -122,15 +125,17 @@ def compare(args: argparse.Namespace, old: Path, models: dict, prompts: dict) ->
     job = {"models": models, "prompts": prompts, "methods": args.methods.split(","), "new": args.new_tokens,
            "threads": args.threads}
     new_env = dict(kv.split("=", 1) for kv in args.new_env)
+    old_env = dict(kv.split("=", 1) for kv in args.old_env)
     runs = []
     for r in range(args.rounds):
         order = [("old", old), ("new", REPO)] if r % 2 == 0 else [("new", REPO), ("old", old)]
         for version, tree in order:
-            for row in run_worker(tree, job, new_env if version == "new" else {}):
+            for row in run_worker(tree, job, new_env if version == "new" else old_env):
                 runs.append({**row, "version": version, "round": r})
             print(f"round {r + 1}/{args.rounds}: {version} done", file=sys.stderr, flush=True)
         (args.out / "results.json").write_text(json.dumps(runs))
-    lines = [f"# New{' (' + ', '.join(args.new_env) + ')' if args.new_env else ''} against old ({args.old}), "
+    lines = [f"# New{' (' + ', '.join(args.new_env) + ')' if args.new_env else ''} against old ({args.old}"
+             f"{'; ' + ', '.join(args.old_env) if args.old_env else ''}), "
              "paired by round", "",
              f"{args.rounds} rounds, {args.prompts} "
              f"{'prompts of random ids' if args.random_ids else 'GSM8K questions'} x {args.new_tokens} new tokens, "
