@@ -200,6 +200,31 @@ def test_generate_batch(case, method, n_threads):
     assert not bad, f"{method}, {n_threads} thread(s): (request, first differing position) {bad}"
 
 
+WIDE = 64                    # requests decoding at once in the widest batch
+
+
+def test_a_batch_of_64_requests_at_two_threads(case):
+    """64 requests at once in one engine (each prompt seven or eight times, every method in turn; sampled where the turn
+    says so), two threads: each request's tokens are its own batch-1 AR decode at one thread."""
+    model, prompts, refs, known = case
+    requests = [(j % len(prompts), *known[j % len(known)]) for j in range(WIDE)]
+    sampled = [j % 3 == 2 for j in range(WIDE)]
+    engine = Engine(model, "ar", max_batch=WIDE, kv_budget=WIDE * 512, max_step_tokens=1 << 15)   # all at once
+    with threads(2), torch.inference_mode():
+        rids = [engine.add(prompts[p], method=m, knobs=k, max_new_tokens=NEW, eos=False, seed=p,
+                           **(SAMPLED if s else {})) for (p, m, k), s in zip(requests, sampled)]
+        widest = 0
+        while engine.has_work:
+            engine.step()
+            widest = max(widest, len(engine.scheduler.running))
+    outs = [engine.result(r).tokens for r in rids]
+    assert widest == WIDE
+    bad = _mismatches(outs, [refs[s][p] for (p, _, _), s in zip(requests, sampled)],
+                      [f"request {i}: prompt {p} by {m}{' sampled' if s else ''}"
+                       for i, ((p, m, _), s) in enumerate(zip(requests, sampled))])
+    assert not bad, f"(request, first differing position) {bad}"
+
+
 @pytest.mark.parametrize("n_threads", THREADS, ids=lambda t: f"{t}thr")
 def test_chunked_and_shared_prefills(case, n_threads):
     """Prompts that share their first 144 tokens (nine blocks of 16): prefilled in chunks under a small step
