@@ -1,10 +1,15 @@
-"""What each method earns on a Nanbeige (T = 2) checkpoint: every method at batch 1 on the same prompts, each prompt
-decoded by AR and by every method in turn (the order rotated per prompt), float32, greedy.  Per method: tokens/s,
+"""What each method earns on a T = 2 checkpoint (Nanbeige4.2, IQuest-Loop): every method at batch 1 on the same
+prompts, each prompt decoded by AR and by every method in turn (the order rotated per prompt), ``--rounds`` times,
+float32, greedy.  Per method: tokens/s,
 the ratio to AR's tokens/s per prompt (median [range]), A (accepted tokens per verification), sequential core
 passes per token against AR's 2 (the pass-count speedup: what the method would gain if a pass cost the same at
 every width), and whether its tokens equal AR's (they must).
 
     python benchmarks/nanbeige_methods.py --model /tmp/dasspec-big/nanbeige-mid --out benchmarks/records/performance/nanbeige-methods
+    python benchmarks/nanbeige_methods.py --model /tmp/iquest-mid --out runs/iquest-methods
+
+A checkpoint without tokenizer files (the IQuest-Loop of ``iquest_vllm.py``) gets as many prompts of random ids,
+the first of them a repeated run (so the lookup drafters have text to copy), 40-120 ids long.
 
 Random weights accept little (a depth draft agrees with the target by chance); the prompts include a repetitive one
 so the lookup drafters have text to copy.  A benchmark, not a test: it asserts nothing about speed.
@@ -32,6 +37,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", default="runs/nanbeige-methods")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the prompts (ratios per prompt and round)")
     args = p.parse_args()
 
     import torch
@@ -41,9 +47,15 @@ def main() -> None:
     model = dasspec.load_model(args.model, device="cpu", dtype=torch.float32)
     methods = args.methods.split(",")
     drafters = {m: dasspec.build_drafter(model, m) for m in methods if m != "ar"}    # kept across prompts
-    prompts = [model.tokenizer.encode(t) for t in PROMPTS]
+    if model.tokenizer is not None:
+        prompts = [model.tokenizer.encode(t) for t in PROMPTS]
+    else:                                        # random ids; the first prompt repeats itself
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from iquest_vllm import random_prompts
+        prompts = random_prompts(len(PROMPTS), model.config.vocab_size)
+        prompts[0] = (prompts[0][:12] * 10)[: len(prompts[0])]
     rows: dict[str, list[dict]] = {m: [] for m in methods}
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts * args.rounds):
         order = methods[i % len(methods):] + methods[: i % len(methods)]
         for m in order:
             out = dasspec.generate(model, ids, m, drafter=drafters.get(m), max_new_tokens=args.tokens, eos=False)
@@ -54,7 +66,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     ar = rows["ar"]
     lines = [f"# Every method on {args.model} (T = {model.R}), float32, batch 1, {args.threads} threads, "
-             f"{len(prompts)} prompts x {args.tokens} greedy tokens", "",
+             f"{len(prompts)} prompts x {args.tokens} greedy tokens, {args.rounds} round(s)", "",
              "| method | tok/s (mean) | x AR per prompt: median [range] | A | passes per token | pass-count speedup "
              "| tokens = AR's |", "|---|---|---|---|---|---|---|"]
     for m in methods:
@@ -68,7 +80,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"rows": rows, "threads": args.threads, "tokens": args.tokens,
-                                                  "model": args.model, "torch": torch.__version__}, indent=1))
+                                                  "rounds": args.rounds, "prompts": prompts, "model": args.model,
+                                                  "torch": torch.__version__}, indent=1))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
