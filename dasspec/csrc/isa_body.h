@@ -103,7 +103,30 @@ DASSPEC_INLINE f16v acc_lanes(Acc a) {
   std::memcpy(reinterpret_cast<char*>(&v) + 32, &a.hi, 32);
   return v;
 }
-constexpr int MG = 2;
+// bfloat16 -> float32 of 8 values (exact), and float32's 8: the half of a 16-lane vector a register holds.
+DASSPEC_INLINE __m256 half_load(const float* p) { return _mm256_loadu_ps(p); }
+DASSPEC_INLINE __m256 half_load(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// tree_sum of up to 8 accumulators at once, the same additions interleaved (lanes l + l + 8 of each: lo + hi; then
+// l + l + 4 across two accumulators' 128-bit halves, l + l + 2 and l + l + 1 within 128-bit lanes).
+DASSPEC_INLINE void tree_sum8(const Acc* a, int count, float* r) {
+  __m256 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i) s[i] = i < count ? _mm256_add_ps(a[i].lo, a[i].hi) : _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j)
+    t[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * j], s[2 * j + 1], 0x20),
+                         _mm256_permute2f128_ps(s[2 * j], s[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)
+    u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 v = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  float f[8];
+  _mm256_storeu_ps(f, v);                            // s0, s2, s4, s6, s1, s3, s5, s7
+  for (int i = 0; i < count; ++i) r[i] = f[(i & 1) * 4 + (i >> 1)];
+}
+constexpr int MG = 3;                                // 3 x 2 accumulators of two registers, a half at a time
 constexpr int NR_OF[5] = {0, 4, 2, 2, 2};
 constexpr int MW = MG, NW = 2;                       // no wide block: 16 registers
 #else
@@ -156,6 +179,23 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
   for (int64_t turn = 0; k + LANES <= K; k += LANES, turn = turn + 1 == pf_period ? 0 : turn + 1) {
     if (pf && turn == pf_phase)
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
+#if defined(DASSPEC_ISA_AVX2)
+    // 8 lanes of every accumulator at a time (the low halves, then the high ones: each its own FMA chain, so the
+    // sums are the same): 3 x 2 accumulators, the weight's half-vectors and one of x fit the 16 registers, and
+    // each value is loaded once per step.
+    for (int h = 0; h < LANES; h += 8) {
+      __m256 wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = half_load(wr[n] + k + h);
+      for (int m = 0; m < MR; ++m) {
+        __m256 xv = half_load(xr[m] + k + h);
+        asm("" : "+x"(xv));                // in a register: not read again by each FMA from memory
+        for (int n = 0; n < NR; ++n) {
+          __m256& a = h ? acc[m * NR + n].hi : acc[m * NR + n].lo;
+          a = _mm256_fmadd_ps(xv, wv[n], a);
+        }
+      }
+    }
+#else
     if constexpr (MR == MW && MW > MG) {   // the wide block holds the weight's vectors, loads x row by row
       Acc wv[NR];
       for (int n = 0; n < NR; ++n) wv[n] = acc_load(wr[n] + k);
@@ -171,6 +211,7 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
         for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
       }
     }
+#endif
   }
   if (k < K) {
     Acc xv[MR];
@@ -180,6 +221,16 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
       for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
     }
   }
+#if defined(DASSPEC_ISA_AVX2)
+  if constexpr (MR * NR <= 8) {
+    float r[8];
+    tree_sum8(acc, MR * NR, r);
+    for (int m = 0; m < mr; ++m)
+      for (int n = 0; n < nr; ++n)
+        out[m * ldo + n] = static_cast<T>(bias ? r[m * NR + n] + static_cast<float>(bias[n]) : r[m * NR + n]);
+    return;
+  }
+#endif
   if constexpr (MR * NR == 16) {
     f16v lanes[16];
     for (int i = 0; i < 16; ++i) lanes[i] = acc_lanes(acc[i]);
