@@ -29,7 +29,8 @@ DASSPEC_INLINE f16v load16(const float* p) {
 
 DASSPEC_INLINE f16v load_tail(const float* p, int64_t n) {      // n < 16 values, zeros after
   f16v v = {};
-  std::memcpy(&v, p, n * sizeof(float));
+#pragma GCC unroll 16
+  for (int l = 0; l < LANES; ++l) v[l] = l < n ? p[l] : 0.0f;    // no memcpy call: a call spills every register
   return v;
 }
 
@@ -46,14 +47,17 @@ DASSPEC_INLINE float tree_sum(f16v x) {
 // vector), with the vectors interleaved so that every addition is a full-width one.
 DASSPEC_INLINE f16v tree_sum16(const f16v* a) {
   f16v b[8], c[4], d[2];
+#pragma GCC unroll 8
   for (int j = 0; j < 8; ++j)
     b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
                                    31);
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
     c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
                                    31);
+#pragma GCC unroll 2
   for (int j = 0; j < 2; ++j)
     d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
            __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
@@ -84,10 +88,10 @@ constexpr int MW = 8, NW = 2;                        // the wide block: up to 8 
 struct Acc { __m256 lo, hi; };
 DASSPEC_INLINE Acc acc_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 DASSPEC_INLINE Acc acc_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {
-  float t[16] = {};
-  std::memcpy(t, p, n * sizeof(float));
-  return acc_load(t);
+DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {     // masked lanes are not read
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return {_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane)),
+          _mm256_maskload_ps(p + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lane))};
 }
 DASSPEC_INLINE Acc acc_load(const c10::BFloat16* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -109,14 +113,28 @@ DASSPEC_INLINE __m256 half_load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+DASSPEC_INLINE __m256 half_load_tail(const float* p, int64_t n) {    // lanes >= n (n may be <= 0): zeros, not read
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(n, 0))),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+DASSPEC_INLINE __m256 half_load_tail(const c10::BFloat16* p, int64_t n) {
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  uint16_t t[8];
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) t[l] = l < n ? q[l] : 0;
+  return half_load(reinterpret_cast<const c10::BFloat16*>(t));
+}
 // tree_sum of up to 8 accumulators at once, the same additions interleaved (lanes l + l + 8 of each: lo + hi; then
 // l + l + 4 across two accumulators' 128-bit halves, l + l + 2 and l + l + 1 within 128-bit lanes).
 DASSPEC_INLINE void tree_sum8(const Acc* a, int count, float* r) {
   __m256 s[8], t[4], u[2];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) s[i] = i < count ? _mm256_add_ps(a[i].lo, a[i].hi) : _mm256_setzero_ps();
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
     t[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * j], s[2 * j + 1], 0x20),
                          _mm256_permute2f128_ps(s[2 * j], s[2 * j + 1], 0x31));
+#pragma GCC unroll 2
   for (int j = 0; j < 2; ++j)
     u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -124,6 +142,7 @@ DASSPEC_INLINE void tree_sum8(const Acc* a, int count, float* r) {
                                  _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
   float f[8];
   _mm256_storeu_ps(f, v);                            // s0, s2, s4, s6, s1, s3, s5, s7
+#pragma GCC unroll 8
   for (int i = 0; i < count; ++i) r[i] = f[(i & 1) * 4 + (i >> 1)];
 }
 constexpr int MG = 3;                                // 3 x 2 accumulators of two registers, a half at a time
@@ -152,10 +171,68 @@ constexpr int MW = MG, NW = 2;
 constexpr int64_t WIDE_K_MIN = 1024, WIDE_K_MAX = 4096;   // the wide block's rows: longer than MIN, at most MAX
 
 DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
-  c10::BFloat16 t[LANES];
-  std::memset(static_cast<void*>(t), 0, sizeof t);
-  std::memcpy(static_cast<void*>(t), p, n * sizeof(c10::BFloat16));
-  return acc_load(t);
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  uint16_t t[LANES];
+#pragma GCC unroll 16
+  for (int l = 0; l < LANES; ++l) t[l] = l < n ? q[l] : 0;        // (no memcpy call, as load_tail)
+  return acc_load(reinterpret_cast<const c10::BFloat16*>(t));
+}
+
+#if defined(DASSPEC_ISA_AVX2)
+// One k-step of an MR x NR block on AVX2, 8 lanes of every accumulator at a time (the low halves, then the high
+// ones: each its own FMA chain, so the sums are the same): 3 x 2 accumulators, the weight's half-vectors and one of
+// x fit the 16 registers, and each value is loaded once.  TAIL: the last step, rem < 16 values (zeros after them).
+template <int MR, int NR, bool TAIL, typename T>
+DASSPEC_INLINE void half_steps(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
+#pragma GCC unroll 2
+  for (int h = 0; h < LANES; h += 8) {
+    __m256 wv[NR];
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) wv[n] = TAIL ? half_load_tail(wr[n] + k + h, rem - h) : half_load(wr[n] + k + h);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      __m256 xv = TAIL ? half_load_tail(xr[m] + k + h, rem - h) : half_load(xr[m] + k + h);
+      asm("" : "+x"(xv));                  // in a register: not read again by each FMA from memory
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) {
+        Acc& a = acc[m * NR + n];
+        if (h == 0) a.lo = _mm256_fmadd_ps(xv, wv[n], a.lo);
+        else a.hi = _mm256_fmadd_ps(xv, wv[n], a.hi);
+      }
+    }
+  }
+}
+#endif
+
+// One k-step of an MR x NR block: the wide block holds the weight's vectors and loads x row by row, the others hold
+// x's.  TAIL: the last step, rem < 16 values (zeros after them).
+template <int MR, int NR, bool TAIL, typename T>
+DASSPEC_INLINE void steps(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
+#if defined(DASSPEC_ISA_AVX2)
+  half_steps<MR, NR, TAIL>(xr, wr, k, rem, acc);
+#else
+  if constexpr (MR == MW && MW > MG && !TAIL) {
+    Acc wv[NR];
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) wv[n] = acc_load(wr[n] + k);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const Acc xv = acc_load(xr[m] + k);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) acc[m * NR + n] = acc_fma(xv, wv[n], acc[m * NR + n]);
+    }
+  } else {
+    Acc xv[MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) xv[m] = TAIL ? acc_load_tail(xr[m] + k, rem) : acc_load(xr[m] + k);
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      const Acc wv = TAIL ? acc_load_tail(wr[n] + k, rem) : acc_load(wr[n] + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
+    }
+  }
+#endif
 }
 
 // out[m, n] (m < mr, n < nr) of x rows [mr, K] (stride ldx) and w rows [nr, K] (stride ldw): an MR x NR block of
@@ -165,62 +242,30 @@ DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
 // pf > 0: the rows pf elements further on (a later chunk's) are fetched into the L2 cache meanwhile, one line per
 // row on every pf_period-th k-step from pf_phase - a weight that comes from memory then arrives while this chunk
 // computes (only a fetch: no bit of the arithmetic depends on it).
+// The small loops are unrolled early (``#pragma GCC unroll``) and no load calls a function, so the accumulators stay
+// in registers from the first step to the sums (else the compiler keeps them on the stack around the loop).
 template <int MR, int NR, typename T>
 DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out,
                               int64_t ldo, int mr, int nr, const T* bias, int64_t pf, int64_t pf_period,
                               int64_t pf_phase) {
   const T* xr[MR];
   const T* wr[NR];
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) xr[m] = x + std::min(m, mr - 1) * ldx;
+#pragma GCC unroll 16
   for (int n = 0; n < NR; ++n) wr[n] = w + std::min(n, nr - 1) * ldw;
   Acc acc[MR * NR];
+#pragma GCC unroll 16
   for (int i = 0; i < MR * NR; ++i) acc[i] = acc_zero();
   int64_t k = 0;
   for (int64_t turn = 0; k + LANES <= K; k += LANES, turn = turn + 1 == pf_period ? 0 : turn + 1) {
-    if (pf && turn == pf_phase)
+    if (pf && turn == pf_phase) {
+#pragma GCC unroll 16
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
-#if defined(DASSPEC_ISA_AVX2)
-    // 8 lanes of every accumulator at a time (the low halves, then the high ones: each its own FMA chain, so the
-    // sums are the same): 3 x 2 accumulators, the weight's half-vectors and one of x fit the 16 registers, and
-    // each value is loaded once per step.
-    for (int h = 0; h < LANES; h += 8) {
-      __m256 wv[NR];
-      for (int n = 0; n < NR; ++n) wv[n] = half_load(wr[n] + k + h);
-      for (int m = 0; m < MR; ++m) {
-        __m256 xv = half_load(xr[m] + k + h);
-        asm("" : "+x"(xv));                // in a register: not read again by each FMA from memory
-        for (int n = 0; n < NR; ++n) {
-          __m256& a = h ? acc[m * NR + n].hi : acc[m * NR + n].lo;
-          a = _mm256_fmadd_ps(xv, wv[n], a);
-        }
-      }
     }
-#else
-    if constexpr (MR == MW && MW > MG) {   // the wide block holds the weight's vectors, loads x row by row
-      Acc wv[NR];
-      for (int n = 0; n < NR; ++n) wv[n] = acc_load(wr[n] + k);
-      for (int m = 0; m < MR; ++m) {
-        const Acc xv = acc_load(xr[m] + k);
-        for (int n = 0; n < NR; ++n) acc[m * NR + n] = acc_fma(xv, wv[n], acc[m * NR + n]);
-      }
-    } else {
-      Acc xv[MR];
-      for (int m = 0; m < MR; ++m) xv[m] = acc_load(xr[m] + k);
-      for (int n = 0; n < NR; ++n) {
-        const Acc wv = acc_load(wr[n] + k);
-        for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
-      }
-    }
-#endif
+    steps<MR, NR, false>(xr, wr, k, LANES, acc);
   }
-  if (k < K) {
-    Acc xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = acc_load_tail(xr[m] + k, K - k);
-    for (int n = 0; n < NR; ++n) {
-      const Acc wv = acc_load_tail(wr[n] + k, K - k);
-      for (int m = 0; m < MR; ++m) acc[m * NR + n] = acc_fma(xv[m], wv, acc[m * NR + n]);
-    }
-  }
+  if (k < K) steps<MR, NR, true>(xr, wr, k, K - k, acc);
 #if defined(DASSPEC_ISA_AVX2)
   if constexpr (MR * NR <= 8) {
     float r[8];
@@ -233,6 +278,7 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
 #endif
   if constexpr (MR * NR == 16) {
     f16v lanes[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) lanes[i] = acc_lanes(acc[i]);
     const f16v r = tree_sum16(lanes);
     for (int m = 0; m < mr; ++m)
