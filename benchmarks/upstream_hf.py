@@ -101,7 +101,7 @@ def hf_load(family: str, folder: str, dtype: str):
     for mod in model.modules():                    # RoPE tables are computed, never loaded (Nanbeige: never at all)
         if hasattr(mod, "inv_freq"):
             mod.inv_freq = 1.0 / (mod.base ** (torch.arange(0, mod.dim, 2, dtype=torch.int64).float() / mod.dim))
-    left = [k for k, v in model.state_dict().items() if v.is_meta]
+    left = [k for k, v in [*model.state_dict().items(), *model.named_buffers()] if v.is_meta]   # + non-persistent
     missing = set(dict(model.named_parameters())) - loaded
     assert not left and not missing, (left, missing)
     return model.eval()

@@ -24,7 +24,7 @@ The same tests run on four families, so the one-call layer kernels each takes ar
 Huginn's sandwich layers (the bundled model's layout; interleaved RoPE), Ouro's peri-norm loop (``recur_rows``
 over "peri" layers, T = 4), Nanbeige's pre-norm loop (the same over "pre" layers, T = 2) and IQuest-Loop's gated
 loop 2 over a sliding window (``loop_recur_rows``, the windowed pool's rings, T = 2) - and on Ouro's in bfloat16,
-whose near tie sits at bfloat16's rounding (``NEAR_TIE_OF``; with torch's kernels, 14 of its 35 cases fail).
+whose near tie sits at bfloat16's rounding (``NEAR_TIE_OF``; with torch's kernels, 15 of its 36 cases fail).
 
 Every comparison is exact (token ids equal).  ``tests/conftest.py`` pins one thread; the two-thread cases set two
 and the autouse fixture there restores one.
@@ -131,6 +131,7 @@ def test_the_fixture_takes_every_path(case):
     sizes = [p.numel() for p in model.parameters() if p.dim() == 2]
     assert any(n >= PACK_THRESHOLD for n in sizes) and any(n < PACK_THRESHOLD for n in sizes)
     assert model.lm_head.weight.numel() >= PACK_THRESHOLD
+    # (the wide block is float32's, on AVX-512 CPUs: the bfloat16 case has the shape but not the block)
     assert any(WIDE_K[0] < p.shape[1] <= WIDE_K[1] for p in model.parameters() if p.dim() == 2)
     assert any(len(p) > KEY_LIMIT for p in prompts)
     assert any(len(p) + NEW < KEY_LIMIT for p in prompts)
@@ -204,11 +205,13 @@ WIDE = 64                    # requests decoding at once in the widest batch
 
 
 def test_a_batch_of_64_requests_at_two_threads(case):
-    """64 requests at once in one engine (each prompt seven or eight times, every method in turn; sampled where the turn
-    says so), two threads: each request's tokens are its own batch-1 AR decode at one thread."""
+    """64 requests at once in one engine (each prompt seven or eight times, each time with the next method and every
+    third pass over the prompts sampled, so every method meets several prompts, greedy and sampled), two threads:
+    each request's tokens are its own batch-1 AR decode at one thread."""
     model, prompts, refs, known = case
-    requests = [(j % len(prompts), *known[j % len(known)]) for j in range(WIDE)]
-    sampled = [j % 3 == 2 for j in range(WIDE)]
+    P = len(prompts)
+    requests = [(j % P, *known[(j + j // P) % len(known)]) for j in range(WIDE)]
+    sampled = [(j // P) % 3 == 2 for j in range(WIDE)]
     engine = Engine(model, "ar", max_batch=WIDE, kv_budget=WIDE * 512, max_step_tokens=1 << 15)   # all at once
     with threads(2), torch.inference_mode():
         rids = [engine.add(prompts[p], method=m, knobs=k, max_new_tokens=NEW, eos=False, seed=p,

@@ -88,11 +88,6 @@ constexpr int MW = 8, NW = 2;                        // the wide block: up to 8 
 struct Acc { __m256 lo, hi; };
 DASSPEC_INLINE Acc acc_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 DASSPEC_INLINE Acc acc_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-DASSPEC_INLINE Acc acc_load_tail(const float* p, int64_t n) {     // masked lanes are not read
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return {_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane)),
-          _mm256_maskload_ps(p + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lane))};
-}
 DASSPEC_INLINE Acc acc_load(const c10::BFloat16* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16)),
