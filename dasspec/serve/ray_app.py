@@ -553,18 +553,23 @@ def build_app(args: dict | None = None):
 
 # Ray Serve gives a starting HTTP proxy 5 s to answer its readiness check and a running one 10 s per health check,
 # then restarts it; on a loaded machine (a shared CI box) a proxy that is merely slow to import is restarted over
-# and over and ``serve.start`` gives up after its fixed 60 s.  A local instance gets this much patience instead
-# (Ray Serve reads these variables in its controller), and ``start_serve`` waits up to SERVE_START_S.
-PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+# and over and ``serve.start`` gives up after its fixed 60 s.  And its router gives a replica 0.1 s (backing off to
+# 1 s) to say how many requests it holds before sending a request to the next replica in the router's ranking: on a
+# loaded machine a prefix's requests then scatter from the replica holding its blocks.  A local instance gets this
+# much patience instead (Ray Serve reads these variables in its controller and routers), and ``start_serve`` waits
+# up to SERVE_START_S.
+LOCAL_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                  "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
+                  "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10"}
 SERVE_START_S = 600
 
 
 def local_ray_env() -> dict:
     """A runtime_env for a local Ray instance: its workers import this dasspec (a source checkout not on their
-    path), and Ray Serve's proxy checks are patient with a loaded machine (``PROXY_PATIENCE``)."""
+    path), and Ray Serve's proxy checks and queue probes are patient with a loaded machine (``LOCAL_PATIENCE``)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"PYTHONPATH": path, **{k: os.environ.get(k, v) for k, v in PROXY_PATIENCE.items()}}}
+    return {"env_vars": {"PYTHONPATH": path, **{k: os.environ.get(k, v) for k, v in LOCAL_PATIENCE.items()}}}
 
 
 def start_serve(serve, http_options: dict, wait_s: float = SERVE_START_S) -> None:
