@@ -1,18 +1,15 @@
 """What each method earns on a T = 2 checkpoint (Nanbeige4.2, IQuest-Loop): every method at batch 1 on the same
 prompts, each prompt decoded by AR and by every method in turn (the order rotated per prompt), ``--rounds`` times,
-float32, greedy.  Per method: tokens/s,
-the ratio to AR's tokens/s per prompt (median [range]), A (accepted tokens per verification), sequential core
-passes per token against AR's 2 (the pass-count speedup: what the method would gain if a pass cost the same at
-every width), and whether its tokens equal AR's (they must).
+float32, greedy.  Per method: tokens/s, the ratio to AR's tokens/s per prompt (median [range]), A (accepted tokens
+per verification), sequential core passes per token against AR's 2 (the pass-count speedup: what the method would
+gain if a pass cost the same at every width), and whether its tokens equal AR's (they must).
 
     python benchmarks/nanbeige_methods.py --model /tmp/dasspec-big/nanbeige-mid --out benchmarks/records/performance/nanbeige-methods
     python benchmarks/nanbeige_methods.py --model /tmp/iquest-mid --out runs/iquest-methods
 
-A checkpoint without tokenizer files (the IQuest-Loop of ``iquest_vllm.py``) gets as many prompts of random ids,
-the first of them a repeated run (so the lookup drafters have text to copy), 40-120 ids long.
-
 Random weights accept little (a depth draft agrees with the target by chance); the prompts include a repetitive one
-so the lookup drafters have text to copy.  A benchmark, not a test: it asserts nothing about speed.
+so the lookup drafters have text to copy.  A checkpoint without tokenizer files (the IQuest-Loop of
+``iquest_vllm.py``) gets as many prompts of 40-120 random ids instead, the first a run of 12 ids repeated.  A benchmark, not a test: it asserts nothing about speed.
 """
 
 from __future__ import annotations

@@ -113,43 +113,17 @@ def batch_worker(gguf: str, threads: int) -> None:
 
 def hf_worker(folder: str, threads: int) -> None:
     """Upstream's HF remote code side (``modeling_nanbeige.py`` importable as ``hfmod``; transformers on the path),
-    float32, eager attention, greedy through its own DynamicCache, ``inv_freq`` recomputed after construction."""
+    float32, eager attention, greedy through its own DynamicCache: ``upstream_hf.hf_load`` / ``hf_decode``."""
     import torch
-    from safetensors.torch import load_file
-    from transformers.cache_utils import DynamicCache
-
-    from hfmod.configuration_nanbeige import NanbeigeConfig
-    from hfmod.modeling_nanbeige import NanbeigeForCausalLM
+    from upstream_hf import hf_decode, hf_load
 
     torch.set_num_threads(threads)
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    config = NanbeigeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "model_type")})
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = NanbeigeForCausalLM(config)
-    state = {}
-    index = Path(folder) / "model.safetensors.index.json"
-    shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
-              else ["model.safetensors"])
-    for shard in shards:
-        state.update(load_file(Path(folder) / shard))
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
-    for mod in model.modules():                    # the zero-buffer bug: inv_freq computed, never loaded
-        if hasattr(mod, "inv_freq"):
-            mod.inv_freq = 1.0 / (mod.base ** (torch.arange(0, mod.dim, 2, dtype=torch.int64).float() / mod.dim))
-    model = model.float().eval()
+    model = hf_load("nanbeige", folder, "float32")
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         t = time.perf_counter()
-        out = []
-        with torch.inference_mode():
-            step = model(input_ids=torch.tensor([req["ids"]]), past_key_values=DynamicCache(), use_cache=True)
-            while len(out) < req["n"]:
-                out.append(int(step.logits[0, -1].argmax()))
-                if len(out) < req["n"]:
-                    step = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=step.past_key_values,
-                                 use_cache=True)
+        out = hf_decode(model, req["ids"], req["n"], cached=True)
         print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t}), flush=True)
 
 

@@ -178,7 +178,7 @@ DASSPEC_INLINE Acc acc_load_tail(const c10::BFloat16* p, int64_t n) {
 // ones: each its own FMA chain, so the sums are the same): 3 x 2 accumulators, the weight's half-vectors and one of
 // x fit the 16 registers, and each value is loaded once.  TAIL: the last step, rem < 16 values (zeros after them).
 template <int MR, int NR, bool TAIL, typename T>
-DASSPEC_INLINE void half_steps(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
+DASSPEC_INLINE void half_k_step(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
 #pragma GCC unroll 2
   for (int h = 0; h < LANES; h += 8) {
     __m256 wv[NR];
@@ -202,9 +202,9 @@ DASSPEC_INLINE void half_steps(const T* const* xr, const T* const* wr, int64_t k
 // One k-step of an MR x NR block: the wide block holds the weight's vectors and loads x row by row, the others hold
 // x's.  TAIL: the last step, rem < 16 values (zeros after them).
 template <int MR, int NR, bool TAIL, typename T>
-DASSPEC_INLINE void steps(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
+DASSPEC_INLINE void k_step(const T* const* xr, const T* const* wr, int64_t k, int64_t rem, Acc* acc) {
 #if defined(DASSPEC_ISA_AVX2)
-  half_steps<MR, NR, TAIL>(xr, wr, k, rem, acc);
+  half_k_step<MR, NR, TAIL>(xr, wr, k, rem, acc);
 #else
   if constexpr (MR == MW && MW > MG && !TAIL) {
     Acc wv[NR];
@@ -258,9 +258,9 @@ DASSPEC_INLINE void gemm_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, 
 #pragma GCC unroll 16
       for (int n = 0; n < NR; ++n) __builtin_prefetch(wr[n] + pf + k, 0, 2);
     }
-    steps<MR, NR, false>(xr, wr, k, LANES, acc);
+    k_step<MR, NR, false>(xr, wr, k, LANES, acc);
   }
-  if (k < K) steps<MR, NR, true>(xr, wr, k, K - k, acc);
+  if (k < K) k_step<MR, NR, true>(xr, wr, k, K - k, acc);
 #if defined(DASSPEC_ISA_AVX2)
   if constexpr (MR * NR <= 8) {
     float r[8];

@@ -7,12 +7,13 @@ plain pass to price and probes every model-drafting arm at its first step (``fir
 drafts earn nothing, a probe that costs a few percent of a short request, paid by every call.  With the prices and
 averages kept, a call starts where the last one left off; a request still measures an arm itself before it relies
 on it, except where the average says it wins by far (``trusted-prior``).  Carrying the budget too, as a drafter kept
-across requests does, measured worse (docs/performance-journal.md, "auto's outcomes kept on the model"): later calls
-then spent their share on probes that a short call does not repay.
+across requests does, measured worse (docs/performance-journal.md, "auto's outcomes kept between generate calls"):
+later calls then spent their share on probes that a short call does not repay.
 
 Only the calls that build their drafter read and write here: a drafter built by its user (``build_drafter``), an
-``Engine``, the server or lm-eval carries its own state (the ``recall`` knob has no effect there).  The shelf is weakly keyed by the model object - not in its
-``__dict__``, so a pickled, saved or copied model starts afresh - and holds the last ``kept_keys`` keys.  A key
+``Engine``, the server or lm-eval carries its own state (the ``recall`` knob has no effect there).  The shelf is
+weakly keyed by the model object - not in its ``__dict__``, so a pickled, saved or copied model starts afresh - and
+holds the last ``kept_keys`` keys.  A key
 is what moves the prices or the averages: the calibration's keys (model shape, dtype, device, threads, kernels),
 the depth, auto's knobs and its sub-drafters' (DAS-Wave's window), the tuning, and the call's runtime, exit rule,
 greedy or sampling options, pool layout (``window_kv``) and speculation policy."""
