@@ -13,6 +13,10 @@ and what it costs in speed, side by side in one run.
    greedy tokens (EOS ignored) at batch ``--batch``, method AR and the default (auto); per side the most pool bytes
    in use over the run (the blocks the requests held at once, rings included) and tok/s.  Rounds alternate the
    sides; ratios per round, median and range.  Tokens must be equal (asserted).
+3. ``--shared-prefix N``: the prompts start with the same N ids (a system prompt), and a third side runs the windowed
+   pool with prompt sharing kept off (each request its own ``state_seed``, which enters the block keys and not
+   IQuest's computation: the pool as it was before windowed pools shared).  Per side also the prompt rows computed
+   and taken from shared blocks, and the mean time to first token.
 
 Writes results.json, results.md and memory.png to --out; asserts nothing about speed.
 """
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,auto")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shared-prefix", type=int, default=0, help="ids every prompt starts with (<= --prompt-len)")
     a = p.parse_args(argv)
 
     import torch
@@ -79,24 +84,35 @@ def main(argv: list[str] | None = None) -> int:
         build(folder)
     model = dasspec.load_model(folder, dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, MID["vocab_size"], (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    if not 0 <= a.shared_prefix <= a.prompt_len:
+        p.error("--shared-prefix must be between 0 and --prompt-len")
+    common = torch.randint(3, MID["vocab_size"], (a.shared_prefix,), generator=g).tolist()
+    prompts = [common + torch.randint(3, MID["vocab_size"], (a.prompt_len - a.shared_prefix,), generator=g).tolist()
+               for _ in range(a.prompts)]
     budget = a.batch * (a.prompt_len + a.max_new_tokens + 128)
+    UNSHARED = "windowed, unshared"
 
-    def run(method: str, window_kv: bool) -> dict:
-        eng = Engine(model, method, max_batch=a.batch, kv_budget=budget, window_kv=window_kv)
+    def run(method: str, window_kv) -> dict:
+        eng = Engine(model, method, max_batch=a.batch, kv_budget=budget, window_kv=bool(window_kv))
         t = time.perf_counter()
-        ids = [eng.add(q, max_new_tokens=a.max_new_tokens, eos=False) for q in prompts]
-        peak = 0
+        ids = [eng.add(q, max_new_tokens=a.max_new_tokens, eos=False,
+                       state_seed=i if window_kv == UNSHARED else 0) for i, q in enumerate(prompts)]
+        peak, first = 0, {}
         while eng.has_work:
-            eng.step()
+            for ev in eng.step():
+                if ev.tokens and ev.id not in first:
+                    first[ev.id] = time.perf_counter() - t
             peak = max(peak, eng.pool.in_use)
         seconds = time.perf_counter() - t
         toks = [eng.result(i).tokens for i in ids]
         return dict(seconds=seconds, tokens=toks, peak_bytes=peak * eng.pool.bytes_per_block,
-                    pool_bytes=eng.pool.num_blocks * eng.pool.bytes_per_block)
+                    pool_bytes=eng.pool.num_blocks * eng.pool.bytes_per_block,
+                    prefilled_rows=eng.scheduler.prefilled_rows, shared_rows=eng.scheduler.shared_rows,
+                    ttft=statistics.mean(first.values()))
 
     methods = a.methods.split(",")
-    sides = [(m, w) for m in methods for w in (False, True)]
+    kinds = (False, True, UNSHARED) if a.shared_prefix else (False, True)
+    sides = [(m, w) for m in methods for w in kinds]
     for m in methods:                                       # warm-up
         run(m, True)
     records = []
@@ -106,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             r.update(method=m, window_kv=w, round=rnd, tokens_per_second=a.prompts * a.max_new_tokens / r["seconds"])
             records.append(r)
             print(f"round {rnd} {m:5s} window_kv={w!s:5s} {r['tokens_per_second']:6.2f} tok/s  "
-                  f"peak K/V {r['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
+                  f"peak K/V {r['peak_bytes'] / 2**20:7.1f} MiB  prompt rows computed {r['prefilled_rows']} "
+                  f"shared {r['shared_rows']}  mean TTFT {r['ttft']:.2f} s", flush=True)
     ref = next(r["tokens"] for r in records if r["method"] == "ar" and not r["window_kv"])
     assert all(r["tokens"] == ref for r in records), "windowed and full layouts emitted different tokens"
 
@@ -114,13 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         pairs = []
         for rnd in range(a.rounds):
-            on = next(r for r in records if r["method"] == m and r["window_kv"] and r["round"] == rnd)
-            off = next(r for r in records if r["method"] == m and not r["window_kv"] and r["round"] == rnd)
+            on = next(r for r in records if r["method"] == m and r["window_kv"] is True and r["round"] == rnd)
+            off = next(r for r in records if r["method"] == m and r["window_kv"] is False and r["round"] == rnd)
             pairs.append((on["tokens_per_second"] / off["tokens_per_second"], on["peak_bytes"] / off["peak_bytes"],
                           on["peak_bytes"], off["peak_bytes"]))
         sp = [x[0] for x in pairs]
         summary[m] = dict(speed_median=statistics.median(sp), speed_range=[min(sp), max(sp)],
                           peak_ratio=pairs[0][1], peak_window=pairs[0][2], peak_full=pairs[0][3])
+        for w in kinds:
+            rs = [r for r in records if r["method"] == m and r["window_kv"] == w]
+            summary[m][f"side {w}"] = dict(
+                prefilled_rows=rs[0]["prefilled_rows"], shared_rows=rs[0]["shared_rows"],
+                peak_bytes=rs[0]["peak_bytes"], ttft_median=statistics.median(r["ttft"] for r in rs),
+                tokens_per_second_median=statistics.median(r["tokens_per_second"] for r in rs))
 
     lines = ["# IQuest-Loop's windowed depths in the pool (`window_kv`)", "",
              "## The published 40B-Loop shape, bfloat16 (the pool's arithmetic)", "",
@@ -137,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {m} | {s['peak_full'] / 2**20:.1f} MiB | {s['peak_window'] / 2**20:.1f} MiB | "
                      f"{s['peak_ratio']:.3f} | {s['speed_median']:.3f} [{s['speed_range'][0]:.3f}, "
                      f"{s['speed_range'][1]:.3f}] |")
+    if a.shared_prefix:
+        names = {False: "full layout", True: "windowed (shares)", UNSHARED: "windowed, sharing off"}
+        lines += ["", f"## Sharing a {a.shared_prefix}-id prefix (each side's medians over rounds)", "",
+                  "| method | side | prompt rows computed | shared | peak K/V | mean TTFT | tok/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for m in methods:
+            for w in kinds:
+                x = summary[m][f"side {w}"]
+                lines.append(f"| {m} | {names[w]} | {x['prefilled_rows']:,} | {x['shared_rows']:,} | "
+                             f"{x['peak_bytes'] / 2**20:.1f} MiB | {x['ttft_median']:.2f} s | "
+                             f"{x['tokens_per_second_median']:.2f} |")
     lines += ["", "Tokens equal in every run (asserted)."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(dict(args=vars(a), published=table, summary=summary, records=[

@@ -242,9 +242,10 @@ def test_chunked_and_shared_prefills(case, n_threads):
     picked = [(m, dict(known)[m]) for m in ("das-wave", "token-recycling", "auto", "ar")]
     requests = [(j, *picked[j]) for j in range(len(prompts))]
     with threads(n_threads):
-        chunked = _engine_run(Engine(model, "ar", max_batch=4, block_size=16, max_step_tokens=24), requests, False,
-                              prompts)
-        # a windowed pool (IQuest-Loop's) keeps no prompt rows past the window to share: the full layout does
+        engine = Engine(model, "ar", max_batch=4, block_size=16, max_step_tokens=24)
+        chunked = _engine_run(engine, requests, False, prompts)
+        assert engine.scheduler.shared_rows >= 2 * 144      # (IQuest-Loop's windowed pool too: its window rows)
+        # a PrefixCache holds every depth of every row: on IQuest-Loop the engine's full layout takes it
         full = {"window_kv": False} if model.config.loop_window else {}
         cached = _engine_run(Engine(model, "ar", max_batch=2, block_size=16, **full), requests, False, prompts,
                              prefix_cache=pc)

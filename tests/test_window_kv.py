@@ -14,7 +14,7 @@ import torch
 import dasspec
 from dasspec.engine.api.engine import Engine
 from dasspec.engine.base.runtime import Runtime
-from dasspec.engine.core.blocks import WINDOW_PREFILL_ROWS, call_rows
+from dasspec.engine.core.blocks import WINDOW_PREFILL_ROWS, block_keys, call_rows, prefix_salt
 from iquest_reference import write_iquest_checkpoint
 
 B = 8                   # blocks of 8 positions: a ring is a few blocks, and a prompt spans several
@@ -125,23 +125,170 @@ def test_a_draft_reads_the_prefix_at_its_own_depth(model):
     eng.close()
 
 
-def test_prompt_sharing_needs_the_full_layout(model):
-    """A windowed pool shares no prompt blocks (a later request would need the shared prompt's last window rows
-    at depth >= 2) and refuses a prefix cache with a message naming the switch; the full layout shares."""
+@pytest.fixture
+def leaning_on_the_window(model):
+    """The model with every gate at sigmoid(-6): loop r >= 2 reads mostly its own rows inside the window, so rows
+    missing there change tokens (with the fixture's random gates they barely move the logits)."""
+    from dasspec.model.families.iquest import LoopGate
+    gates = [m for m in model.modules() if isinstance(m, LoopGate)]
+    saved = [g.bias.detach().clone() for g in gates]
+    with torch.no_grad():
+        for g in gates:
+            g.bias.fill_(-6.0)
+    yield model
+    with torch.no_grad():
+        for g, b in zip(gates, saved):
+            g.bias.copy_(b)
+
+
+def sharing_prompts(vocab: int) -> list[list[int]]:
+    """Four prompts on 62 common tokens (7 whole blocks of 8), one on its first 30 (3 blocks), one alone."""
     g = torch.Generator().manual_seed(5)
-    prefix = torch.randint(2, model.config.vocab_size, (8,), generator=g).repeat(4).tolist()
-    ps = [prefix + torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 5, 7)]
+    common = torch.randint(2, vocab, (62,), generator=g).tolist()
+    tail = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (3, 5, 7, 20, 9, 40)]
+    return [common + t for t in tail[:4]] + [common[:30] + tail[4], tail[5]]
+
+
+def rows_at_start(model, ps, method, knobs=None):
+    """Run a windowed engine; per request that started on shared blocks, its ring rows (K and V of every core layer)
+    at every windowed depth for the window's positions before its first computed row, read right after its first
+    step - and the tokens."""
+    eng = Engine(model, method, knobs, max_batch=3, block_size=B)
+    seen, execute = [], eng.executor.execute
+
+    def probe(plan):
+        out = execute(plan)
+        for s in plan.start:
+            if s.window_rows:
+                cache = eng.executor.requests[s.id].cache
+                at = torch.arange(max(0, s.cached - eng.pool.window + 1), s.cached)
+                for r in range(2, model.R + 1):
+                    rows = cache.rings[r - 2].rows[at]
+                    seen.append((s.id, at, r, eng.pool.cache.core_k[:, 0, :, rows].clone(),
+                                 eng.pool.cache.core_v[:, 0, :, rows].clone()))
+        return out
+
+    eng.executor.execute = probe
+    try:
+        ids = [eng.add(p, max_new_tokens=NEW, eos=False) for p in ps]
+        while eng.has_work:
+            eng.step()
+        return seen, [eng.result(i).tokens for i in ids]
+    finally:
+        eng.close()
+
+
+def test_prompt_blocks_are_shared_with_their_window_rows(leaning_on_the_window, monkeypatch):
+    """A windowed pool shares prompt blocks: a request that completes prompt blocks keeps their rows at depths >= 2
+    (copied out of its rings into blocks left cached), and a later request that starts alike references the depth-1
+    blocks and copies the window's rows before them into its rings - bit for bit the rows the full layout computed
+    for those positions.  Its tokens are the full layout's - every method, greedy and sampled, preempted, the
+    executor in its own process, static shapes, overlap - and it shares as many rows as the full layout does.
+    Mutations shown failing: no copy into the rings, the rows of the block before, a window one block short."""
+    model = leaning_on_the_window
+    ps = sharing_prompts(model.config.vocab_size)
     ref, full, _ = run(model, "ar", ps=ps, window_kv=False)
-    got, eng, _ = run(model, "ar", ps=ps)
-    assert got == ref
-    assert eng.scheduler.shared_rows == 0 and full.scheduler.shared_rows > 0
-    for window_kv, shares in ((None, False), (False, True)):     # generate_batch: the default, and asked for
-        outs = dasspec.generate_batch(model, ps, max_new_tokens=NEW, eos=False, window_kv=window_kv)
-        assert [o.tokens for o in outs] == ref and (sum(o.stats.cached_tokens for o in outs) > 0) == shares
+    assert full.scheduler.shared_rows == 3 * 7 * B + 3 * B
+    salt = prefix_salt(model.R, 1.0, 0, model.exit_rule(None, None, model.R), model.dtype, B)
+    for method in ("ar", "das-wave"):
+        seen, got = rows_at_start(model, ps, method)
+        assert got == ref and len(seen) == 4 * (model.R - 1), method
+        for rid, at, r, k, v in seen:           # the full layout's rows, in its cached prompt blocks
+            keys = block_keys(ps[rid], B, salt, len(ps[rid]) // B)
+            rows = torch.tensor([full.pool._block_of[keys[p // B]] * B + p % B for p in at.tolist()])
+            assert torch.equal(k, full.pool.cache.core_k[:, r - 1, :, rows]), (method, rid, r)
+            assert torch.equal(v, full.pool.cache.core_v[:, r - 1, :, rows]), (method, rid, r)
+    for method, knobs in METHODS:
+        got, eng, _ = run(model, method, knobs, ps)
+        assert got == ref, (method, knobs)
+        assert eng.scheduler.shared_rows == full.scheduler.shared_rows, method
+        assert eng.pool.cached > 0
+    ref_s = run(model, "ar", ps=ps, window_kv=False, sampled=True)[0]
+    assert run(model, "das-wave", ps=ps, sampled=True)[0] == ref_s
+    got, eng, _ = run(model, "das-wave", ps=ps, kv_budget=2 * WINDOW_PREFILL_ROWS + 48, max_step_tokens=12)
+    assert got == ref and eng.scheduler.preemptions >= 1 and eng.scheduler.shared_rows > 0
+    for engine in (dict(executor="process"), dict(runtime=Runtime(static_shapes=True)), dict(overlap=True)):
+        got, eng, _ = run(model, "das-wave", ps=ps, **engine)
+        assert got == ref and eng.scheduler.shared_rows == full.scheduler.shared_rows, engine
+    outs = dasspec.generate_batch(model, ps, max_new_tokens=NEW, eos=False, max_batch=3)
+    assert [o.tokens for o in outs] == ref and sum(o.stats.cached_tokens for o in outs) > 0
+
+
+def test_a_run_whose_window_rows_are_gone_is_shared_shorter(leaning_on_the_window):
+    """A request shares the longest run of cached prompt blocks whose window rows (at every depth >= 2) are cached
+    as well: the window rows of the run's last block evicted, it shares one block less, with the same tokens."""
+    from dasspec.engine.core.blocks import window_key
+    model = leaning_on_the_window
+    first, second = sharing_prompts(model.config.vocab_size)[:2]
+    ref = run(model, "ar", ps=[second], window_kv=False)[0]
+    eng = Engine(model, "ar", max_batch=2, block_size=B)
+    try:
+        eng.add(first, max_new_tokens=4, eos=False)
+        while eng.has_work:
+            eng.step()
+        salt = prefix_salt(model.R, 1.0, 0, model.exit_rule(None, None, model.R), model.dtype, B)
+        pool, keys = eng.pool, block_keys(second, B, salt, len(second) // B)
+        for r in range(2, model.R + 1):                 # evicted: the window rows of block 6 (the run's last)
+            b = pool._block_of.pop(window_key(keys[6], r))
+            del pool._key_of[b], pool._lru[b]
+            pool._free.add(b)
+        rid = eng.add(second, max_new_tokens=NEW, eos=False)
+        while eng.has_work:
+            eng.step()
+        assert eng.result(rid).tokens == ref[0]
+        assert eng.scheduler.shared_rows == 6 * B
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_failing_step_gives_back_the_blocks_it_held_for_window_rows(model, monkeypatch, overlap):
+    """A step that raises while it holds blocks for the window rows it was to keep (and, the second time, the shared
+    ones a starting request was to copy): ``abort_running`` gives every block back and registers none of them, and
+    the requests added afterwards share and emit the full layout's tokens.  (Mutation shown failing: no
+    ``drop_holds`` in ``abort_running``.)"""
+    import dasspec.engine.core.executor as executor_mod
+    ps = sharing_prompts(model.config.vocab_size)[:3]
+    ref = run(model, "ar", ps=ps, window_kv=False)[0]
+    engine = Engine(model, "ar", max_batch=3, block_size=B, overlap=overlap)
+    step = executor_mod.loop_step
+    try:
+        # the first time the producer's first step fails (rows to keep); the requests that had not started run
+        # after it and keep their rows, so the second time every request starts on shared blocks (rows to copy)
+        for kind in (1, 0):
+            ids = [engine.add(p, max_new_tokens=NEW, eos=False) for p in ps]
+            monkeypatch.setattr(executor_mod, "loop_step",
+                                lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+            with pytest.raises(RuntimeError, match="boom"):
+                engine.step()
+            monkeypatch.setattr(executor_mod, "loop_step", step)
+            assert any(hold[kind] for hold in engine.scheduler._holds.values())
+            keys = set(engine.pool._block_of)
+            engine.abort_running()
+            assert set(engine.pool._block_of) == keys and not engine.scheduler._holds   # none of them registered
+            while engine.has_work:
+                engine.step()
+            for i in ids:
+                engine.discard(i)
+            assert engine.pool.available == engine.pool.capacity_blocks
+        ids = [engine.add(p, max_new_tokens=NEW, eos=False) for p in ps]
+        while engine.has_work:
+            engine.step()
+        assert [engine.result(i).tokens for i in ids] == ref and engine.scheduler.shared_rows > 0
+    finally:
+        engine.close()
+
+
+def test_a_prefix_cache_needs_the_full_layout(model):
+    """A ``PrefixCache`` holds every depth of every row: a windowed engine refuses one with a message naming the
+    switch, and ``generate`` given one builds the full layout."""
+    prefix = sharing_prompts(model.config.vocab_size)[0][:32]
+    p = sharing_prompts(model.config.vocab_size)[0]
     pc = dasspec.PrefixCache(model, prefix)
     with pytest.raises(ValueError, match="window_kv"):
-        Engine(model, "ar", block_size=B).add(ps[0], prefix_cache=pc)
-    assert dasspec.generate(model, ps[0], max_new_tokens=NEW, eos=False, prefix_cache=pc).tokens == ref[0]
+        Engine(model, "ar", block_size=B).add(p, prefix_cache=pc)
+    ref = run(model, "ar", ps=[p], window_kv=False)[0][0]
+    assert dasspec.generate(model, p, max_new_tokens=NEW, eos=False, prefix_cache=pc).tokens == ref
 
 
 def test_a_window_as_long_as_the_context_keeps_the_full_layout(tmp_path):

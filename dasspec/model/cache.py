@@ -281,6 +281,22 @@ class PagedCache:
                 t.index_copy_(-2, dst, t.index_select(-2, src))
         self.commit(m)
 
+    def ring_rows(self, depth: int, block: int) -> Tensor:
+        """The pool rows of prompt block ``block``'s positions at windowed depth ``depth`` (its ring's rows)."""
+        B = self.table.B
+        return self.rings[depth - 2].rows[block * B: (block + 1) * B]
+
+    def copy_core_rows(self, dst: Tensor, src: Tensor) -> None:
+        """Pool rows ``src`` to pool rows ``dst`` in every core layer (a windowed pool's row holds one depth)."""
+        for t in (self.pool.core_k, self.pool.core_v):
+            t.index_copy_(-2, dst, t.index_select(-2, src))
+
+    def clear_rings(self) -> None:
+        """Zeros in every row of the rings (rows it has not written are read, masked, by torch's attention)."""
+        for ring in self.rings:
+            for t in (self.pool.core_k, self.pool.core_v):
+                t.index_fill_(-2, ring.rows[: ring.span_rows()], 0)
+
     def check_ring(self, end: int) -> None:
         """A call over rows up to ``end`` must find every row it reads or writes at a windowed depth in the rings:
         rows [n - window + 1, end) in one ring's span (else two of them share a row)."""

@@ -94,8 +94,8 @@ class ServeOptions:
         "GPU; on a CPU within the noise, docs/performance.md)")})
     full_depth_kv: bool = field(default=False, metadata={"help": (
         "on a model whose loops >= 2 attend within a window (IQuest-Loop), keep every loop's K/V of every position "
-        "instead of only the window's (about twice the pool memory at T = 2), so that requests that start alike "
-        "share their prompt blocks; other models keep every depth anyway")})
+        "instead of only the window's (about twice the pool memory at T = 2; prompt blocks are shared either way); "
+        "other models keep every depth anyway")})
     request_timeout: float | None = field(default=None, metadata={"help": (
         "seconds a request may take from arrival to its last token, queue wait included; then it stops where "
         "it is (finish_reason length, dasspec.stop_reason timeout), even inside a drafting step (default: none)")})

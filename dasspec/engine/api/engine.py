@@ -93,9 +93,9 @@ class Engine:
         token of each decoding request) and backs the most it may commit; a request that step n ends runs one
         wasted step whose tokens are dropped.  The tokens are the same; ``step`` returns each step's events one call
         later.  ``window_kv``: on a model whose depths r >= 2 read their own K/V within a window (IQuest-Loop), keep
-        only the window's rows of those depths (a ring per request, on top of ``kv_budget``; no prompt-block
-        sharing, and a draft reads the prefix at its own depth: ``core/blocks.py``); False keeps every depth of every
-        row."""
+        only the window's rows of those depths (a ring per request, on top of ``kv_budget``; prompt blocks shared
+        with their window's rows copied into the rings, no ``PrefixCache``, and a draft reads the prefix at its own
+        depth: ``core/blocks.py``); False keeps every depth of every row."""
         if executor not in ("local", "process"):
             raise ValueError(f"executor must be 'local' or 'process', got {executor!r}")
         for name, v in (("overlap", overlap), ("window_kv", window_kv)):
@@ -425,6 +425,7 @@ class Engine:
         """End every running (and swapped-out) request now - after a step failed, their states cannot be trusted;
         returns their ids.  Their blocks go back to the pool; requests not yet started stay queued."""
         ids = []
+        self.scheduler.drop_holds()                  # (what the failed step was to copy is not trusted either)
         for e in self.scheduler.running + [x for x in self.scheduler.waiting if x.status is Status.SWAPPED]:
             self.scheduler._end(e, reason)
             self._events.append(self._finish(e))

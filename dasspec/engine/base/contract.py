@@ -70,7 +70,8 @@ class DrafterKey:
 class StartRequest:
     """A request the executor sets up this step: its prompt, how to decode it, and the rows it starts with
     (``cached``: shared prompt blocks already in its first blocks; ``copy``: blocks [a, b) to copy from the prefix
-    cache registered as ``copy[0]``)."""
+    cache registered as ``copy[0]``; ``window_rows``: in a pool with windowed depths, the shared prompt's last rows
+    at depths >= 2, copied into its rings - (depth r, prompt block q, the pool block holding block q at depth r))."""
 
     id: int
     tokens: list[int]
@@ -86,6 +87,7 @@ class StartRequest:
     trace: bool = False
     cached: int = 0
     copy: tuple[int, int, int] | None = None
+    window_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +104,9 @@ class Work:
     room: int = 0
     cap: int | None = None
     keep: int | None = None            # its table keeps only its first ``keep`` blocks (scratch handed back)
+    # windowed depths: prompt blocks this step completes whose rings' rows are kept for later requests to share -
+    # (depth r, prompt block q, the pool block its rows at depth r are copied to once the step has computed them)
+    keep_window: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def most(self) -> int:

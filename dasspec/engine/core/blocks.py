@@ -18,8 +18,12 @@ Windowed depths (``window``; ``model/cache.py``): a block then holds its B posit
 depth-1 blocks are handed out as above; each depth r >= 2 takes a ring of ``ring_blocks`` blocks when the request
 starts (or is swapped back in) and returns it when it ends - what the window and its widest call need, however long
 the request grows (or, when those do not fit, what the window and a prompt chunk need: the request then takes AR
-steps, as a request whose draft scratch does not fit does).  Prompt blocks are not shared then: a later request
-would need the depth-r rows of the shared prompt's last ``window`` positions, which its ring does not hold.
+steps, as a request whose draft scratch does not fit does).  Prompt blocks are shared then as well: a request that
+completes a prompt block also copies the block's rows at each depth r >= 2 out of its ring, into a block keyed by the
+block's key and r (``window_key``; taken only from blocks that are free, or cached and unreferenced, and left cached,
+unreferenced: memory no running request needs).  A later request shares the longest run of prompt blocks whose
+depth-1 blocks and, at every depth r >= 2, the blocks of the window before the run's end are cached
+(``window_blocks``): it references the depth-1 blocks as above and copies the others' rows into its rings.
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ def ring_blocks(window: int | None, R: int | None, B: int, call_rows: int, max_r
 def prefix_salt(R: int, init_scale: float, state_seed: int, exit, dtype, B: int) -> bytes:
     """What decides a prompt block's rows besides its tokens (``block_keys``)."""
     return hashlib.sha256(repr((R, float(init_scale), int(state_seed), repr(exit), str(dtype), B)).encode()).digest()
+
+
+def window_key(key: bytes, depth: int) -> bytes:
+    """The key of a prompt block's rows at windowed depth ``depth`` (the block's own key is its depth-1 rows')."""
+    return hashlib.sha256(key + b"depth" + depth.to_bytes(4, "little")).digest()
+
+
+def window_blocks(j: int, B: int, window: int) -> range:
+    """The prompt blocks whose rows at a windowed depth a request that shares the first ``j`` reads: those of the
+    window before row j * B (a call at position n reads depth r's rows from n - window + 1)."""
+    return range(max(0, j * B - window + 1) // B, j)
 
 
 def block_keys(tokens: list[int], B: int, salt: bytes, count: int) -> list[bytes]:

@@ -175,6 +175,9 @@ class Executor:
                 key, a, b = s.copy
                 self.prefix_caches[key].copy_blocks(req.cache, a, b)
                 rows = b * self.pool.B
+            if s.window_rows:                         # the shared prompt's window rows, into its rings
+                req.cache.clear_rings()
+                self._copy_window(req.cache, s.window_rows, into_rings=True)
             req.cache.n = req.prefilled = rows
 
         sessions, chunks, sliced, out_of = [], [], [], {}
@@ -228,6 +231,9 @@ class Executor:
             c.req.cache.commit(c.size)
             c.req.prefilled += c.size
             out.requests[c.req.rid].prefilled += c.size
+        for w in work:                                 # completed prompt blocks' window rows, kept for sharing
+            if w.keep_window:
+                self._copy_window(self.requests[w.id].cache, w.keep_window, into_rings=False)
         for c in ends:                                 # prefilled: its drafting session starts
             rid = c.req.rid
             with clock(Phase.DRAFT, [c.req]):
@@ -250,6 +256,14 @@ class Executor:
         for i, ring in enumerate(rings):
             ring.append(blocks[i * per: (i + 1) * per])
         return rings
+
+    def _copy_window(self, cache: PagedCache, rows: list[tuple[int, int, int]], into_rings: bool) -> None:
+        """Prompt blocks' rows at windowed depths between ``cache``'s rings and pool blocks: (depth r, prompt block
+        q, block) - the block's rows into the ring (``into_rings``), or the ring's into the block."""
+        B = self.pool.B
+        ring = torch.cat([cache.ring_rows(r, q) for r, q, _ in rows])
+        blocks = (torch.tensor([b for _, _, b in rows])[:, None] * B + torch.arange(B)).flatten().to(ring.device)
+        cache.copy_core_rows(*((ring, blocks) if into_rings else (blocks, ring)))
 
     def _shared_blocks(self, plan: StepPlan, s) -> list[int]:
         w = next((w for w in plan.work if w.id == s.id), None)

@@ -22,10 +22,13 @@ model's prefill splits along depth as well as along positions, and the rows are 
 them (each core step reads the prefix at its own depth, computed before).  A request whose prompt +
 max_new_tokens could never fit the pool alone is refused by ``add``.
 
-Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.  A model whose
-depths r >= 2 are windowed (IQuest-Loop) shares none; each request holds, besides its blocks, a ring per windowed
-depth from its admission (or swap-in) to its end (or swap-out), and prefills a step only the rows its rings hold
-beside the window before them (at least ``WINDOW_PREFILL_ROWS``; its whole prompt where its rings never wrap).
+Prompt blocks shared with earlier requests (``blocks.py``) are looked up at admission and skipped.  On a model whose
+depths r >= 2 are windowed (IQuest-Loop) each request holds, besides its blocks, a ring per windowed depth from its
+admission (or swap-in) to its end (or swap-out), and prefills a step only the rows its rings hold beside the window
+before them (at least ``WINDOW_PREFILL_ROWS``; its whole prompt where its rings never wrap).  A step that completes
+prompt blocks there also keeps their rings' rows (in blocks taken after everything else is planned, while one free
+block per running request is left), and a request admitted onto shared blocks has the window's rows before them
+copied into its rings; a plan holds both kinds of block until its outcome is applied (``_holds``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from ...model.exit import ExitRule
 from ..base.contract import DrafterKey, StartRequest, Status, StepOutput, StepPlan, StopReason, Work
 from ..base.sampling import Sampling
 from ..drafting.draft import Drafter
-from .blocks import BlockPool, block_keys, call_rows
+from .blocks import BlockPool, block_keys, call_rows, window_blocks, window_key
 from .policy import SpeculationPolicy
 from .stopping import StopRule
 
@@ -157,6 +160,9 @@ class Scheduler:
         self.preemptions = 0
         self.prefilled_rows = 0                    # prompt rows computed (not shared)
         self.shared_rows = 0                       # prompt rows taken from shared blocks
+        # windowed depths, per plan not yet applied: the shared blocks a starting request's rings copy from (by
+        # request), and the blocks prompt rows are kept in (request, key, block) - registered once the step ran
+        self._holds: dict[int, tuple[dict[int, list[int]], list[tuple[int, bytes, int]]]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -173,7 +179,7 @@ class Scheduler:
                 f"the request needs up to {rows} cache positions (prompt {e.P} + max_new_tokens "
                 f"{e.rule.max_new_tokens}){rings} but the engine's pool holds {self.pool.describe()}; lower "
                 "max_new_tokens or raise kv_budget")
-        e.keys = [] if self.pool.window else block_keys(e.prompt, B, e.salt, e.P // B)
+        e.keys = block_keys(e.prompt, B, e.salt, e.P // B)
         self.waiting.append(e)
 
     # --- planning ----------------------------------------------------------------------------------------
@@ -256,6 +262,8 @@ class Scheduler:
         # closed once nobody waits for a slot and every running request decodes (a prompt still prefilling is the
         # batch's end, and the drafters do not see it)
         plan.closed = self.closed and not self.waiting and all(e.decoding for e in self.running)
+        if self.pool.window:
+            self._keep_window(plan)
         self._assume(plan)
         return plan, ended
 
@@ -267,7 +275,51 @@ class Scheduler:
         running = {x.id: x for x in self.running}
         for s in reversed(plan.start):
             if s.id in running:
-                self._unstart(running[s.id])
+                self._unstart(running[s.id], plan.step)
+        self._release_holds(plan.step)
+
+    def drop_holds(self) -> None:
+        """Return the blocks every plan not applied holds, nothing registered (a step failed: ``abort_running``)."""
+        for step in list(self._holds):
+            self._release_holds(step)
+
+    def _release_holds(self, step: int, out: StepOutput | None = None) -> None:
+        """The blocks plan ``step`` held back to the pool; with its output, the kept prompt rows of the requests
+        whose prefill ran registered first."""
+        borrowed, kept = self._holds.pop(step, ({}, []))
+        for blocks in borrowed.values():
+            self.pool.free(blocks)
+        failed = {rid for rid, _ in out.failed} if out is not None else set()
+        for rid, key, block in kept:
+            o = out.requests.get(rid) if out is not None else None
+            if o is not None and o.prefilled and rid not in failed:
+                self.pool.register(block, key)
+            self.pool.free([block])
+
+    def _hold(self, step: int):
+        return self._holds.setdefault(step, ({}, []))
+
+    def _keep_window(self, plan: StepPlan) -> None:
+        """Blocks for the rows at every windowed depth of the prompt blocks this plan completes (not cached yet),
+        while one free block per running request is left: their rings' rows are copied there after the step."""
+        pool, B, running = self.pool, self.pool.B, {x.id: x for x in self.running}
+        planned: set[bytes] = set()
+        for w in plan.work:
+            e = running.get(w.id)
+            if e is None or w.prefill is None or (w.depths is not None and w.depths[1] != self.R):
+                continue
+            a, b = w.prefill
+            for q in range(a // B, min(b // B, len(e.keys))):
+                for r in range(2, pool.R + 1):
+                    key = window_key(e.keys[q], r)
+                    if key in planned or pool.cached_run([key]):
+                        continue
+                    if pool.available <= len(self.running):
+                        return
+                    block = pool.allocate(1, tail=True)[0]     # (out of the runs sequences grow in)
+                    w.keep_window.append((r, q, block))
+                    self._hold(plan.step)[1].append((e.id, key, block))
+                    planned.add(key)
 
     def _assume(self, plan: StepPlan) -> None:
         """Record per request what the plan will do that the next plan may count on before this one's outcome is
@@ -321,7 +373,7 @@ class Scheduler:
         if started:                            # admitted this very step: nothing was computed, start over
             plan.start.remove(started[0])
             plan.rings.pop(e.id, None)
-            self._unstart(e)
+            self._unstart(e, plan.step)
             return
         plan.swap_out.append(e.id)              # a depth slice in flight is dropped: its block starts over
         self.pool.free(e.blocks + e.ring)
@@ -329,9 +381,9 @@ class Scheduler:
         self.running.remove(e)
         self.waiting.appendleft(e)
 
-    def _unstart(self, e: Entry) -> None:
+    def _unstart(self, e: Entry, step: int) -> None:
         """Undo an admission whose plan never ran: its blocks back, its prompt rows none, first in the queue."""
-        self.pool.free(e.blocks + e.ring)
+        self.pool.free(e.blocks + e.ring + self._holds.get(step, ({}, []))[0].pop(e.id, []))
         e.blocks, e.ring, e.computed, e.depth_done, e.cached, e.status = [], [], 0, 0, 0, Status.WAITING
         self.running.remove(e)
         self.waiting.appendleft(e)
@@ -344,7 +396,7 @@ class Scheduler:
         is never re-admitted, re-sending its prompt to its streamer)."""
         B = self.pool.B
         usable = (e.P - 1) // B                    # the last prompt token is always computed (it yields logits)
-        shared = self.pool.lookup(e.keys[:usable])
+        shared, window_rows = self._share(e, usable)
         copy = None
         pc = e.prefix_cache
         if pc is not None and len(shared) < usable:
@@ -358,8 +410,10 @@ class Scheduler:
         ring = self._ring_size(e, whole)
         if self.pool.available - whole - ring < len(self.running):
             why = "full" if self.pool.available - fresh - ring < len(self.running) else "prompt"
-            self.pool.free(shared)
+            self.pool.free(shared + [b for _, _, b in window_rows])
             return why
+        if window_rows:
+            self._hold(plan.step)[0][e.id] = [b for _, _, b in window_rows]
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
         self._take_ring(e, ring, plan)
         self.waiting.remove(e)
@@ -371,10 +425,25 @@ class Scheduler:
         e.cached = first * B
         plan.start.append(StartRequest(e.id, e.prompt, e.key, e.drafter.width, e.max_rows, e.rule.max_new_tokens,
                                        e.init_scale, e.state_seed, e.sampling, e.exit, e.deadline, e.trace,
-                                       cached=len(shared) * B, copy=copy))
+                                       cached=len(shared) * B, copy=copy, window_rows=window_rows))
         planned[e.id] = w = Work(e.id, list(e.blocks))
         plan.work.append(w)
         return None
+
+    def _share(self, e: Entry, usable: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """The cached blocks of ``e``'s longest shareable run of prompt blocks (at most ``usable``), each referenced
+        once more; with windowed depths, the run's window rows too (``blocks.window_blocks``), as (depth r, prompt
+        block q, block) - the longest run whose window rows are all cached."""
+        pool = self.pool
+        if not pool.window:
+            return pool.lookup(e.keys[:usable]), []
+        for j in range(pool.cached_run(e.keys[:usable]), 0, -1):
+            want = [(r, q) for r in range(2, pool.R + 1) for q in window_blocks(j, pool.B, pool.window)]
+            keys = [window_key(e.keys[q], r) for r, q in want]
+            if pool.cached_run(keys) == len(keys):
+                shared = pool.lookup(e.keys[:j])
+                return shared, [(r, q, b) for (r, q), b in zip(want, pool.lookup(keys))]
+        return [], []
 
     def _prefill(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> int:
         """Plan the next prompt blocks of ``e`` within ``budget`` rows, or a depth slice of its next block when the
@@ -466,6 +535,7 @@ class Scheduler:
         entries that finished by their stop rule (``stopped`` then ends those that must stop otherwise)."""
         committed, finished = [], []
         B = self.pool.B
+        self._release_holds(plan.step, out)
         running = {x.id: x for x in self.running}
         running.update((x.id, x) for x in self.waiting if plan.step in x.flight)   # swapped out by a later plan
         for e in running.values():
