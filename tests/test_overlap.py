@@ -78,6 +78,22 @@ def test_a_cancel_with_a_step_in_flight_keeps_a_prefix_and_spares_the_others(mod
     assert got[:3] + got[4:] == plain[:3] + plain[4:]
 
 
+@pytest.mark.parametrize("executor", ["local", "process"])
+def test_a_cancel_of_the_only_request_with_a_step_in_flight(model, executor):
+    """The step planned beside the cancel holds only the cancelled request, which drafting leaves out: nothing is
+    left to verify, and the step runs nothing (found by review: ``IndexError`` in ``Batch`` from an empty pass)."""
+    with Engine(model, "ar", max_batch=1, block_size=8, overlap=True, executor=executor) as engine:
+        a = engine.add(_prompts()[0], max_new_tokens=12, eos=False)
+        b = engine.add(_prompts()[2], max_new_tokens=12, eos=False)
+        engine.step()
+        engine.step()
+        engine.cancel(a)
+        while engine.has_work:
+            engine.step()
+        assert engine.result(a).stats.stop_reason == "cancelled"
+        assert len(engine.result(b).tokens) == 12
+
+
 def test_overlap_with_the_executor_in_its_own_process(model):
     plain, _ = _run(model, False, kv_budget=168)
     got, _ = _run(model, True, executor="process", kv_budget=168)

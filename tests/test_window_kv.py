@@ -241,6 +241,26 @@ def test_a_run_whose_window_rows_are_gone_is_shared_shorter(leaning_on_the_windo
         eng.close()
 
 
+def test_a_request_that_fits_the_pool_alone_starts_though_its_window_rows_would_not(leaning_on_the_window):
+    """The window rows a shared run copies from are blocks a starting request holds beside its own: where they do
+    not fit beside them, it starts without sharing instead of waiting for good.  (Found by review: "the engine
+    planned a step that moves no request".)"""
+    model = leaning_on_the_window
+    first, second = sharing_prompts(model.config.vocab_size)[:2]
+    ref = run(model, "ar", ps=[second], window_kv=False)[0][0][:2]
+    eng = Engine(model, "ar", max_batch=1, block_size=B, kv_budget=72)    # room for the second and its ring alone
+    try:
+        eng.add(first[:57], max_new_tokens=1, eos=False)                   # keeps its blocks' window rows
+        while eng.has_work:
+            eng.step()
+        rid = eng.add(second, max_new_tokens=2, eos=False)
+        while eng.has_work:
+            eng.step()
+        assert eng.result(rid).tokens == ref and eng.scheduler.shared_rows == 0
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_a_failing_step_gives_back_the_blocks_it_held_for_window_rows(model, monkeypatch, overlap):
     """A step that raises while it holds blocks for the window rows it was to keep (and, the second time, the shared

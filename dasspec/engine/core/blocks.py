@@ -23,7 +23,8 @@ completes a prompt block also copies the block's rows at each depth r >= 2 out o
 block's key and r (``window_key``; taken only from blocks that are free, or cached and unreferenced, and left cached,
 unreferenced: memory no running request needs).  A later request shares the longest run of prompt blocks whose
 depth-1 blocks and, at every depth r >= 2, the blocks of the window before the run's end are cached
-(``window_blocks``): it references the depth-1 blocks as above and copies the others' rows into its rings.
+(``window_blocks``): it references the depth-1 blocks as above and copies the others' rows into its rings, holding
+those blocks for the step (where they do not fit beside its own, it starts unshared).
 """
 
 from __future__ import annotations

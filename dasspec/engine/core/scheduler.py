@@ -388,15 +388,17 @@ class Scheduler:
         self.running.remove(e)
         self.waiting.appendleft(e)
 
-    def _admit(self, e: Entry, budget: int, plan: StepPlan, planned: dict) -> str | None:
+    def _admit(self, e: Entry, budget: int, plan: StepPlan, planned: dict, share: bool = True) -> str | None:
         """Start ``e`` if its whole prompt (after the shared blocks) fits the free blocks now, leaving one free block
         per running request for their growth; otherwise say why not: "full" (not even its first block fits) or
         "prompt" (its first block would: requests behind it may start meanwhile, up to ``max_batch`` of them
         before it is served first).  Admitted only when its prefill fits, a request never rolls itself back (and
-        is never re-admitted, re-sending its prompt to its streamer)."""
+        is never re-admitted, re-sending its prompt to its streamer).  The window rows a shared run copies from are
+        blocks it holds beside its own for a step: where they tip the balance it starts without sharing (``add``
+        admits whatever fits the pool alone)."""
         B = self.pool.B
         usable = (e.P - 1) // B                    # the last prompt token is always computed (it yields logits)
-        shared, window_rows = self._share(e, usable)
+        shared, window_rows = self._share(e, usable) if share else ([], [])
         copy = None
         pc = e.prefix_cache
         if pc is not None and len(shared) < usable:
@@ -411,7 +413,7 @@ class Scheduler:
         if self.pool.available - whole - ring < len(self.running):
             why = "full" if self.pool.available - fresh - ring < len(self.running) else "prompt"
             self.pool.free(shared + [b for _, _, b in window_rows])
-            return why
+            return self._admit(e, budget, plan, planned, share=False) if window_rows else why
         if window_rows:
             self._hold(plan.step)[0][e.id] = [b for _, _, b in window_rows]
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)

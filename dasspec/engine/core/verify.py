@@ -95,6 +95,8 @@ def accept(tree_tokens: Tensor, pred: Tensor, paths: Tensor) -> tuple[Tensor, Te
 def verify_step(drafts: list[Placed], prefills: list[PrefillChunk] = ()) -> tuple[list[Verdict], list[Tensor]]:
     """One full-depth pass over every draft (and prefill chunk); commits each draft's accepted path and returns
     its ``Verdict`` (in order), and the last row's logits [1, V] of every prefill chunk that ends its prompt."""
+    if not drafts and not prefills:         # every request of the step stopped while drafting: no pass
+        return [], []
     reqs, starts, widths, positions, masks = [], [], [], [], []
     for d in drafts:
         req, layout, n = d.req, d.layout, d.req.n
