@@ -69,17 +69,19 @@ def test_every_method_equals_ar_greedy_and_sampled_alone_and_batched(model):
     assert sum(accepted[n] > 0 for n in greedy) >= len(greedy) // 2, f"too little is accepted to test: {accepted}"
 
 
-def test_every_method_equals_ar_with_shared_prompt_blocks(model):
-    """Six requests behind a 32-token prefix (2 blocks of 16, 4 windows), in an engine that keeps every loop's
-    rows (``window_kv=False``; the windowed pool shares no prompt blocks: tests/test_window_kv.py): later ones share
-    the first's blocks - loop 1's and loop 2's rows alike - and every answer is still its own AR decode."""
+@pytest.mark.parametrize("window_kv", [True, False], ids=["rings", "full"])
+def test_every_method_equals_ar_with_shared_prompt_blocks(model, window_kv):
+    """Six requests behind a 32-token prefix (2 blocks of 16, 4 windows), in an engine that keeps loop 2's rows in
+    rings (the default: shared prompt blocks bring their window's loop-2 rows, tests/test_window_kv.py) or every
+    loop's rows (``window_kv=False``): later ones share the first's blocks and every answer is still its own AR
+    decode."""
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(2, model.config.vocab_size, (8,), generator=g).repeat(4).tolist()
     ps = [prefix + torch.randint(2, model.config.vocab_size, (int(n),), generator=g).tolist()
           for n in torch.randint(1, 9, (6,), generator=g)]
     refs = [dasspec.generate(model, p, "ar", max_new_tokens=12, eos=False).tokens for p in ps]
     for method in ("ar", "self-spec", "das-wave", "pld", "auto"):
-        engine = Engine(model, method, max_batch=3, window_kv=False)
+        engine = Engine(model, method, max_batch=3, window_kv=window_kv)
         ids = [engine.add(p, max_new_tokens=12, eos=False) for p in ps]
         while engine.has_work:
             engine.step()
@@ -142,6 +144,14 @@ def test_served_in_its_chat_template(folder, model, tmp_path):
             ids = chat_ids(served, m)
             assert text == dasspec.generate(served, ids, "ar", max_new_tokens=16).text, m
         assert srv.health()["kv_window"] == served.config.loop_window     # loop 2 kept to its window
+        # users of one system prompt: the second shares its blocks (loop 2's window rows with them), answers AR's
+        system = {"role": "system", "content": "You write careful, short Python. " * 4}
+        asked = [[system, {"role": "user", "content": text}] for text in ("def add(a, b):", "def sub(a, b):")]
+        outs = [client.chat.completions.create(model=folder.name, messages=m, max_tokens=8) for m in asked]
+        assert outs[1].dasspec["cached_tokens"] >= 32
+        for m, out in zip(asked, outs):
+            assert out.choices[0].message.content == dasspec.generate(served, chat_ids(served, m), "ar",
+                                                                      max_new_tokens=8).text
     finally:
         srv.stop()
         (folder / "chat_template.jinja").unlink()
