@@ -75,8 +75,8 @@ def window_key(key: bytes, depth: int) -> bytes:
 
 
 def window_blocks(j: int, B: int, window: int) -> range:
-    """The prompt blocks whose rows at a windowed depth a request that shares the first ``j`` reads: those of the
-    window before row j * B (a call at position n reads depth r's rows from n - window + 1)."""
+    """The prompt blocks a request sharing the first ``j`` reads at a windowed depth: those holding the window
+    before row j * B (a call at position n reads depth r's rows from n - window + 1)."""
     return range(max(0, j * B - window + 1) // B, j)
 
 
