@@ -331,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                 tqdm.write(f"seed {seed}: {x}", file=sys.stderr)
     bar.close()
     failed = [d for d in done if d["failures"]]
-    count = lambda key: sum(1 for d in done if d.get(key))                 # noqa: E731
+
+    def count(key: str) -> int:
+        return sum(1 for d in done if d.get(key))
+
     lines = ["# Random engines at the edges (`benchmarks/engine_fuzz.py`)", "",
              f"{len(done)} cases ({sum(d['requests'] for d in done):,} requests), "
              f"{len(failed)} with failures.", "",

@@ -90,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [common + torch.randint(3, MID["vocab_size"], (a.prompt_len - a.shared_prefix,), generator=g).tolist()
                for _ in range(a.prompts)]
     budget = a.batch * (a.prompt_len + a.max_new_tokens + 128)
-    UNSHARED = "windowed, unshared"
+    # side -> (window_kv, every request's blocks keyed apart: no sharing)
+    SIDES = {"full layout": (False, False), "windowed": (True, False), "windowed, sharing off": (True, True)}
 
-    def run(method: str, window_kv) -> dict:
-        eng = Engine(model, method, max_batch=a.batch, kv_budget=budget, window_kv=bool(window_kv))
+    def run(method: str, side: str) -> dict:
+        window_kv, apart = SIDES[side]
+        eng = Engine(model, method, max_batch=a.batch, kv_budget=budget, window_kv=window_kv)
         t = time.perf_counter()
-        ids = [eng.add(q, max_new_tokens=a.max_new_tokens, eos=False,
-                       state_seed=i if window_kv == UNSHARED else 0) for i, q in enumerate(prompts)]
+        ids = [eng.add(q, max_new_tokens=a.max_new_tokens, eos=False, state_seed=i if apart else 0)
+               for i, q in enumerate(prompts)]
         peak, first = 0, {}
         while eng.has_work:
             for ev in eng.step():
@@ -111,36 +113,36 @@ def main(argv: list[str] | None = None) -> int:
                     ttft=statistics.mean(first.values()))
 
     methods = a.methods.split(",")
-    kinds = (False, True, UNSHARED) if a.shared_prefix else (False, True)
+    kinds = list(SIDES) if a.shared_prefix else ["full layout", "windowed"]
     sides = [(m, w) for m in methods for w in kinds]
     for m in methods:                                       # warm-up
-        run(m, True)
+        run(m, "windowed")
     records = []
     for rnd in range(a.rounds):
         for m, w in (sides if rnd % 2 == 0 else sides[::-1]):
             r = run(m, w)
-            r.update(method=m, window_kv=w, round=rnd, tokens_per_second=a.prompts * a.max_new_tokens / r["seconds"])
+            r.update(method=m, side=w, round=rnd, tokens_per_second=a.prompts * a.max_new_tokens / r["seconds"])
             records.append(r)
-            print(f"round {rnd} {m:5s} window_kv={w!s:5s} {r['tokens_per_second']:6.2f} tok/s  "
+            print(f"round {rnd} {m:5s} {w:21s} {r['tokens_per_second']:6.2f} tok/s  "
                   f"peak K/V {r['peak_bytes'] / 2**20:7.1f} MiB  prompt rows computed {r['prefilled_rows']} "
                   f"shared {r['shared_rows']}  mean TTFT {r['ttft']:.2f} s", flush=True)
-    ref = next(r["tokens"] for r in records if r["method"] == "ar" and not r["window_kv"])
+    ref = next(r["tokens"] for r in records if r["method"] == "ar" and r["side"] == "full layout")
     assert all(r["tokens"] == ref for r in records), "windowed and full layouts emitted different tokens"
 
     summary = {}
     for m in methods:
         pairs = []
         for rnd in range(a.rounds):
-            on = next(r for r in records if r["method"] == m and r["window_kv"] is True and r["round"] == rnd)
-            off = next(r for r in records if r["method"] == m and r["window_kv"] is False and r["round"] == rnd)
+            on, off = (next(r for r in records if r["method"] == m and r["side"] == side and r["round"] == rnd)
+                       for side in ("windowed", "full layout"))
             pairs.append((on["tokens_per_second"] / off["tokens_per_second"], on["peak_bytes"] / off["peak_bytes"],
                           on["peak_bytes"], off["peak_bytes"]))
         sp = [x[0] for x in pairs]
         summary[m] = dict(speed_median=statistics.median(sp), speed_range=[min(sp), max(sp)],
                           peak_ratio=pairs[0][1], peak_window=pairs[0][2], peak_full=pairs[0][3])
         for w in kinds:
-            rs = [r for r in records if r["method"] == m and r["window_kv"] == w]
-            summary[m][f"side {w}"] = dict(
+            rs = [r for r in records if r["method"] == m and r["side"] == w]
+            summary[m][w] = dict(
                 prefilled_rows=rs[0]["prefilled_rows"], shared_rows=rs[0]["shared_rows"],
                 peak_bytes=rs[0]["peak_bytes"], ttft_median=statistics.median(r["ttft"] for r in rs),
                 tokens_per_second_median=statistics.median(r["tokens_per_second"] for r in rs))
@@ -161,14 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{s['peak_ratio']:.3f} | {s['speed_median']:.3f} [{s['speed_range'][0]:.3f}, "
                      f"{s['speed_range'][1]:.3f}] |")
     if a.shared_prefix:
-        names = {False: "full layout", True: "windowed (shares)", UNSHARED: "windowed, sharing off"}
         lines += ["", f"## Sharing a {a.shared_prefix}-id prefix (each side's medians over rounds)", "",
                   "| method | side | prompt rows computed | shared | peak K/V | mean TTFT | tok/s |",
                   "|---|---|---|---|---|---|---|"]
         for m in methods:
             for w in kinds:
-                x = summary[m][f"side {w}"]
-                lines.append(f"| {m} | {names[w]} | {x['prefilled_rows']:,} | {x['shared_rows']:,} | "
+                x = summary[m][w]
+                lines.append(f"| {m} | {w} | {x['prefilled_rows']:,} | {x['shared_rows']:,} | "
                              f"{x['peak_bytes'] / 2**20:.1f} MiB | {x['ttft_median']:.2f} s | "
                              f"{x['tokens_per_second_median']:.2f} |")
     lines += ["", "Tokens equal in every run (asserted)."]

@@ -149,6 +149,11 @@ def sharing_prompts(vocab: int) -> list[list[int]]:
     return [common + t for t in tail[:4]] + [common[:30] + tail[4], tail[5]]
 
 
+def default_salt(model) -> bytes:
+    """What a request with the default options keys its prompt blocks with besides their tokens."""
+    return prefix_salt(model.R, 1.0, 0, model.exit_rule(None, None, model.R), model.dtype, B)
+
+
 def rows_at_start(model, ps, method, knobs=None):
     """Run a windowed engine; per request that started on shared blocks, its ring rows (K and V of every core layer)
     at every windowed depth for the window's positions before its first computed row, read right after its first
@@ -178,7 +183,7 @@ def rows_at_start(model, ps, method, knobs=None):
         eng.close()
 
 
-def test_prompt_blocks_are_shared_with_their_window_rows(leaning_on_the_window, monkeypatch):
+def test_prompt_blocks_are_shared_with_their_window_rows(leaning_on_the_window):
     """A windowed pool shares prompt blocks: a request that completes prompt blocks keeps their rows at depths >= 2
     (copied out of its rings into blocks left cached), and a later request that starts alike references the depth-1
     blocks and copies the window's rows before them into its rings - bit for bit the rows the full layout computed
@@ -189,7 +194,7 @@ def test_prompt_blocks_are_shared_with_their_window_rows(leaning_on_the_window, 
     ps = sharing_prompts(model.config.vocab_size)
     ref, full, _ = run(model, "ar", ps=ps, window_kv=False)
     assert full.scheduler.shared_rows == 3 * 7 * B + 3 * B
-    salt = prefix_salt(model.R, 1.0, 0, model.exit_rule(None, None, model.R), model.dtype, B)
+    salt = default_salt(model)
     for method in ("ar", "das-wave"):
         seen, got = rows_at_start(model, ps, method)
         assert got == ref and len(seen) == 4 * (model.R - 1), method
@@ -226,8 +231,7 @@ def test_a_run_whose_window_rows_are_gone_is_shared_shorter(leaning_on_the_windo
         eng.add(first, max_new_tokens=4, eos=False)
         while eng.has_work:
             eng.step()
-        salt = prefix_salt(model.R, 1.0, 0, model.exit_rule(None, None, model.R), model.dtype, B)
-        pool, keys = eng.pool, block_keys(second, B, salt, len(second) // B)
+        pool, keys = eng.pool, block_keys(second, B, default_salt(model), len(second) // B)
         for r in range(2, model.R + 1):                 # evicted: the window rows of block 6 (the run's last)
             b = pool._block_of.pop(window_key(keys[6], r))
             del pool._key_of[b], pool._lru[b]
@@ -275,14 +279,14 @@ def test_a_failing_step_gives_back_the_blocks_it_held_for_window_rows(model, mon
     try:
         # the first time the producer's first step fails (rows to keep); the requests that had not started run
         # after it and keep their rows, so the second time every request starts on shared blocks (rows to copy)
-        for kind in (1, 0):
+        for kind in ("kept", "borrowed"):
             ids = [engine.add(p, max_new_tokens=NEW, eos=False) for p in ps]
             monkeypatch.setattr(executor_mod, "loop_step",
                                 lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
             with pytest.raises(RuntimeError, match="boom"):
                 engine.step()
             monkeypatch.setattr(executor_mod, "loop_step", step)
-            assert any(hold[kind] for hold in engine.scheduler._holds.values())
+            assert any(getattr(held, kind) for held in engine.scheduler._holds.values())
             keys = set(engine.pool._block_of)
             engine.abort_running()
             assert set(engine.pool._block_of) == keys and not engine.scheduler._holds   # none of them registered

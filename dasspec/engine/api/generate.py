@@ -187,9 +187,10 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     ``kv_budget``: depth-cache positions for the running requests (default: room for the ``max_batch`` largest
     at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
     exemplars once; on a model whose loops >= 2 are windowed, IQuest-Loop, the pool by default keeps only the
-    window's rows of those loops, and shares prompt blocks with those rows: ``Engine``'s ``window_kv``).  ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch
-    grows; never changes a token).  ``max_step_tokens``: rows one step verifies and prefills together (``Engine``'s;
-    larger than a server's default, as nobody waits on a first token here; never changes a token)."""
+    window's rows of those loops, and shares prompt blocks with those rows: ``Engine``'s ``window_kv``).
+    ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a token).
+    ``max_step_tokens``: rows one step verifies and prefills together (``Engine``'s; larger than a server's default,
+    as nobody waits on a first token here; never changes a token)."""
     drop_hf_options(knobs)
     ids = batch_prompts(model, prompts, tokenizer)
     if not ids:

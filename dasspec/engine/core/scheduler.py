@@ -48,6 +48,15 @@ from .policy import SpeculationPolicy
 from .stopping import StopRule
 
 
+class Held(NamedTuple):
+    """The blocks a plan of a pool with windowed depths holds until its outcome is applied: the shared blocks a
+    starting request's rings copy from (by request), and the blocks prompt rows are kept in (request, key, block) -
+    registered once the step ran."""
+
+    borrowed: dict[int, list[int]]
+    kept: list[tuple[int, bytes, int]]
+
+
 # --- the table -------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Entry:
@@ -160,9 +169,7 @@ class Scheduler:
         self.preemptions = 0
         self.prefilled_rows = 0                    # prompt rows computed (not shared)
         self.shared_rows = 0                       # prompt rows taken from shared blocks
-        # windowed depths, per plan not yet applied: the shared blocks a starting request's rings copy from (by
-        # request), and the blocks prompt rows are kept in (request, key, block) - registered once the step ran
-        self._holds: dict[int, tuple[dict[int, list[int]], list[tuple[int, bytes, int]]]] = {}
+        self._holds: dict[int, Held] = {}          # by plan not yet applied (windowed depths)
 
     @property
     def has_work(self) -> bool:
@@ -286,7 +293,7 @@ class Scheduler:
     def _release_holds(self, step: int, out: StepOutput | None = None) -> None:
         """The blocks plan ``step`` held back to the pool; with its output, the kept prompt rows of the requests
         whose prefill ran registered first."""
-        borrowed, kept = self._holds.pop(step, ({}, []))
+        borrowed, kept = self._holds.pop(step, Held({}, []))
         for blocks in borrowed.values():
             self.pool.free(blocks)
         failed = {rid for rid, _ in out.failed} if out is not None else set()
@@ -296,8 +303,8 @@ class Scheduler:
                 self.pool.register(block, key)
             self.pool.free([block])
 
-    def _hold(self, step: int):
-        return self._holds.setdefault(step, ({}, []))
+    def _hold(self, step: int) -> Held:
+        return self._holds.setdefault(step, Held({}, []))
 
     def _keep_window(self, plan: StepPlan) -> None:
         """Blocks for the rows at every windowed depth of the prompt blocks this plan completes (not cached yet),
@@ -318,7 +325,7 @@ class Scheduler:
                         return
                     block = pool.allocate(1, tail=True)[0]     # (out of the runs sequences grow in)
                     w.keep_window.append((r, q, block))
-                    self._hold(plan.step)[1].append((e.id, key, block))
+                    self._hold(plan.step).kept.append((e.id, key, block))
                     planned.add(key)
 
     def _assume(self, plan: StepPlan) -> None:
@@ -383,7 +390,8 @@ class Scheduler:
 
     def _unstart(self, e: Entry, step: int) -> None:
         """Undo an admission whose plan never ran: its blocks back, its prompt rows none, first in the queue."""
-        self.pool.free(e.blocks + e.ring + self._holds.get(step, ({}, []))[0].pop(e.id, []))
+        held = self._holds.get(step)
+        self.pool.free(e.blocks + e.ring + (held.borrowed.pop(e.id, []) if held else []))
         e.blocks, e.ring, e.computed, e.depth_done, e.cached, e.status = [], [], 0, 0, 0, Status.WAITING
         self.running.remove(e)
         self.waiting.appendleft(e)
@@ -415,7 +423,7 @@ class Scheduler:
             self.pool.free(shared + [b for _, _, b in window_rows])
             return self._admit(e, budget, plan, planned, share=False) if window_rows else why
         if window_rows:
-            self._hold(plan.step)[0][e.id] = [b for _, _, b in window_rows]
+            self._hold(plan.step).borrowed[e.id] = [b for _, _, b in window_rows]
         got = self.pool.allocate(fresh, after=shared[-1] if shared else None)
         self._take_ring(e, ring, plan)
         self.waiting.remove(e)

@@ -13,10 +13,10 @@ later calls then spent their share on probes that a short call does not repay.
 Only the calls that build their drafter read and write here: a drafter built by its user (``build_drafter``), an
 ``Engine``, the server or lm-eval carries its own state (the ``recall`` knob has no effect there).  The shelf is
 weakly keyed by the model object - not in its ``__dict__``, so a pickled, saved or copied model starts afresh - and
-holds the last ``kept_keys`` keys.  A key
-is what moves the prices or the averages: the calibration's keys (model shape, dtype, device, threads, kernels),
-the depth, auto's knobs and its sub-drafters' (DAS-Wave's window), the tuning, and the call's runtime, exit rule,
-greedy or sampling options, pool layout (``window_kv``) and speculation policy."""
+holds the last ``kept_keys`` keys.  A key is what moves the prices or the averages: the calibration's keys (model
+shape, dtype, device, threads, kernels), the depth, auto's knobs and its sub-drafters' (DAS-Wave's window), the
+tuning, and the call's runtime, exit rule, greedy or sampling options, pool layout (``window_kv``) and speculation
+policy."""
 
 from __future__ import annotations
 
