@@ -168,6 +168,46 @@ def test_silu_and_sigmoid_keep_a_values_bits_in_any_call_at_any_thread_count_on_
                                (F.silu(yb[:, :n]) * yb[:, n:]).float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 1000, 49152])
+def test_argmax_gives_torchs_index_on_every_path(n):
+    """Greedy choices take the kernel's argmax: it must pick torch's index whatever the row holds - the first of
+    tied maxima (in a vector lane, across lanes and in the tail), the first NaN, +inf, -inf everywhere, -0 beside
+    +0 - at any thread count, on every ISA path, for strided and batched rows."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    rows = [x, (x * 2).round() / 2, torch.full((3, n), float("-inf")), torch.zeros(2, n), -torch.zeros(2, n)]
+    y = x.clone()
+    y[:, n // 2] = y[:, n - 1] = float("inf")
+    rows.append(y)
+    y = x.clone()
+    y[0, n // 3] = float("nan")
+    y[1, n - 1] = float("nan")
+    y[2, n // 2:] = float("nan")
+    rows.append(y)
+    y = -torch.zeros(3, n)
+    y[:, n // 2:] = 0.0
+    rows.append(y)
+    y = torch.zeros(17, n)
+    for r in range(17):                          # one maximum, then its tie, at each position of a 16-lane group
+        y[r, min(r, n - 1)] = 1.0
+        y[r, min(r + 16, n - 1)] = 1.0
+    rows.append(y)
+    before, threads = decode_kernel.isa(), torch.get_num_threads()
+    try:
+        for isa in decode_kernel.isas_here():
+            decode_kernel.set_isa(isa)
+            for th in (1, 2, 3):
+                torch.set_num_threads(th)
+                for z in rows:
+                    assert torch.equal(decode_kernel.argmax(z), z.argmax(-1)), (isa, th, z)
+                    assert torch.equal(decode_kernel.argmax(z[0]), z[0].argmax(-1))
+                    assert torch.equal(decode_kernel.argmax(z[:, ::2]), z[:, ::2].argmax(-1))
+                    assert torch.equal(decode_kernel.argmax(z[None]), z[None].argmax(-1))
+    finally:
+        decode_kernel.set_isa(before)
+        torch.set_num_threads(threads)
+
+
 def test_bad_arguments_are_refused_not_read_out_of_bounds():
     k = v = torch.zeros(2, 10, 8)
     q = torch.zeros(1, 2, 8)

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("prefix_lengths") = py::none());
   m.def("store_rows", &dasspec::store_rows, nogil);
   m.def("rms_norm", &dasspec::rms_norm, nogil);
+  m.def("argmax_rows", &dasspec::argmax_rows, nogil);
   m.def("pointwise", &dasspec::pointwise, nogil);
   m.def("rope_half", &dasspec::rope_half, nogil);
   m.def("attention_rows", &dasspec::attention_rows, nogil);

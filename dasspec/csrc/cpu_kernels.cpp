@@ -92,6 +92,9 @@ struct GemmArgs {
   void rms(const float* x, const float* w, int64_t D, float eps, float* o, int64_t r0, int64_t r1) {             \
     for (int64_t r = r0; r < r1; ++r) rms_row(x + r * D, w, D, eps, o + r * D);                                  \
   }                                                                                                               \
+  void argmax_f32(const float* x, int64_t n, int64_t ld, int64_t* out, int64_t r0, int64_t r1) {                \
+    for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(x + r * ld, n);                                       \
+  }                                                                                                               \
   void pw_f32(const float* g, const float* u, int64_t n, float* o) { pointwise_row<float>(g, u, n, o); }          \
   void pw_bf16(const c10::BFloat16* g, const c10::BFloat16* u, int64_t n, c10::BFloat16* o) {                     \
     pointwise_row<c10::BFloat16>(g, u, n, o);                                                                     \
@@ -148,12 +151,13 @@ struct Ops {
   void (*heads_bf16)(const HeadArgs<c10::BFloat16>&, int64_t, int64_t);
   void (*heads_f16)(const HeadArgs<c10::Half>&, int64_t, int64_t);
   void (*rms)(const float*, const float*, int64_t, float, float*, int64_t, int64_t);
+  void (*argmax_f32)(const float*, int64_t, int64_t, int64_t*, int64_t, int64_t);
   void (*pw_f32)(const float*, const float*, int64_t, float*);
   void (*pw_bf16)(const c10::BFloat16*, const c10::BFloat16*, int64_t, c10::BFloat16*);
 };
 
 #define DASSPEC_OPS(ns, label) \
-  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms, \
+  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms, &ns::argmax_f32, \
         &ns::pw_f32, &ns::pw_bf16 }
 
 const Ops PORTABLE = DASSPEC_OPS(dasspec_portable, "portable");
@@ -438,6 +442,25 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) { rms(xp, wp, D, static_cast<float>(eps), op, a, b); });
   return out;
+}
+
+// torch.argmax(x, -1) of float32 rows [..., n] (n >= 1, unit inner stride): the same indices (the first largest
+// value, the first NaN), rows split over threads.
+at::Tensor argmax_rows(const at::Tensor& x_in) {
+  check_cpu(x_in, "x");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) > 0, "float32 rows [..., n > 0]");
+  const int64_t n = x_in.size(-1);
+  auto x = x_in.reshape({-1, n});
+  if (x.stride(1) != 1 || x.stride(0) < n) x = x.contiguous();
+  auto sizes = x_in.sizes().vec();
+  sizes.pop_back();
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const auto f = ops().argmax_f32;
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, (1 << 16) / n), [&](int64_t a, int64_t b) { f(xp, n, ld, op, a, b); });
+  return out.view(sizes);
 }
 
 // silu(g) * u, or sigmoid(g) without u: g, u [..., n] (rows with unit inner stride), float32 or bfloat16; out

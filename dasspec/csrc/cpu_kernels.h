@@ -30,6 +30,8 @@ void store_rows(const at::Tensor& k_dst, const at::Tensor& v_dst, const at::Tens
                 const at::Tensor& v);
 at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+// torch.argmax(x, -1) of float32 rows.
+at::Tensor argmax_rows(const at::Tensor& x);
 // silu(g) * u, or sigmoid(g) without u, elementwise: float32 or bfloat16, each value's bits its own.
 at::Tensor pointwise(const at::Tensor& g, const std::optional<at::Tensor>& u);
 

@@ -594,6 +594,45 @@ inline void group_heads(const float* const* q, const float* kc, const float* vc,
   }
 }
 
+// torch's argmax of one float32 row: the index of its largest value, the first on ties, and the first NaN where
+// there is one (argmax counts NaN above every number).  16 lanes each keep their first largest value; the lanes
+// are then merged (larger value, or equal and earlier), and the tail after them compared with a strict >.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = x[0];
+  if (n >= LANES) {
+    f16v bv = load16(x);
+    i16v bi = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i16v at = bi;
+    i16v nan = bv != bv;
+    for (i = LANES; i + LANES <= n; i += LANES) {
+      const f16v v = load16(x + i);
+      at += LANES;
+      const i16v gt = v > bv;
+      bv = gt ? v : bv;
+      bi = gt ? at : bi;
+      nan |= v != v;
+    }
+    bool any_nan = false;
+    for (int l = 0; l < LANES; ++l) any_nan |= nan[l] != 0;
+    if (any_nan) {
+      for (int64_t j = 0; j < n; ++j)
+        if (x[j] != x[j]) return j;
+    }
+    top = bv[0], best = bi[0];
+    for (int l = 1; l < LANES; ++l)
+      if (bv[l] > top || (bv[l] == top && bi[l] < best)) top = bv[l], best = bi[l];
+  } else {
+    i = 1;
+    if (top != top) return 0;
+  }
+  for (; i < n; ++i) {
+    if (x[i] != x[i]) return i;
+    if (x[i] > top) top = x[i], best = i;
+  }
+  return best;
+}
+
 // RMSNorm of one float32 row: x * (1 / sqrt(mean(x^2) + eps)) * w.
 inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* o) {
   const float inv = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + eps);

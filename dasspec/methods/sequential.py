@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from torch import Tensor
 
 from ..engine.drafting import Batch, Draft, DraftContext, Drafter, Session, greedy
+from ..model import decode_kernel
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, knob, positive_int
@@ -80,7 +81,7 @@ def propose_sequential(reqs: list[DraftContext], d: int, blocks: list[int], poli
             h = batch.core_step(h, inj, read, own=(j, j))
         logits = batch.readout(h)[0]
         if all(r.choose is greedy for r in group):
-            chosen = logits.argmax(-1)
+            chosen = decode_kernel.argmax(logits)
             for k, q in enumerate(live):
                 slots[q][i] = chosen[k]
         else:

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..engine.drafting import Batch, Draft, DraftContext, Drafter, Session, TreeLayout, Verdict, greedy
+from ..model import decode_kernel
 from ..model.policy import ReadPolicy, parse_policy
 from . import Method, register
 from .knobs import FAMILY, Knobs, Most, boolean, knob, one_of, positive_int
@@ -196,7 +197,7 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
             h = batch.core_step(h, e, reads[min(R, clock + u + 1)])
         logits = batch.readout(h)[0]
         if greedy_all:
-            news = batch.split(logits.argmax(-1))
+            news = batch.split(decode_kernel.argmax(logits))
         else:
             news = [reqs[i].choose(z, reqs[i].n) for i, z in zip(live, batch.split(logits))]
         for i, part in zip(live, batch.split(h, dim=1)):

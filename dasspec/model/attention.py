@@ -357,6 +357,23 @@ def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> t
     return (kvs[0].k_own, kvs[0].v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)[:3]
 
 
+def pools_like(kv: "LayerKV | BatchKV", first: "LayerKV | BatchKV") -> tuple[Tensor, Tensor] | None:
+    """The (K, V) pool of layer view ``kv`` where its segments store and read through ``first``'s tables in one
+    pool, at the depth they store at: ``row_plan`` would then give ``kv`` ``first``'s rows and lists (they follow
+    from the span and the tables alone) with these pools.  None otherwise.  Another layer's or depth's share of a
+    call's plan, without rebuilding its keys."""
+    parts, firsts = getattr(kv, "parts", None), getattr(first, "parts", None)
+    if parts is None or firsts is None or len(parts) != len(firsts):
+        return None
+    p0 = parts[0]
+    k, v = p0.k_own, p0.v_own
+    for p, f in zip(parts, firsts):
+        if not (isinstance(p, PagedKV) and p.table is f.table and p.k_own is k and p.v_own is v
+                and p.k_prefix is k and p.v_prefix is v):
+            return None
+    return k, v
+
+
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
     share their tensors and suit the row kernel (``kernel_rows``) in one kernel call per group."""

@@ -231,6 +231,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (_module if _tried else _load()).rms_norm(x, weight, eps)
 
 
+def argmax(x: Tensor) -> Tensor:
+    """``x.argmax(-1)``, the same indices (the first largest value; the first NaN where a row has one), through the
+    kernel for CPU float32 rows (logits: torch's reduction over (value, index) pairs is the slow part of a greedy
+    step's choice), else torch's."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0 and x.numel() > 0
+            and not torch.compiler.is_compiling() and available()):
+        return _module.argmax_rows(x)
+    return x.argmax(-1)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up elementwise (float32 or bfloat16; torch's roundings), each value's bits its own: torch's
     elementwise kernels compute a call's tail - which values fall in it depends on the call's size and thread count -

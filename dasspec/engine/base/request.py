@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
+from ...model import decode_kernel
 from ...model.attention import Span
 from ...model.cache import CacheCapacityError, PagedCache
 from ...model.looped import LoopedLM
@@ -29,7 +30,7 @@ TokenChoice = Callable[[Tensor, "int | Tensor"], Tensor]
 
 
 def greedy(logits: Tensor, positions: "int | Tensor") -> Tensor:
-    return logits.argmax(-1)
+    return decode_kernel.argmax(logits)
 
 
 class DraftCapacityError(CacheCapacityError):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...model import decode_kernel
 from ...model.noise import gumbel_noise
 
 
@@ -82,4 +83,4 @@ class Sampling:
         position (rows are consecutive) or every row's."""
         if isinstance(positions, int):
             positions = torch.arange(positions, positions + logits.shape[0], device=logits.device)
-        return (self.warp(logits) + gumbel_noise(positions, logits.shape[-1], self.seed)).argmax(-1)
+        return decode_kernel.argmax(self.warp(logits) + gumbel_noise(positions, logits.shape[-1], self.seed))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...model import decode_kernel
 from ..base.contract import Phase
 from ..base.request import Request, greedy
 from ..drafting.batch import Batch
@@ -136,7 +137,7 @@ def accept_all(drafts: list[Placed], logits: list[Tensor], whole: Tensor | None 
     if greedy_all and len(drafts) > 1:
         sizes = [d.inputs for d in drafts]
         z = whole[: sum(sizes)] if whole is not None else torch.cat(logits)
-        top = z.argmax(-1)
+        top = decode_kernel.argmax(z)
         preds = list(torch.split(top, sizes))
     else:
         top = None

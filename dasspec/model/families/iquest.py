@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import decode_kernel
-from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, causal_self_attention, row_plan
+from ..attention import BatchKV, LayerKV, RaggedSpan, Span, attend, causal_self_attention, pools_like, row_plan
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
 from ..layers import NormedBlock, sigmoid, skipped, skips_nothing
@@ -278,18 +278,30 @@ class IQuestLoop(Family):
         layers, per_step, glob = [], [], None
         for r in steps:
             read = span if r == 1 else windowed(span, blocks[0].window, h.dtype)     # depth r's own row lists
-            pools, lists = [], None
+            pools, lists, first = [], None, None
             for i, b in enumerate(blocks):
                 kv = self.core_kv(cache, i, (r, r), (r, r), span)
                 if kv.local is None:
                     return None
+                if i < len(layers) and first is not None:        # known weights, and this depth's lists: its pools
+                    got = pools_like(kv.local, first)
+                    if got is None:
+                        return None
+                    pools.append(got)
+                    continue
                 if i < len(layers):              # the layer's weights are known: its pools at this depth
                     plan = row_plan(h, kv.local, read)
                     if plan is None:
                         return None
+                    first = kv.local
                 else:                            # its weights, checks and depth 1's pools, once per call
                     a = b.attn.row_args(h, read, kv.local)
-                    g = row_plan(h, kv.glob, span) if a is not None else None
+                    if a is None:
+                        g = None
+                    elif kv.glob is kv.local and read is span:       # depth 1: the plan row_args just made
+                        g = a[5:11]
+                    else:
+                        g = row_plan(h, kv.glob, span)
                     gate = b.gate
                     if g is None or not plain_gate(gate) or b.window != blocks[0].window:
                         return None

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import decode_kernel
-from ..attention import row_plan
+from ..attention import pools_like
 from ..layers import NormedBlock, RMSNorm, skips_nothing
 
 
@@ -47,14 +47,14 @@ def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: 
         layers.append(args)
     if not decode_kernel.layers_agree(layers):
         return None
-    shared = layers[0][2][7:11]         # the call's store rows, read rows, starts and lengths
     pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
+    first = cache.core_kv(0, (r0, r0), (r0, r0))         # whose plan (rows and lists) every layer's agreed with
     for r in steps[1:]:
         for i in range(len(blocks)):
-            plan = row_plan(h, cache.core_kv(i, (r, r), (r, r)), span)
-            if plan is None or any(p is not q for p, q in zip(plan[2:], shared)):
+            got = pools_like(cache.core_kv(i, (r, r), (r, r)), first)
+            if got is None:
                 return None
-            pools.append(plan[:2])
+            pools.append(got)
     B, W, d = h.shape
     return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, layers, pools, ln_f.weight,
                                     ln_f.eps).view(B, W, d)
