@@ -132,6 +132,39 @@ def test_interleaved_rope_keeps_a_rows_bits_in_any_call_at_any_thread_count(head
         torch.set_num_threads(threads)
 
 
+def _rope_pairs_in_torch(x, cos, sin):
+    a, b, c, s = x[..., 0::2], x[..., 1::2], cos[:, None], sin[:, None]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("heads,hd", [(1, 2), (3, 6), (4, 48), (12, 96)])
+def test_rope_pairs_rotate_each_pair_with_two_roundings_per_product(heads, hd):
+    """Huginn's RoPE (pairs rotated as complex numbers) takes the kernel on a CPU in float32, inside the one-call
+    layers and in ``apply_rope``: re = ac - bd, im = ad + bc, each product rounded, then the difference or sum, for
+    every row, head and pair, at any thread count, strided as the q/k view of a projection is.  torch's complex
+    product computes that in its vector loop but with other roundings in a row's tail (ATen's scalar path), so it
+    is the reference only where a row is whole vectors: Huginn-0125's 96 and the bundled model's 48."""
+    from dasspec.model.layers import apply_rope
+    g = torch.Generator().manual_seed(hd)
+    ang = torch.randn(37, hd // 2, generator=g) * 50
+    rot = torch.polar(torch.ones_like(ang), ang).unsqueeze(1)
+    qkv = torch.randn(3, 37, heads + 2, hd, generator=g) * 7
+    x = qkv[:, :, : heads + 1]                       # the q/k view of a projection: rows strided past v
+    r = torch.view_as_real(rot[:, 0])
+    want = _rope_pairs_in_torch(x, r[..., 0], r[..., 1])     # torch's real ops: one rounding each
+    if hd % 16 == 0:
+        assert torch.equal(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2), want)
+    threads = torch.get_num_threads()
+    try:
+        for th in (1, 2, 3):
+            torch.set_num_threads(th)
+            assert torch.equal(decode_kernel.rope_pairs(x, r[..., 0], r[..., 1]), want), th
+            assert torch.equal(apply_rope(x, rot, True), want), th
+            assert torch.equal(apply_rope(x[:1, 5:6], rot[5:6], True), want[:1, 5:6]), th
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("n", [1408, 200, 7])
 def test_silu_and_sigmoid_keep_a_values_bits_in_any_call_at_any_thread_count_on_every_path(n):
     """torch's elementwise kernels compute a call's tail on another path than its vectors, and which values fall in
@@ -328,8 +361,8 @@ def test_sublayers_in_one_call_have_the_bits_of_the_modules_ops(family, override
     assert tokens == tokens_ops
     assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
     assert calls["mlp_rows"] > 0
-    # Huginn's RoPE is the interleaved form, Raven-OLMo norms q and k: their attention keeps the modules' path
-    assert (calls["attention_rows"] > 0) == (family not in ("huginn", "raven-olmo"))
+    # Raven-OLMo norms q and k: its attention keeps the modules' path (Huginn's interleaved RoPE is in the kernel)
+    assert (calls["attention_rows"] > 0) == (family != "raven-olmo")
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 13, 65, 513])
@@ -409,6 +442,43 @@ def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeyp
     assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
 
 
+@pytest.mark.parametrize("method", ["ar", "self-spec", "das-wave"])
+def test_huginns_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeypatch):
+    """Huginn's sandwich layer (n2(x + attn(n1 x)), then n4(that + mlp(n3 of it)), the RoPE as pairs) runs as one
+    kernel call for a batched call, and every layer output of every step and every token are bit for bit those of
+    the layer's own calls - and those of the modules' ops, with no sublayer kernel and the RoPE in torch's ops."""
+    from dasspec.model import layers
+    from dasspec.model.families.huginn import SandwichBlock
+    _pack_everything(monkeypatch)
+    model = random_model("huginn", seed=3, mean_recurrence=4, n_prelude=1, n_core=2, n_coda=1, qk_bias=True)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+
+    def run(mode: str):
+        outs, calls = [], []
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+                 if isinstance(m, SandwichBlock)]
+        with monkeypatch.context() as mp:
+            if mode == "layer":
+                real = decode_kernel.sandwich_layer_rows
+                mp.setattr(decode_kernel, "sandwich_layer_rows", lambda *a: calls.append(1) or real(*a))
+            else:
+                mp.setattr(SandwichBlock, "rows", lambda self, x, span, kv: None)
+            if mode == "torch":                      # the modules' ops, the RoPE as torch's real ops
+                mp.setattr(layers, "kernel_pair", lambda *a: None)
+                mp.setattr(decode_kernel, "rope_pairs", _rope_pairs_in_torch)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
+        for h in hooks:
+            h.remove()
+        return [r.tokens for r in res], outs, len(calls)
+
+    tokens, outs, calls = run("layer")
+    assert calls > 3 * 2 * 4
+    for mode in ("sublayers", "torch"):
+        tokens_ops, outs_ops, _ = run(mode)
+        assert tokens == tokens_ops, mode
+        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), mode
+
+
 def test_a_hooked_part_keeps_ouros_layer_on_the_modules(monkeypatch):
     """A forward hook on one of a layer's norms still runs: that layer takes its modules, the others one call."""
     _pack_everything(monkeypatch)
@@ -446,13 +516,15 @@ def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monke
 @pytest.mark.parametrize("family,method,overrides", [
     ("ouro", "ar", {}), ("ouro", "self-spec", {}), ("ouro", "das-wave", {}),
     ("ouro", "ar", {"qk_bias": True, "n_kv_heads": 4}), ("nanbeige", "ar", {}), ("nanbeige", "self-spec", {}),
-    ("nanbeige", "das-wave", {})])
+    ("nanbeige", "das-wave", {}), ("huginn", "ar", {"qk_bias": True}), ("huginn", "self-spec", {}),
+    ("huginn", "das-wave", {})])
 def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method, overrides, monkeypatch):
     """A batched call's core steps (every layer of every step, each step closed by ln_f) of Ouro's peri-norm layers
-    and Nanbeige's pre-norm ones run as one kernel call, and every recurrence output - prefill, decode rows,
-    verification chains, windows - and every token are bit for bit those of the per-layer calls, which are each
-    bit for bit the sublayers' (fails when a step's norm, a layer's depth, its q/k bias or its norms' eps is another
-    layer's, or a layer's norms or residual adds are another style's)."""
+    and Nanbeige's pre-norm ones - and Huginn's (each step the adapter over concat[h, e], then its sandwich layers)
+    - run as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows -
+    and every token are bit for bit those of the per-layer calls, which are each bit for bit the sublayers' (fails
+    when a step's norm, a layer's depth, its q/k bias or its norms' eps is another layer's, or a layer's norms or
+    residual adds are another style's)."""
     from dasspec.model import looped
     from dasspec.model.families import FAMILIES
     from dasspec.model.layers import NormedBlock
@@ -470,14 +542,15 @@ def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method,
             mp.setattr(looped.LoopedLM, "recur", lambda self, *a, **k: (lambda y: outs.append(y.clone()) or y)(
                 real_recur(self, *a, **k)))
             if fused == "recurrence":
-                real = decode_kernel.recur_rows
-                mp.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(a[1]) or real(*a))
+                for name, at in (("recur_rows", 1), ("inject_recur_rows", 3)):        # at: the step count's place
+                    mp.setattr(decode_kernel, name, lambda *a, _f=getattr(decode_kernel, name), _at=at:
+                               calls.append(a[_at]) or _f(*a))
             else:
                 mp.setattr(type(FAMILIES[family]), "recur_rows", lambda *a: None)
             if fused == "sublayers":
                 mp.setattr(NormedBlock, "rows", lambda *a: None)
             if fused == "layers":
-                for name in ("peri_layer_rows", "pre_layer_rows"):
+                for name in ("peri_layer_rows", "pre_layer_rows", "sandwich_layer_rows"):
                     mp.setattr(decode_kernel, name, lambda *a, _f=getattr(decode_kernel, name): calls.append(0)
                                or _f(*a))
             res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)

@@ -19,11 +19,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &dasspec::argmax_rows, nogil);
   m.def("pointwise", &dasspec::pointwise, nogil);
   m.def("rope_half", &dasspec::rope_half, nogil);
+  m.def("rope_pairs", &dasspec::rope_pairs, nogil);
   m.def("attention_rows", &dasspec::attention_rows, nogil);
   m.def("loop_mix_rows", &dasspec::loop_mix_rows, nogil);
   m.def("mlp_rows", &dasspec::mlp_rows, nogil);
   m.def("peri_layer_rows", &dasspec::peri_layer_rows, nogil);
   m.def("pre_layer_rows", &dasspec::pre_layer_rows, nogil);
+  m.def("sandwich_layer_rows", &dasspec::sandwich_layer_rows, nogil);
   m.def("recur_rows", &dasspec::recur_rows, nogil);
+  m.def("inject_recur_rows", &dasspec::inject_recur_rows, nogil);
   m.def("loop_recur_rows", &dasspec::loop_recur_rows, nogil);
 }

@@ -567,6 +567,48 @@ static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const
 }
 
 // layers.py's Attention.forward on rows the row kernel takes (halves-form RoPE, no q/k norm).  x [M, d] -> [M, d].
+// Huginn's RoPE (layers.py apply_rope, interleaved): each pair (2j, 2j + 1) of a row rotated as a complex number by
+// (cos_j, sin_j) with torch's complex product's roundings - re = a c - b s, im = a s + b c, each product rounded,
+// then the difference or sum (ATen's vectorized complex multiply; the build has no FMA contraction).
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos_in.scalar_type() == at::kFloat &&
+              sin_in.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
+  for (const auto* t : {&x, &cos_in, &sin_in}) check_cpu(*t, "rope_pairs");
+  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
+  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * h && sin.numel() == W * h, "cos / sin [W, hd / 2]");
+  auto out = at::empty({B, W, n, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  at::parallel_for(0, B * W * n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t hd_i = i % n, w = (i / n) % W, bb = i / (n * W);
+      const float* xr = xp + bb * s0 + w * s1 + hd_i * s2;
+      const float* c = cp + w * h;
+      const float* s = sp + w * h;
+      float* o = op + i * D;
+      for (int64_t j = 0; j < h; ++j) {
+        const float re = xr[2 * j], im = xr[2 * j + 1];
+        const float ac = re * c[j], bd = im * s[j], ad = re * s[j], bc = im * c[j];
+        o[2 * j] = ac - bd;
+        o[2 * j + 1] = ad + bc;
+      }
+    }
+  });
+  return out;
+}
+
+// The RoPE attention_rows applies, by its operands' width: (cat(cos, cos), cat(sin, sin)) [M, hd] rotate halves
+// (rope_half), (cos, sin) [M, hd / 2] rotate pairs (rope_pairs, Huginn's).
+static at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t hd) {
+  TORCH_CHECK(cos.numel() == sin.numel() && (cos.numel() == qk.size(1) * hd || 2 * cos.numel() == qk.size(1) * hd),
+              "RoPE operands [M, hd] (halves) or [M, hd / 2] (pairs)");
+  return cos.numel() == qk.size(1) * hd ? rope_half(qk, cos, sin) : rope_pairs(qk, cos, sin);
+}
+
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
                           const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
@@ -585,7 +627,7 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
   auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
   auto qk = heads.narrow(2, 0, H + Hkv);
   if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
-  qk = rope_half(qk, cos, sin);
+  qk = rope(qk, cos, sin, hd);
   store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
              heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
   auto y = rows_attention(qk[0].narrow(1, 0, H), k_pool, v_pool, rows, starts, lengths, scale, std::nullopt,
@@ -617,7 +659,7 @@ at::Tensor loop_mix_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::
   auto heads = qkv.view({1, M, H + 2 * Hkv, hd});
   auto qk = heads.narrow(2, 0, H + Hkv);
   if (qk_bias.has_value()) qk = qk + qk_bias->view({2 * H, hd});
-  qk = rope_half(qk, cos, sin);
+  qk = rope(qk, cos, sin, hd);
   store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
              heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
   auto q = qk[0].narrow(1, 0, H);                          // [M, H, hd]
@@ -648,6 +690,19 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                           starts, lengths, scale, H, Hkv);
   auto h = x + rms_norm(a, norms[1], eps);
   return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
+}
+
+// Huginn's layer (families/huginn.py SandwichBlock: n2(x + attn(n1 x)), then n4(that + mlp(n3 of it))).
+at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+                               const at::Tensor& wqkv, const at::Tensor& wproj,
+                               const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
+                               const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths,
+                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown) {
+  check_layer(x, norms, 4, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
+  auto h = rms_norm(x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool,
+                                       store_at, rows, starts, lengths, scale, H, Hkv), norms[1], eps);
+  return rms_norm(h + mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
 }
 
 // Llama's layer (families/raven.py PreNormBlock: x + attn(n1 x), then that + mlp(n2 of it)).
@@ -698,6 +753,46 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                 store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
     }
     x = rms_norm(x, ln_w, ln_eps);
+  }
+  return x;
+}
+
+// Core steps with an injection (looped.py core_step for Huginn: the adapter over concat[h, e], then the layers, no
+// norm between steps) over a call's rows, of "sandwich" layers (Huginn's); layer i of step s stores into and reads
+// k_pools / v_pools[s * L + i].
+at::Tensor inject_recur_rows(at::Tensor x, const at::Tensor& inj, const at::Tensor& adapter_w, int64_t steps,
+                             const std::string& style, const std::vector<at::Tensor>& norms,
+                             const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                             const std::vector<at::Tensor>& wproj,
+                             const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
+                             const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                             const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
+                             const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                             const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown) {
+  TORCH_CHECK(style == "sandwich", "style: sandwich");
+  const int64_t L = static_cast<int64_t>(wqkv.size());
+  TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(eps.size()) == L &&
+              static_cast<int64_t>(wproj.size()) == L && static_cast<int64_t>(qk_bias.size()) == L &&
+              static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
+              static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
+              "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
+  TORCH_CHECK(x.dim() == 2 && inj.sizes() == x.sizes() && inj.scalar_type() == at::kFloat && inj.device().is_cpu(),
+              "x and inj [M, d], float32, CPU");
+  TORCH_CHECK(adapter_w.dim() == 2 && adapter_w.size(0) == x.size(1) && adapter_w.size(1) == 2 * x.size(1) &&
+              adapter_w.scalar_type() == at::kFloat && adapter_w.device().is_cpu(), "adapter weight [d, 2 d]");
+  // the first layer's shapes and dtypes, then every layer and step as the first, before the first write
+  check_norms(x, norms);
+  check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
+  check_mlp(x, wfc[0], wdown[0]);
+  check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);
+  const auto own = per_layer(norms, 4);
+  for (int64_t s = 0; s < steps; ++s) {
+    x = dasspec::linear(at::cat({x, inj}, 1), adapter_w, std::nullopt);
+    for (int64_t i = 0; i < L; ++i) {
+      x = sandwich_layer_rows(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i],
+                              v_pools[s * L + i], store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
+    }
   }
   return x;
 }

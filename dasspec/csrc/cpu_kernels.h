@@ -29,6 +29,8 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 void store_rows(const at::Tensor& k_dst, const at::Tensor& v_dst, const at::Tensor& rows, const at::Tensor& k,
                 const at::Tensor& v);
 at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Huginn's interleaved RoPE: pairs rotated as complex numbers with torch's roundings; cos / sin [W, hd / 2].
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 // torch.argmax(x, -1) of float32 rows.
 at::Tensor argmax_rows(const at::Tensor& x);
@@ -62,6 +64,22 @@ at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& no
                           const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                           const at::Tensor& wfc, const at::Tensor& wdown);
+at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
+                               const at::Tensor& wqkv, const at::Tensor& wproj,
+                               const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
+                               const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths,
+                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown);
+// Core steps with an injection (Huginn's: the adapter over concat[x, inj], then "sandwich" layers).
+at::Tensor inject_recur_rows(at::Tensor x, const at::Tensor& inj, const at::Tensor& adapter_w, int64_t steps,
+                             const std::string& style, const std::vector<at::Tensor>& norms,
+                             const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
+                             const std::vector<at::Tensor>& wproj,
+                             const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
+                             const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                             const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
+                             const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
+                             const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown);
 // Core steps of "peri" (Ouro) or "pre" (Llama) layers over a call's rows, each step closed by ln_f.
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
                       const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,

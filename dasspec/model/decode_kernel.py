@@ -258,6 +258,12 @@ def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (_module if _tried else _load()).rope_half(x, cos, sin)
 
 
+def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Huginn's interleaved RoPE over x [B, W, n, hd] (float32) with cos / sin [W, hd / 2]: pairs (2j, 2j + 1)
+    rotated as complex numbers, torch's complex product's bits."""
+    return (_module if _tried else _load()).rope_pairs(x, cos, sin)
+
+
 def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, qk_bias: Tensor | None, cos: Tensor, sin: Tensor,
                    k_pool: Tensor, v_pool: Tensor, store_at: Tensor, rows: Tensor, starts: Tensor, lengths: Tensor,
                    scale: float, n_heads: int, n_kv_heads: int) -> Tensor:
@@ -284,6 +290,12 @@ def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: 
     """Ouro's layer of a call's rows in one call (``PeriNormBlock.rows``): ``attention_args`` / ``mlp_args`` as
     ``attention_rows`` / ``mlp_rows`` take them after x."""
     return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+
+
+def sandwich_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
+    """Huginn's sandwich layer of a call's rows in one call (``NormedBlock.rows``), with ``peri_layer_rows``'
+    arguments (four norms, the RoPE operands as pairs)."""
+    return (_module if _tried else _load()).sandwich_layer_rows(x, norms, eps, *attention_args, *mlp_args)
 
 
 def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
@@ -324,6 +336,19 @@ def recur_rows(x: Tensor, steps: int, style: str, layers: list[tuple], pools: li
         x, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
         [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools], [v for _, v in pools], *a0[7:14],
         [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps)
+
+
+def inject_recur_rows(x: Tensor, inj: Tensor, adapter: Tensor, steps: int, style: str, layers: list[tuple],
+                      pools: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``steps`` core steps with an injection over a call's rows x [M, d] in one call: each step the adapter over
+    concat[x, inj], then the layers (``recurrence.injected_recurrence``; Huginn's "sandwich" layers); ``layers`` and
+    ``pools`` as ``recur_rows`` takes them."""
+    norms = [w for n, *_ in layers for w in n]
+    a0 = layers[0][2]
+    return (_module if _tried else _load()).inject_recur_rows(
+        x, inj, adapter, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers],
+        [l[2][1] for l in layers], [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools],
+        [v for _, v in pools], *a0[7:14], [l[3][0] for l in layers], [l[3][1] for l in layers])
 
 
 def loop_recur_rows(x: Tensor, first: int, layers: list[tuple], steps: list[tuple], glob: tuple) -> Tensor:

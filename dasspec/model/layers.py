@@ -91,15 +91,29 @@ def rope_operands(cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | tuple
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
+def rope_pairs_of(span: Span) -> tuple[Tensor, Tensor]:
+    """An interleaved span's rotation as the kernels take it: (cos, sin) [W, hd/2], from its complex operand (built
+    once per span, shared by every layer)."""
+    got = span._rows_cache.get("rope_pairs")
+    if got is None:
+        r = torch.view_as_real(span.rot[:, 0])
+        got = span._rows_cache["rope_pairs"] = (r[..., 0].contiguous(), r[..., 1].contiguous())
+    return got
+
+
 def apply_rope(x: Tensor, rot: Tensor | tuple[Tensor, Tensor], interleaved: bool) -> Tensor:
     """Rotate x [B, W, heads, hd] by per-position angles; math in float32.
 
     interleaved: pairs (2j, 2j+1) rotated as complex numbers (Huginn's freqs_cis form);
     otherwise halves: x * cos + rotate_half(x) * sin (HF Llama / OLMo)."""
-    if (not interleaved and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4
             and x.stride(-1) == 1 and not (torch.is_grad_enabled() and x.requires_grad)
             and not torch.compiler.is_compiling() and decode_kernel.available()):
-        return decode_kernel.rope_half(x, rot[0], rot[1])                 # one pass instead of six ops
+        if not interleaved:
+            return decode_kernel.rope_half(x, rot[0], rot[1])             # one pass instead of six ops
+        if rot.dim() == 3 and rot.shape[1] == 1 and rot.shape[0] == x.shape[1]:
+            r = torch.view_as_real(rot[:, 0])                             # the same op as the kernels' layers take
+            return decode_kernel.rope_pairs(x, r[..., 0], r[..., 1])
     xf = x.float()
     if interleaved:
         out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * rot).flatten(-2)
@@ -169,7 +183,7 @@ class Attention(nn.Module):
     def row_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
         """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply (q/k norms
         and the interleaved RoPE are not in the kernel; a replaced ``qkv`` would be skipped)."""
-        if self.q_norm is not None or self.interleaved or not unreplaced(self, "qkv"):
+        if self.q_norm is not None or not unreplaced(self, "qkv"):
             return None
         plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
         if plan is None:
@@ -179,7 +193,7 @@ class Attention(nn.Module):
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
             return None
-        cos, sin = span.rot
+        cos, sin = rope_pairs_of(span) if self.interleaved else span.rot
         return (*weights, self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
 
 
@@ -295,7 +309,8 @@ class NormedBlock(nn.Module):
         if args is None:
             return None
         B, W, d = x.shape
-        kernel = decode_kernel.peri_layer_rows if self.style == "peri" else decode_kernel.pre_layer_rows
+        kernel = {"peri": decode_kernel.peri_layer_rows, "pre": decode_kernel.pre_layer_rows,
+                  "sandwich": decode_kernel.sandwich_layer_rows}[self.style]
         return kernel(x.reshape(B * W, d), *args).view(B, W, d)
 
     def layer_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:

@@ -181,7 +181,7 @@ class LoopedLM(Recurrence, nn.Module):
         # (a subclass's or an instance's own), which every step must then go through
         if (cache is not None and len(steps) and type(self).core_step is LoopedLM.core_step
                 and "core_step" not in vars(self)):
-            y = self.family.recur_rows(self, h, span, cache, steps)
+            y = self.family.recur_rows(self, h, span, cache, steps, inj)
             if y is not None:
                 return y
         return super().recur(h, inj, span, cache, steps)

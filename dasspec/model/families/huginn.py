@@ -19,6 +19,7 @@ from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, check_unread, eos_list, flag, real
 from ..layers import NormedBlock
 from . import Family, LayerGroup, register
+from .recurrence import injected_recurrence, own_methods
 
 # Huginn's <|begin_text|>, <|end_text|>, <|end_turn|>, <|pad|>.  The Raven converters copied Huginn's config.json,
 # so every Raven config.json carries these ids although they mean nothing (or ordinary words) in its vocabulary.
@@ -154,10 +155,17 @@ class SandwichBlock(NormedBlock):
     residual sum)."""
 
     style = "sandwich"
+    one_call = True
 
     def forward(self, x: Tensor, span: Span, kv: LayerKV | None) -> Tensor:
+        y = self.rows(x, span, kv) if kv is not None else None
+        if y is not None:
+            return y
         x = self.norm_2(x + self.attn(self.norm_1(x), span, kv))
         return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+_OWN = own_methods(SandwichBlock)     # what ``injected_recurrence`` stands in for
 
 
 class Huginn(HuginnRavenFamily):
@@ -172,6 +180,12 @@ class Huginn(HuginnRavenFamily):
 
     def context(self, f: Fields) -> int:
         return f.need_int("block_size")     # the RoPE table Huginn ships has block_size rows: a hard context cap
+
+    def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range,
+                   inj: Tensor | None = None) -> Tensor | None:
+        """The core steps ``steps`` of a batched call in one kernel call: each step the adapter over concat[h, e],
+        then the sandwich layers (``recurrence.injected_recurrence``)."""
+        return injected_recurrence(model, h, inj, span, cache, steps, SandwichBlock, _OWN)
 
     def own_fields(self, cfg: LoopedConfig) -> dict[str, Any]:
         return {"block_class_name": "SandwichBlock", "rope_base": cfg.rope_theta, "injection_type": "linear",

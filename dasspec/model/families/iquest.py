@@ -262,7 +262,8 @@ class IQuestLoop(Family):
     # depth slice of one) computed them earlier in the call or in an earlier slice; a DAS-Wave round that carries
     # states past depth 1 reads whatever an earlier call left there (even uninitialised memory) - a draft only.
 
-    def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range) -> Tensor | None:
+    def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range,
+                   inj: Tensor | None = None) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``decode_kernel.loop_recur_rows``: each loop's
         layer calls in ``core_step``'s order - depth 1 Llama's, past it the mixed attention's - so the same bits),
         where every layer application would take the one-call sublayers (``Attention.row_args``, ``mix_args``, the

@@ -128,7 +128,8 @@ class Nanbeige(Family):
     # where the tokenizer files name another EOS.
     stop_tokens = ("<|im_end|>",)
 
-    def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range) -> Tensor | None:
+    def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range,
+                   inj: Tensor | None = None) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
         return layer_recurrence(model, h, span, cache, steps, PreNormBlock, _OWN)
 

@@ -72,7 +72,8 @@ class Ouro(Family):
     # stop a chat reply would run on into the next turn.
     stop_tokens = ("<|im_end|>",)
 
-    def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range) -> Tensor | None:
+    def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range,
+                   inj: Tensor | None = None) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
         return layer_recurrence(model, h, span, cache, steps, PeriNormBlock, _OWN)
 
