@@ -186,3 +186,30 @@ def test_the_executor_hands_auto_its_measured_passes() -> None:
     assert seen and all(t.seconds > 0 and t.rows >= t.requests >= 1 for t in seen)
     assert d.costs.plain is not None or d.costs.ema_v is not None
     assert d.budget.elapsed == pytest.approx(sum(t.seconds + t.draft_seconds for t in seen))
+    assert all(t.host_seconds > 0 for t in seen) and d.costs.host is not None and d.costs.overhead > 0
+
+
+def test_every_step_pays_its_host_time_whatever_it_drafts() -> None:
+    """A drafted arm commits 3 tokens a step over a pass 1.5x a plain one's; with nothing else in a step AR's
+    tokens per second win.  Every step also costs the executor's host work (batching, acceptance, commits), which
+    an arm taking fewer steps a token saves: with host seconds equal to a plain pass the drafted arm wins (fails
+    when the estimates leave them out - the bundled model's one-call passes made them most of a batch-8 step, and
+    auto then chose AR there while DAS-Wave ran 1.1-1.5x as fast)."""
+    from dasspec.methods.auto.costs import CostModel
+    from dasspec.methods.auto.earnings import Earnings, Priors
+    from dasspec.methods.auto.planners import batch_time, batch_value
+    costs, priors = CostModel(None), Priors()
+    for _ in range(4):
+        costs.add_pass(0.010, 4, 4)                   # plain passes of 4 requests
+        costs.add_pass(0.040, 16, 4)                  # 12 drafted rows past them
+    costs.add_draft("das-wave", 0.020, 4)
+    earnings = [Earnings(["ar", "das-wave"], priors) for _ in range(4)]
+    for e in earnings:
+        e.verdict("das-wave", 3, 4, 1)
+    plain, wave = batch_value(costs, earnings, ["ar"] * 4), batch_value(costs, earnings, ["das-wave"] * 4)
+    assert plain > wave
+    t_plain = batch_time(costs, [("ar", 30.0, 1.0)] * 4)
+    costs.add_host(0.050)
+    assert costs.overhead == pytest.approx(0.050)
+    assert batch_value(costs, earnings, ["das-wave"] * 4) > batch_value(costs, earnings, ["ar"] * 4)
+    assert batch_time(costs, [("ar", 30.0, 1.0)] * 4) == pytest.approx(t_plain + 30 * 0.050)

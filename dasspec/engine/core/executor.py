@@ -11,6 +11,7 @@ A block planned as a depth slice (``Work.depths``) runs its core steps in a call
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Mapping
 
@@ -94,6 +95,7 @@ class Executor:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         out = StepOutput()
+        start = time.perf_counter()
         for rid in plan.release:
             self.release(rid)
         clock = self._clock = StepClock(out, self.model.device)
@@ -110,7 +112,8 @@ class Executor:
                         o.trace, req.trace = req.trace, []
         if verified:                                 # what the pass cost, to the drafters that drafted for it
             sessions, prefill_rows = verified
-            timing = PassTiming(out.verify_time, out.rows_verified, len(sessions), prefill_rows, out.draft_time)
+            host = max(time.perf_counter() - start - out.verify_time - out.draft_time, 0.0)
+            timing = PassTiming(out.verify_time, out.rows_verified, len(sessions), prefill_rows, out.draft_time, host)
             for d in dict.fromkeys(s.drafter for s in sessions if s is not None):
                 d.measured(timing)
         return out

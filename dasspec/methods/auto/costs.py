@@ -89,6 +89,7 @@ class CostModel:
         self.early: list[tuple[float, int, int]] = []   # drafted passes before the first plain one: v, rows, n
         # per arm and ``bucket`` of the group drafting together: drafting seconds and ``draft_units``
         self.dcost: dict[str, dict[int, tuple[float, float]]] = {}
+        self.host: float | None = None     # the executor's seconds a step outside its pass and drafting
 
     # -- fitting --
     def add_pass(self, v: float, rows: int, n: int) -> None:
@@ -126,7 +127,17 @@ class CostModel:
         b = bucket(m)
         table[b] = ema2(table.get(b), seconds, self.draft_units(arm, m), self.t.step_alpha)
 
+    def add_host(self, seconds: float) -> None:
+        """Fold a step's host seconds (``PassTiming.host_seconds``) into what every step costs beside its pass."""
+        self.host = ema(self.host, seconds, self.t.step_alpha)
+
     # -- prices --
+    @property
+    def overhead(self) -> float:
+        """Seconds every step costs outside its pass and drafting, whatever it drafted (0 until measured): an arm
+        that takes fewer steps a token saves them, so the arms are compared with them."""
+        return self.host or 0.0
+
     def pass_cost(self, rows: float) -> float:
         """The model's cost of one pass over ``rows`` rows, in the calibration's seconds (without one: a fixed part
         of ``default_k`` rows plus one per row)."""

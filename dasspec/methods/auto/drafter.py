@@ -274,7 +274,7 @@ class AutoDrafter(Drafter):
         d = self.costs.draft_time(arm, m)
         if v is None or d is None:
             return None
-        return d + others[2] + v
+        return d + others[2] + v + self.costs.overhead
 
     # -- the step --
     def measured(self, timing: PassTiming) -> None:
@@ -291,6 +291,7 @@ class AutoDrafter(Drafter):
             self.costs.add_draft(arm, dt, m)
         self._laps = []
         self.budget.elapsed += timing.seconds + timing.draft_seconds
+        self.costs.add_host(timing.host_seconds)
         if self.step_n:
             self.last = (self.step_n, self.step_tok, self.step_rows, spent)
             # fitted only on a pass of auto's own requests alone: prices are asked of auto's rows (``others``)

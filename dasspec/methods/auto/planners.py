@@ -64,7 +64,8 @@ def batch_value(costs: CostModel, earnings: Sequence[Earnings], arms: Sequence[s
     if step is None:
         return None
     tok, _, verify, drafting = step
-    return tok / (verify + drafting) if verify + drafting > 0 else None
+    total = verify + drafting + costs.overhead
+    return tok / total if total > 0 else None
 
 
 def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]], memo: dict | None = None) -> float | None:
@@ -83,7 +84,7 @@ def batch_time(costs: CostModel, plan: Sequence[tuple[str, float, float]], memo:
     n = len(plan)
     for steps, arm, r in sorted((s, arm, r) for arm, s, r in plan):
         if steps > done:
-            step = costs.verify_time(rows, n)
+            step = costs.verify_time(rows, n) + costs.overhead
             for a, m in group.items():
                 if m and a != "ar":
                     if (a, m) not in memo:
