@@ -398,15 +398,19 @@ void store_rows(const at::Tensor& k_dst, const at::Tensor& v_dst, const at::Tens
   });
 }
 
-// RoPE, halves form (HF rotate_half): out = x * cos + cat(-x2, x1) * sin over x [B, W, n, hd] (float32; cos / sin
-// [W, hd]), the same three roundings as torch's ops in the same order (so the same bits), in one pass.
-at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+// The RoPE kernels' frame: x [B, W, n, hd] (float32, contiguous rows) and per-position tables cos / sin [W, cols]
+// (cols: hd, or hd / 2 for pairs); each (b, w, head) row through ``rotate(x row, cos row, sin row, out row)``, rows
+// split over threads.
+template <typename Rotate>
+static at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in, bool pairs,
+                            const char* name, Rotate rotate) {
   TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos_in.scalar_type() == at::kFloat &&
               sin_in.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
-  for (const auto* t : {&x, &cos_in, &sin_in}) check_cpu(*t, "rope_half");
-  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
+  for (const auto* t : {&x, &cos_in, &sin_in}) check_cpu(*t, name);
+  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), cols = pairs ? D / 2 : D;
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * D && sin.numel() == W * D, "cos / sin [W, hd]");
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * cols && sin.numel() == W * cols,
+              pairs ? "cos / sin [W, hd / 2]" : "cos / sin [W, hd]");
   auto out = at::empty({B, W, n, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -416,15 +420,21 @@ at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos_in, const at::Te
   at::parallel_for(0, B * W * n, 64, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t hd_i = i % n, w = (i / n) % W, bb = i / (n * W);
-      const float* xr = xp + bb * s0 + w * s1 + hd_i * s2;
-      const float* c = cp + w * D;
-      const float* s = sp + w * D;
-      float* o = op + i * D;
-      for (int64_t d = 0; d < h; ++d) o[d] = xr[d] * c[d] + (-xr[d + h]) * s[d];
-      for (int64_t d = h; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - h] * s[d];
+      rotate(xp + bb * s0 + w * s1 + hd_i * s2, cp + w * cols, sp + w * cols, op + i * D, D);
     }
   });
   return out;
+}
+
+// RoPE, halves form (HF rotate_half): out = x * cos + cat(-x2, x1) * sin over x [B, W, n, hd] (float32; cos / sin
+// [W, hd]), the same three roundings as torch's ops in the same order (so the same bits), in one pass.
+at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_rows(x, cos, sin, false, "rope_half", [](const float* xr, const float* c, const float* s, float* o,
+                                                       int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t d = 0; d < h; ++d) o[d] = xr[d] * c[d] + (-xr[d + h]) * s[d];
+    for (int64_t d = h; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - h] * s[d];
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
@@ -570,35 +580,16 @@ static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const
 // Huginn's RoPE (layers.py apply_rope, interleaved): each pair (2j, 2j + 1) of a row rotated as a complex number by
 // (cos_j, sin_j) with torch's complex product's roundings - re = a c - b s, im = a s + b c, each product rounded,
 // then the difference or sum (ATen's vectorized complex multiply; the build has no FMA contraction).
-at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && cos_in.scalar_type() == at::kFloat &&
-              sin_in.scalar_type() == at::kFloat && x.stride(3) == 1, "x [B, W, n, hd] float32, contiguous rows");
-  for (const auto* t : {&x, &cos_in, &sin_in}) check_cpu(*t, "rope_pairs");
-  const int64_t B = x.size(0), W = x.size(1), n = x.size(2), D = x.size(3), h = D / 2;
-  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == W * h && sin.numel() == W * h, "cos / sin [W, hd / 2]");
-  auto out = at::empty({B, W, n, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
-  at::parallel_for(0, B * W * n, 64, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) {
-      const int64_t hd_i = i % n, w = (i / n) % W, bb = i / (n * W);
-      const float* xr = xp + bb * s0 + w * s1 + hd_i * s2;
-      const float* c = cp + w * h;
-      const float* s = sp + w * h;
-      float* o = op + i * D;
-      for (int64_t j = 0; j < h; ++j) {
-        const float re = xr[2 * j], im = xr[2 * j + 1];
-        const float ac = re * c[j], bd = im * s[j], ad = re * s[j], bc = im * c[j];
-        o[2 * j] = ac - bd;
-        o[2 * j + 1] = ad + bc;
-      }
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_rows(x, cos, sin, true, "rope_pairs", [](const float* xr, const float* c, const float* s, float* o,
+                                                       int64_t D) {
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const float re = xr[2 * j], im = xr[2 * j + 1];
+      const float ac = re * c[j], bd = im * s[j], ad = re * s[j], bc = im * c[j];
+      o[2 * j] = ac - bd;
+      o[2 * j + 1] = ad + bc;
     }
   });
-  return out;
 }
 
 // The RoPE attention_rows applies, by its operands' width: (cat(cos, cos), cat(sin, sin)) [M, hd] rotate halves
