@@ -250,6 +250,16 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
         _decode(q, k, v, torch.tensor([3]), torch.tensor([0, 2]), 1.0)
     with pytest.raises(RuntimeError, match="needs a row"):
         _decode(q, k, v, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), 1.0)
+    # attention_rows' RoPE operands need a row per query row: halves-form tables for half the rows have as many
+    # values as pair tables for all of them, and must not be read as those
+    x, wqkv, wproj = torch.randn(2, 8), torch.randn(24, 8), torch.randn(8, 8)
+    kp, vp = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
+    lists = (torch.tensor([0, 1]), torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([1, 2]))
+    for cos in (torch.randn(1, 4), torch.randn(2, 3)):
+        with pytest.raises(RuntimeError, match="a row per row"):
+            decode_kernel.attention_rows(x, wqkv, wproj, None, cos, cos, kp, vp, *lists, 0.5, 2, 2)
+    for cos in (torch.randn(2, 4), torch.randn(2, 1, 4), torch.randn(2, 2)):      # halves, halves, pairs
+        assert decode_kernel.attention_rows(x, wqkv, wproj, None, cos, cos, kp, vp, *lists, 0.5, 2, 2).shape == (2, 8)
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro", "raven-llama"])

@@ -595,9 +595,10 @@ at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // The RoPE attention_rows applies, by its operands' width: (cat(cos, cos), cat(sin, sin)) [M, hd] rotate halves
 // (rope_half), (cos, sin) [M, hd / 2] rotate pairs (rope_pairs, Huginn's).
 static at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t hd) {
-  TORCH_CHECK(cos.numel() == sin.numel() && (cos.numel() == qk.size(1) * hd || 2 * cos.numel() == qk.size(1) * hd),
-              "RoPE operands [M, hd] (halves) or [M, hd / 2] (pairs)");
-  return cos.numel() == qk.size(1) * hd ? rope_half(qk, cos, sin) : rope_pairs(qk, cos, sin);
+  const int64_t M = qk.size(1), cols = cos.dim() ? cos.size(-1) : 0;
+  TORCH_CHECK(cos.dim() >= 1 && cos.sizes() == sin.sizes() && cos.size(0) == M && cos.numel() == M * cols &&
+              (cols == hd || 2 * cols == hd), "RoPE operands [M, hd] (halves) or [M, hd / 2] (pairs), a row per row");
+  return cols == hd ? rope_half(qk, cos, sin) : rope_pairs(qk, cos, sin);
 }
 
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,

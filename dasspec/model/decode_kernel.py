@@ -267,8 +267,8 @@ def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, qk_bias: Tensor | None, cos: Tensor, sin: Tensor,
                    k_pool: Tensor, v_pool: Tensor, store_at: Tensor, rows: Tensor, starts: Tensor, lengths: Tensor,
                    scale: float, n_heads: int, n_kv_heads: int) -> Tensor:
-    """The attention sublayer over rows x [M, d] in one call: QKV product, q/k bias, halves RoPE, K/V stores at pool
-    rows ``store_at``, ``rows_attention``, output product."""
+    """The attention sublayer over rows x [M, d] in one call: QKV product, q/k bias, RoPE (halves or pairs, by the
+    operands' width), K/V stores at pool rows ``store_at``, ``rows_attention``, output product."""
     return (_module if _tried else _load()).attention_rows(x, wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool,
                                                            store_at, rows, starts, lengths, scale, n_heads,
                                                            n_kv_heads)

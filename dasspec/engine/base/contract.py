@@ -146,7 +146,8 @@ class PassTiming:
     requests: int             # requests verified
     prefill_rows: int         # prompt rows that rode in the same pass (their cost is in ``seconds``)
     draft_seconds: float      # the step's drafting, every drafter's (and the sessions' learning from verdicts)
-    host_seconds: float = 0.0  # the rest of the executor's step (batching, acceptance, commits): paid once a step
+    host_seconds: float = 0.0  # the rest of the executor's step (batching, acceptance, commits; not a prompt's
+                               # depth slices run beside the pass): paid once a step
 
 
 @dataclass

@@ -112,7 +112,7 @@ class Executor:
                         o.trace, req.trace = req.trace, []
         if verified:                                 # what the pass cost, to the drafters that drafted for it
             sessions, prefill_rows = verified
-            host = max(time.perf_counter() - start - out.verify_time - out.draft_time, 0.0)
+            host = max(time.perf_counter() - start - out.verify_time - out.draft_time - out.prefill_time, 0.0)
             timing = PassTiming(out.verify_time, out.rows_verified, len(sessions), prefill_rows, out.draft_time, host)
             for d in dict.fromkeys(s.drafter for s in sessions if s is not None):
                 d.measured(timing)

@@ -51,7 +51,8 @@ def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: A
     adapter over concat[h, e] - a plain ``Linear`` on the kernel's product, e of h's shape - then the layers, no norm
     between steps."""
     adapter = model.transformer.adapter
-    if (inj is None or inj.shape != h.shape or inj.dtype != h.dtype or not bare(adapter)
+    if (inj is None or inj.shape != h.shape or inj.dtype != h.dtype or (torch.is_grad_enabled() and inj.requires_grad)
+            or not bare(adapter)
             or not kernel_takes(h, adapter.weight) or adapter.weight.stride(-1) != 1 or adapter.bias is not None):
         return None
     got = _layers_and_pools(model, h, span, cache, steps, block, own)
