@@ -27,6 +27,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pre_layer_rows", &dasspec::pre_layer_rows, nogil);
   m.def("sandwich_layer_rows", &dasspec::sandwich_layer_rows, nogil);
   m.def("recur_rows", &dasspec::recur_rows, nogil);
-  m.def("inject_recur_rows", &dasspec::inject_recur_rows, nogil);
   m.def("loop_recur_rows", &dasspec::loop_recur_rows, nogil);
 }

@@ -157,7 +157,8 @@ struct Ops {
 };
 
 #define DASSPEC_OPS(ns, label) \
-  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms, &ns::argmax_f32, \
+  Ops { label, &ns::gemm_f32, &ns::gemm_bf16, &ns::heads_f32, &ns::heads_bf16, &ns::heads_f16, &ns::rms,        \
+        &ns::argmax_f32,                                                                                          \
         &ns::pw_f32, &ns::pw_bf16 }
 
 const Ops PORTABLE = DASSPEC_OPS(dasspec_portable, "portable");
@@ -469,7 +470,8 @@ at::Tensor argmax_rows(const at::Tensor& x_in) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t ld = x.stride(0);
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, (1 << 16) / n), [&](int64_t a, int64_t b) { f(xp, n, ld, op, a, b); });
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, (1 << 16) / n),
+                   [&](int64_t a, int64_t b) { f(xp, n, ld, op, a, b); });
   return out.view(sizes);
 }
 
@@ -710,8 +712,10 @@ at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& no
   return h + mlp_rows(rms_norm(h, norms[1], eps), wfc, wdown);
 }
 
-// Core steps of a call's rows (each step's layers, then ln_f) of "peri" layers (Ouro's, four norms each) or "pre"
-// layers (Llama's, two norms each: Nanbeige's); layer i of step s stores into and reads k_pools / v_pools[s * L + i].
+// Core steps of a call's rows (looped.py core_step): each step, with an injection (Huginn's), the adapter over
+// concat[x, inj] first; then the layers - "peri" (Ouro's, four norms each), "pre" (Llama's, two: Nanbeige's) or
+// "sandwich" (Huginn's, four); then ln_f where given (a family that norms every step).  Layer i of step s stores into
+// and reads k_pools / v_pools[s * L + i].
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
                       const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
                       const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
@@ -719,10 +723,11 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                       const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
                       const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                       const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
-                      const at::Tensor& ln_w, double ln_eps) {
-  TORCH_CHECK(style == "peri" || style == "pre", "style: peri or pre");
-  const int64_t per = style == "peri" ? 4 : 2;
-  const auto layer = style == "peri" ? peri_layer_rows : pre_layer_rows;
+                      const std::optional<at::Tensor>& ln_w, double ln_eps, const std::optional<at::Tensor>& inj,
+                      const std::optional<at::Tensor>& adapter_w) {
+  TORCH_CHECK(style == "peri" || style == "pre" || style == "sandwich", "style: peri, pre or sandwich");
+  const int64_t per = style == "pre" ? 2 : 4;
+  const auto layer = style == "peri" ? peri_layer_rows : style == "pre" ? pre_layer_rows : sandwich_layer_rows;
   const int64_t L = static_cast<int64_t>(wqkv.size());
   TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per * L && static_cast<int64_t>(eps.size()) == L &&
@@ -730,8 +735,21 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
               static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
               static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
               "the style's norms, an eps and four weights per layer; a K and a V pool per step and layer");
-  TORCH_CHECK(x.dim() == 2 && ln_w.dim() == 1 && ln_w.size(0) == x.size(1), "ln_f weight size");
-  TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_w.device().is_cpu(), "ln_f weight: float32, CPU");
+  TORCH_CHECK(x.dim() == 2, "x [M, d]");
+  const int64_t d = x.size(1);
+  if (ln_w.has_value())
+    TORCH_CHECK(ln_w->dim() == 1 && ln_w->size(0) == d && ln_w->scalar_type() == at::kFloat && ln_w->device().is_cpu(),
+                "ln_f weight [d]: float32, CPU");
+  TORCH_CHECK(inj.has_value() == adapter_w.has_value(), "inj and the adapter's weight together");
+  at::Tensor xe;                                  // [x, inj]: inj's half written once, x's each step
+  if (inj.has_value()) {
+    TORCH_CHECK(inj->sizes() == x.sizes() && inj->scalar_type() == at::kFloat && inj->device().is_cpu(),
+                "inj [M, d], float32, CPU");
+    TORCH_CHECK(adapter_w->dim() == 2 && adapter_w->size(0) == d && adapter_w->size(1) == 2 * d &&
+                adapter_w->scalar_type() == at::kFloat && adapter_w->device().is_cpu(), "adapter weight [d, 2 d]");
+    xe = at::empty({x.size(0), 2 * d}, x.options());
+    xe.narrow(1, d, d).copy_(*inj);
+  }
   // the first layer's shapes and dtypes, then every layer and step as the first, checked before the first layer
   // writes into a pool
   check_norms(x, norms);
@@ -740,51 +758,15 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
   check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);
   const auto own = per_layer(norms, per);
   for (int64_t s = 0; s < steps; ++s) {
+    if (inj.has_value()) {
+      xe.narrow(1, 0, d).copy_(x);
+      x = dasspec::linear(xe, *adapter_w, std::nullopt);
+    }
     for (int64_t i = 0; i < L; ++i) {
       x = layer(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
                 store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
     }
-    x = rms_norm(x, ln_w, ln_eps);
-  }
-  return x;
-}
-
-// Core steps with an injection (looped.py core_step for Huginn: the adapter over concat[h, e], then the layers, no
-// norm between steps) over a call's rows, of "sandwich" layers (Huginn's); layer i of step s stores into and reads
-// k_pools / v_pools[s * L + i].
-at::Tensor inject_recur_rows(at::Tensor x, const at::Tensor& inj, const at::Tensor& adapter_w, int64_t steps,
-                             const std::string& style, const std::vector<at::Tensor>& norms,
-                             const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
-                             const std::vector<at::Tensor>& wproj,
-                             const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
-                             const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                             const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
-                             const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                             const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown) {
-  TORCH_CHECK(style == "sandwich", "style: sandwich");
-  const int64_t L = static_cast<int64_t>(wqkv.size());
-  TORCH_CHECK(steps > 0 && L > 0, "at least one step and one layer");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(eps.size()) == L &&
-              static_cast<int64_t>(wproj.size()) == L && static_cast<int64_t>(qk_bias.size()) == L &&
-              static_cast<int64_t>(wfc.size()) == L && static_cast<int64_t>(wdown.size()) == L &&
-              static_cast<int64_t>(k_pools.size()) == steps * L && static_cast<int64_t>(v_pools.size()) == steps * L,
-              "four norms, an eps and four weights per layer; a K and a V pool per step and layer");
-  TORCH_CHECK(x.dim() == 2 && inj.sizes() == x.sizes() && inj.scalar_type() == at::kFloat && inj.device().is_cpu(),
-              "x and inj [M, d], float32, CPU");
-  TORCH_CHECK(adapter_w.dim() == 2 && adapter_w.size(0) == x.size(1) && adapter_w.size(1) == 2 * x.size(1) &&
-              adapter_w.scalar_type() == at::kFloat && adapter_w.device().is_cpu(), "adapter weight [d, 2 d]");
-  // the first layer's shapes and dtypes, then every layer and step as the first, before the first write
-  check_norms(x, norms);
-  check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
-  check_mlp(x, wfc[0], wdown[0]);
-  check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);
-  const auto own = per_layer(norms, 4);
-  for (int64_t s = 0; s < steps; ++s) {
-    x = dasspec::linear(at::cat({x, inj}, 1), adapter_w, std::nullopt);
-    for (int64_t i = 0; i < L; ++i) {
-      x = sandwich_layer_rows(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i],
-                              v_pools[s * L + i], store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
-    }
+    if (ln_w.has_value()) x = rms_norm(x, *ln_w, ln_eps);
   }
   return x;
 }

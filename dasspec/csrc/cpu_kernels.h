@@ -70,17 +70,8 @@ at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor
                                const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                                const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths,
                                double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown);
-// Core steps with an injection (Huginn's: the adapter over concat[x, inj], then "sandwich" layers).
-at::Tensor inject_recur_rows(at::Tensor x, const at::Tensor& inj, const at::Tensor& adapter_w, int64_t steps,
-                             const std::string& style, const std::vector<at::Tensor>& norms,
-                             const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
-                             const std::vector<at::Tensor>& wproj,
-                             const std::vector<std::optional<at::Tensor>>& qk_bias, const at::Tensor& cos,
-                             const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                             const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
-                             const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                             const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown);
-// Core steps of "peri" (Ouro) or "pre" (Llama) layers over a call's rows, each step closed by ln_f.
+// Core steps over a call's rows: with an injection the adapter over concat[x, inj] first, then "peri" (Ouro),
+// "pre" (Llama) or "sandwich" (Huginn) layers, then ln_f where given.
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
                       const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
                       const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
@@ -88,7 +79,8 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                       const std::vector<at::Tensor>& v_pools, const at::Tensor& store_at, const at::Tensor& rows,
                       const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                       const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
-                      const at::Tensor& ln_w, double ln_eps);
+                      const std::optional<at::Tensor>& ln_w, double ln_eps, const std::optional<at::Tensor>& inj,
+                      const std::optional<at::Tensor>& adapter_w);
 
 // IQuest-Loop's loops first, first + 1, ... over a call's rows: per layer two norms, their eps, the weights, depth 1's
 // pools and the gate; per step and layer the pools; per step the store rows and row lists.

@@ -235,7 +235,7 @@ def argmax(x: Tensor) -> Tensor:
     """``x.argmax(-1)``, the same indices (the first largest value; the first NaN where a row has one), through the
     kernel for CPU float32 rows (logits: torch's reduction over (value, index) pairs is the slow part of a greedy
     step's choice), else torch's."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0 and x.numel() > 0
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.numel() > 0
             and not torch.compiler.is_compiling() and available()):
         return _module.argmax_rows(x)
     return x.argmax(-1)
@@ -325,30 +325,20 @@ def layers_agree(layers: list[tuple]) -> bool:
 
 
 def recur_rows(x: Tensor, steps: int, style: str, layers: list[tuple], pools: list[tuple[Tensor, Tensor]],
-               ln_weight: Tensor, ln_eps: float) -> Tensor:
-    """``steps`` core steps of a family's layers over a call's rows x [M, d] in one call, each step's layers then
-    ln_f (``layer_recurrence``).  ``style``: "peri" (Ouro's layers) or "pre" (Llama's: Nanbeige's); ``layers``: each
-    layer's one-call arguments after x, as the block's ``layer_args`` gives them (``layers_agree``); ``pools``: the
-    (K, V) pool of every layer of every step, step after step, in place of the layers' own."""
+               ln_weight: Tensor | None = None, ln_eps: float = 0.0, inj: Tensor | None = None,
+               adapter: Tensor | None = None) -> Tensor:
+    """``steps`` core steps of a family's layers over a call's rows x [M, d] in one call (``recurrence.py``): each
+    step, where ``inj`` is given (the prelude's output, Huginn's), the adapter's weight over concat[x, inj]; then the
+    layers; then ln_f where ``ln_weight`` is given (Ouro, Nanbeige).  ``style``: "peri" (Ouro's layers), "pre"
+    (Llama's: Nanbeige's) or "sandwich" (Huginn's); ``layers``: each layer's one-call arguments after x, as the
+    block's ``layer_args`` gives them (``layers_agree``); ``pools``: the (K, V) pool of every layer of every step,
+    step after step, in place of the layers' own."""
     norms = [w for n, *_ in layers for w in n]
     a0 = layers[0][2]
     return (_module if _tried else _load()).recur_rows(
         x, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
         [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools], [v for _, v in pools], *a0[7:14],
-        [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps)
-
-
-def inject_recur_rows(x: Tensor, inj: Tensor, adapter: Tensor, steps: int, style: str, layers: list[tuple],
-                      pools: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """``steps`` core steps with an injection over a call's rows x [M, d] in one call: each step the adapter over
-    concat[x, inj], then the layers (``recurrence.injected_recurrence``; Huginn's "sandwich" layers); ``layers`` and
-    ``pools`` as ``recur_rows`` takes them."""
-    norms = [w for n, *_ in layers for w in n]
-    a0 = layers[0][2]
-    return (_module if _tried else _load()).inject_recur_rows(
-        x, inj, adapter, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers],
-        [l[2][1] for l in layers], [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools],
-        [v for _, v in pools], *a0[7:14], [l[3][0] for l in layers], [l[3][1] for l in layers])
+        [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps, inj, adapter)
 
 
 def loop_recur_rows(x: Tensor, first: int, layers: list[tuple], steps: list[tuple], glob: tuple) -> Tensor:

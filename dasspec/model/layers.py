@@ -91,13 +91,17 @@ def rope_operands(cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor | tuple
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
 
 
+def pair_tables(rot: Tensor) -> tuple[Tensor, Tensor]:
+    """The interleaved operand e^{i theta} [W, 1, hd/2] as the kernels take it: (cos, sin) [W, hd/2] (views)."""
+    r = torch.view_as_real(rot[:, 0])
+    return r[..., 0], r[..., 1]
+
+
 def rope_pairs_of(span: Span) -> tuple[Tensor, Tensor]:
-    """An interleaved span's rotation as the kernels take it: (cos, sin) [W, hd/2], from its complex operand (built
-    once per span, shared by every layer)."""
+    """An interleaved span's ``pair_tables``, contiguous, built once per span and shared by every layer."""
     got = span._rows_cache.get("rope_pairs")
     if got is None:
-        r = torch.view_as_real(span.rot[:, 0])
-        got = span._rows_cache["rope_pairs"] = (r[..., 0].contiguous(), r[..., 1].contiguous())
+        got = span._rows_cache["rope_pairs"] = tuple(t.contiguous() for t in pair_tables(span.rot))
     return got
 
 
@@ -112,8 +116,7 @@ def apply_rope(x: Tensor, rot: Tensor | tuple[Tensor, Tensor], interleaved: bool
         if not interleaved:
             return decode_kernel.rope_half(x, rot[0], rot[1])             # one pass instead of six ops
         if rot.dim() == 3 and rot.shape[1] == 1 and rot.shape[0] == x.shape[1]:
-            r = torch.view_as_real(rot[:, 0])                             # the same op as the kernels' layers take
-            return decode_kernel.rope_pairs(x, r[..., 0], r[..., 1])
+            return decode_kernel.rope_pairs(x, *pair_tables(rot))     # the same op as the kernels' layers take
     xf = x.float()
     if interleaved:
         out = torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * rot).flatten(-2)

@@ -59,8 +59,8 @@ def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: A
     if got is None:
         return None
     B, W, d = h.shape
-    return decode_kernel.inject_recur_rows(h.reshape(B * W, d), inj.reshape(B * W, d), adapter.weight, len(steps),
-                                           block.style, *got).view(B, W, d)
+    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, *got, inj=inj.reshape(B * W, d),
+                                    adapter=adapter.weight).view(B, W, d)
 
 
 def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
