@@ -47,10 +47,14 @@ def test_float32_cpu_calls_of_every_shape_take_the_row_kernel_and_stay_lossless(
                         lambda *a, **k: torch_paths.append("sdpa") or real_sdpa(*a, **k))
     monkeypatch.setattr(decode_kernel, "rows_attention",
                         lambda *a: two_source.append(len(a) > 7 and a[7] is not None) or real_rows(*a))
-    # sublayers or whole layers in one call (a batch of one included): the row kernel inside, over one source
-    for name in ("attention_rows", "pre_layer_rows", "peri_layer_rows", "recur_rows", "loop_recur_rows"):
+    # sublayers or whole layers in one call (a batch of one included): the row kernel inside, over one source or,
+    # with the prefix pools given, two
+    prefix_at = {"attention_rows": lambda a: a[15:16], "pre_layer_rows": lambda a: a[3][14:15],
+                 "peri_layer_rows": lambda a: a[3][14:15], "recur_rows": lambda a: (), "loop_recur_rows": lambda a: ()}
+    for name, at in prefix_at.items():
         real = getattr(decode_kernel, name)
-        monkeypatch.setattr(decode_kernel, name, lambda *a, real=real, **k: two_source.append(False) or real(*a, **k))
+        monkeypatch.setattr(decode_kernel, name, lambda *a, real=real, at=at, **k:
+                            two_source.append(any(x is not None for x in at(a))) or real(*a, **k))
     prompt = [3, 4, 5, 6] * 6
     ref = dasspec.generate(model, prompt, "ar", max_new_tokens=24, eos=False)
     for method, knobs in (("das-wave", {"gamma": 24, "rounds": 3, "w_init": 24, "k": 1}), ("pld", {"num_pred": 20}),

@@ -314,11 +314,11 @@ def test_prices_and_the_explore_budget_come_from_measured_passes_only() -> None:
         d.measured(timing)
     step(PassTiming(0.02, 1, 1, 0, 0.001))
     assert d.budget.elapsed == pytest.approx(0.021)
-    assert d.costs.plain[0] == pytest.approx(0.02)     # a plain pass, priced as measured
+    assert d.costs.plain[0][0] == pytest.approx(0.02)     # a plain pass, priced as measured
     d.clock.t += 1000.0
     step(PassTiming(5.0, 1, 1, 64, 0.0))               # a prompt's 64 rows rode along
     assert d.budget.elapsed == pytest.approx(5.021)
-    assert d.costs.plain[0] == pytest.approx(0.02)
+    assert d.costs.plain[0][0] == pytest.approx(0.02)
 
 
 def test_switches_back_to_a_model_drafter_that_starts_paying() -> None:
@@ -776,7 +776,7 @@ def test_a_widths_first_drafted_steps_weigh_evenly() -> None:
     first weighs a third after three, and the price probes' ``CONFIRM`` measurements count alike (fails when the
     first step is taken whole and the next at 0.3: the pause keeps half its weight)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
-    d.costs.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    d.costs.plain = {2: (1.0, d.pass_cost(4))}                   # sp: a plain pass over four rows takes 1 s
     for v in (1.0 + 10 * 0.1 + 9.0, 1.0 + 10 * 0.1, 1.0 + 10 * 0.1):    # 0.1 s a row past the plain ones; a pause
         d.costs._add_extra(v, 14, 4)
     assert d.costs.verify_time(14, 4) == pytest.approx(1.0 + 1.0 + 9.0 / 3)
@@ -791,13 +791,51 @@ def test_a_price_probe_hopes_only_for_its_own_rows() -> None:
     interpolated."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.01), 4)
-    d.costs.plain = (1.0, d.pass_cost(4))                     # sp: a plain pass over four rows takes 1 s
+    d.costs.plain = {2: (1.0, d.pass_cost(4))}                   # sp: a plain pass over four rows takes 1 s
     d.costs._add_extra(1.0 + 0.1 * 16, 20, 4)                 # 0.1 s a row past the plain ones, at 16 of them
-    shape = d.costs.sp * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
+    shape = d.costs.sp(4) * (d.pass_cost(20) - d.pass_cost(15))  # what the shape says the last 5 rows add
     assert d.costs.verify_time(20, 4) == pytest.approx(2.6)
     assert d.costs.verify_time(20, 4, hoped_rows=5) == pytest.approx(2.6 - 0.5 + shape)
     d.costs._add_extra(1.0 + 0.3 * 4, 8, 4)                   # 0.3 s a row at 4 of them
     assert d.costs.verify_time(12, 4) == pytest.approx(1.0 + 8 * (0.3 + 0.1) / 2)    # 8 rows: between the two
+
+
+def test_a_batchs_plain_rows_do_not_reprice_the_rows_a_draft_adds() -> None:
+    """Plain passes are priced by batch size, and a drafted row's price is in seconds: a batch of 8 whose plain
+    passes cost 4x what the calibration's shape says a batch of 1's do reprices neither a plain pass of one request
+    nor the rows a draft adds (fails with one plain scale for every batch size: the batch's shape is read as load
+    and scales every drafted row by it - the bundled model's DAS-Wave at batch 8 looked 1.5x dearer than it ran)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    d.sizing = Sizing.of(_table(0.01), 4)
+    c = d.costs
+    one, eight = c.pass_cost(1), c.pass_cost(8)
+    for _ in range(3):
+        c.add_pass(1.0 * one, 1, 1)                           # sp(1) = 1 s per unit
+    c.add_pass(1.0 * one + 0.1 * 16, 17, 1)                   # 0.1 s a row past the plain one, at 16 of them
+    for _ in range(3):
+        c.add_pass(4.0 * eight, 8, 8)                         # a batch's plain rows: 4 s per unit
+    assert c.verify_time(1, 1) == pytest.approx(one)
+    assert c.verify_time(8, 8) == pytest.approx(4.0 * eight)
+    assert c.verify_time(8 + 16, 8) == pytest.approx(4.0 * eight + 1.6)
+    assert c.verify_time(1 + 16, 1) == pytest.approx(one + 1.6)
+    c.add_pass(4.0 * eight + 0.05 * 16, 24, 8)                # the batch's own drafted rows: 0.05 s each
+    assert c.verify_time(1 + 16, 1) == pytest.approx(one + 0.5 * (0.1 + 0.05) * 16)
+
+
+def test_a_requests_first_block_moves_the_drafters_average() -> None:
+    """A request's first block with a model drafter is one sample (DAS-Wave's first after plain steps has no copy
+    run to follow): its estimate starts from the other requests' average and moves by the probe weight (fails when
+    the first block replaces the average: one short block put a batch of 8 on plain steps for good)."""
+    from dasspec.methods.auto.earnings import Earnings, Priors
+    priors = Priors()
+    for _ in range(20):
+        Earnings(["das-wave"], priors).verdict("das-wave", 14, 18, 3)
+    e = Earnings(["das-wave"], priors)
+    avg = priors.get("das-wave")
+    e.verdict("das-wave", 6, 6, 3)
+    a = TUNING.probe_alpha
+    assert e.tok_rows("das-wave") == pytest.approx(((1 - a) * avg[0] + a * 6, (1 - a) * avg[1] + a * 6))
+    assert e.arms["das-wave"].n == 1
 
 
 def test_one_lucky_match_does_not_put_a_closed_batch_on_a_drafter() -> None:

@@ -253,6 +253,23 @@ def test_speculation_policy_changes_speed_never_tokens():
     assert proposed["always"] > proposed["narrow"] > 0 and proposed["off"] < proposed["narrow"]
 
 
+def test_a_read_policy_given_to_generate_batch_is_the_drafters_as_in_generate():
+    """``policy`` is generate's prefix-read knob and generate_batch's speculation policy: a read policy given to
+    generate_batch reaches the drafter (each answer equals generate's with it, and the drafts differ from the
+    default's), and the engine refuses anything but a SpeculationPolicy by name (it raised an AttributeError from
+    inside a step)."""
+    model = random_model("huginn", seed=5, mean_recurrence=4, n_prelude=1, n_core=1, n_coda=1)
+    prompts = _prompts(model.config.vocab_size, 3, seed=4)
+    own = [dasspec.generate(model, p, "self-spec", max_new_tokens=10, eos=False, policy="deep-v") for p in prompts]
+    outs = dasspec.generate_batch(model, prompts, "self-spec", max_new_tokens=10, eos=False, policy="deep-v")
+    plain = dasspec.generate_batch(model, prompts, "self-spec", max_new_tokens=10, eos=False)
+    assert [o.tokens for o in outs] == [o.tokens for o in own] == [o.tokens for o in plain]
+    assert [o.stats.accepted for o in outs] == [o.stats.accepted for o in own]
+    assert [o.stats.accepted for o in outs] != [o.stats.accepted for o in plain]
+    with pytest.raises(TypeError, match="SpeculationPolicy"):
+        Engine(model, policy="deep-v")
+
+
 def test_cancellation_is_effective_inside_a_drafting_step(monkeypatch):
     """A request cancelled (or out of time) while DAS-Wave refines its window stops at the next round - the
     other requests' rounds go on - and it is not verified: the budget bounds a step, not only the steps.  The

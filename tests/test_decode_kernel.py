@@ -489,6 +489,51 @@ def test_huginns_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monke
         assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), mode
 
 
+@pytest.mark.parametrize("family,overrides", [("huginn", {"qk_bias": True}), ("ouro", {}),
+                                              ("raven-llama", {"n_kv_heads": 4})])
+@pytest.mark.parametrize("method,knobs", [("mature-spec", {}), ("self-spec", {"policy": "deep-v"}),
+                                          ("mature-spec", {"policy": "k=2,v=3"})])
+def test_drafts_reading_the_prefix_at_another_depth_take_one_call(family, overrides, method, knobs, monkeypatch):
+    """A draft's layer whose queries read the verified prefix at other depths than they store at (Mature-Spec's
+    Deep K/V, self-speculation's Deep V, explicit depths with K and V apart) runs as one kernel call, the prefix pools beside
+    the call's own, and every layer output and token are bit for bit those of the layer's sublayer calls and of the
+    modules' ops, attention segment by segment (fails when the one call reads the prefix from the own pools, or
+    the prefix counts are off)."""
+    from dasspec.model import layers
+    _pack_everything(monkeypatch)
+    model = random_model(family, seed=4, mean_recurrence=4, n_prelude=1, n_core=2, n_coda=1, **overrides)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+    kernels = ("peri_layer_rows", "pre_layer_rows", "sandwich_layer_rows")
+
+    def run(mode: str):
+        outs, two = [], []
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+                 if isinstance(m, layers.NormedBlock)]
+        with monkeypatch.context() as mp:
+            for name in kernels:
+                real = getattr(decode_kernel, name)
+                mp.setattr(decode_kernel, name, lambda x, n, e, a, m, _f=real: (two.append(len(a) > 14
+                                                                                           and a[14] is not None),
+                                                                                _f(x, n, e, a, m))[1])
+            if mode != "layer":
+                mp.setattr(layers.NormedBlock, "rows", lambda self, x, span, kv: None)
+            if mode == "torch":         # and attention segment by segment, not through the call's plan
+                mp.setattr(layers, "kernel_pair", lambda *a: None)
+                mp.setattr(attention, "row_plan", lambda x, kv, span, two_source=False, _f=attention.row_plan:
+                           _f(x, kv, span, two_source) if all(p.one_source for p in kv.parts) else None)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3, **knobs)
+        for h in hooks:
+            h.remove()
+        return [r.tokens for r in res], outs, two
+
+    tokens, outs, two = run("layer")
+    assert sum(two) > 3 * 2, two                 # the drafts' layers, with the prefix pools
+    for mode in ("sublayers", "torch"):
+        tokens_ops, outs_ops, _ = run(mode)
+        assert tokens == tokens_ops, mode
+        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), mode
+
+
 def test_a_hooked_part_keeps_ouros_layer_on_the_modules(monkeypatch):
     """A forward hook on one of a layer's norms still runs: that layer takes its modules, the others one call."""
     _pack_everything(monkeypatch)

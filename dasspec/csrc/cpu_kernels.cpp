@@ -607,9 +607,18 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
                           const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                           const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
-                          int64_t H, int64_t Hkv) {
-  // every shape and dtype check before the first write into the pool
+                          int64_t H, int64_t Hkv, const std::optional<at::Tensor>& k_prefix,
+                          const std::optional<at::Tensor>& v_prefix, const std::optional<at::Tensor>& prefix_lengths) {
+  // every shape and dtype check before the first write into the pool (the prefix pools': rows_attention's, which
+  // reads and writes nothing before them)
   check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
+  TORCH_CHECK(k_prefix.has_value() == v_prefix.has_value() && k_prefix.has_value() == prefix_lengths.has_value(),
+              "k_prefix, v_prefix and prefix_lengths together");
+  if (k_prefix.has_value())
+    TORCH_CHECK(k_prefix->sizes() == k_pool.sizes() && v_prefix->sizes() == v_pool.sizes() &&
+                k_prefix->strides() == k_pool.strides() && v_prefix->strides() == v_pool.strides() &&
+                k_prefix->scalar_type() == at::kFloat && v_prefix->scalar_type() == at::kFloat &&
+                prefix_lengths->numel() == x.size(0), "prefix pools like the pools, a prefix length per row");
   const int64_t M = x.size(0);
   auto qkv = dasspec::linear(x, wqkv, std::nullopt);
   TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
@@ -624,8 +633,8 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
   qk = rope(qk, cos, sin, hd);
   store_rows(k_pool, v_pool, store_at, qk[0].narrow(1, H, Hkv).transpose(0, 1),
              heads[0].narrow(1, H + Hkv, Hkv).transpose(0, 1));
-  auto y = rows_attention(qk[0].narrow(1, 0, H), k_pool, v_pool, rows, starts, lengths, scale, std::nullopt,
-                          std::nullopt, std::nullopt);
+  auto y = rows_attention(qk[0].narrow(1, 0, H), k_pool, v_pool, rows, starts, lengths, scale, k_prefix, v_prefix,
+                          prefix_lengths);
   return dasspec::linear(y.view({M, H * hd}), wproj, std::nullopt);
 }
 
@@ -678,10 +687,12 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                            const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                           const at::Tensor& wfc, const at::Tensor& wdown) {
+                           const at::Tensor& wfc, const at::Tensor& wdown, const std::optional<at::Tensor>& k_prefix,
+                           const std::optional<at::Tensor>& v_prefix,
+                           const std::optional<at::Tensor>& prefix_lengths) {
   check_layer(x, norms, 4, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
   auto a = attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows,
-                          starts, lengths, scale, H, Hkv);
+                          starts, lengths, scale, H, Hkv, k_prefix, v_prefix, prefix_lengths);
   auto h = x + rms_norm(a, norms[1], eps);
   return h + rms_norm(mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
 }
@@ -692,10 +703,13 @@ at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor
                                const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                                const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths,
-                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown) {
+                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown,
+                               const std::optional<at::Tensor>& k_prefix, const std::optional<at::Tensor>& v_prefix,
+                               const std::optional<at::Tensor>& prefix_lengths) {
   check_layer(x, norms, 4, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
   auto h = rms_norm(x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool,
-                                       store_at, rows, starts, lengths, scale, H, Hkv), norms[1], eps);
+                                       store_at, rows, starts, lengths, scale, H, Hkv, k_prefix, v_prefix,
+                                       prefix_lengths), norms[1], eps);
   return rms_norm(h + mlp_rows(rms_norm(h, norms[2], eps), wfc, wdown), norms[3], eps);
 }
 
@@ -705,10 +719,11 @@ at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& no
                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                           const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                          const at::Tensor& wfc, const at::Tensor& wdown) {
+                          const at::Tensor& wfc, const at::Tensor& wdown, const std::optional<at::Tensor>& k_prefix,
+                          const std::optional<at::Tensor>& v_prefix, const std::optional<at::Tensor>& prefix_lengths) {
   check_layer(x, norms, 2, wqkv, wproj, k_pool, v_pool, H, Hkv, wfc, wdown);
   auto h = x + attention_rows(rms_norm(x, norms[0], eps), wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at,
-                              rows, starts, lengths, scale, H, Hkv);
+                              rows, starts, lengths, scale, H, Hkv, k_prefix, v_prefix, prefix_lengths);
   return h + mlp_rows(rms_norm(h, norms[1], eps), wfc, wdown);
 }
 
@@ -764,7 +779,8 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
     }
     for (int64_t i = 0; i < L; ++i) {
       x = layer(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
-                store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i]);
+                store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i], std::nullopt, std::nullopt,
+                std::nullopt);
     }
     if (ln_w.has_value()) x = rms_norm(x, *ln_w, ln_eps);
   }
@@ -817,7 +833,8 @@ at::Tensor loop_recur_rows(at::Tensor x, int64_t first, const std::vector<at::Te
       const auto &kp = k_pools[s * L + i], &vp = v_pools[s * L + i];
       if (first + s == 1) {
         x = pre_layer_rows(x, own, eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, kp, vp, store_at[s], rows[s],
-                           starts[s], lengths[s], scale, H, Hkv, wfc[i], wdown[i]);
+                           starts[s], lengths[s], scale, H, Hkv, wfc[i], wdown[i], std::nullopt, std::nullopt,
+                           std::nullopt);
         continue;
       }
       auto h = x + loop_mix_rows(rms_norm(x, own[0], eps[i]), wqkv[i], wproj[i], qk_bias[i], cos, sin, kp, vp,

@@ -37,11 +37,14 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // silu(g) * u, or sigmoid(g) without u, elementwise: float32 or bfloat16, each value's bits its own.
 at::Tensor pointwise(const at::Tensor& g, const std::optional<at::Tensor>& u);
 
+// The attention sublayer in one call; with k_prefix / v_prefix / prefix_lengths, each query's first prefix_lengths
+// rows are read from the prefix pools (a draft reading the verified prefix at another depth).
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
                           const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                           const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths, double scale,
-                          int64_t H, int64_t Hkv);
+                          int64_t H, int64_t Hkv, const std::optional<at::Tensor>& k_prefix,
+                          const std::optional<at::Tensor>& v_prefix, const std::optional<at::Tensor>& prefix_lengths);
 // IQuest-Loop's attention at depths >= 2: attention_rows' arguments, then depth 1's pools and row lists and the
 // block-diagonal gate weight [H, H * hd] and bias [H].
 at::Tensor loop_mix_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
@@ -57,19 +60,23 @@ at::Tensor peri_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& n
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                            const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                           const at::Tensor& wfc, const at::Tensor& wdown);
+                           const at::Tensor& wfc, const at::Tensor& wdown, const std::optional<at::Tensor>& k_prefix,
+                           const std::optional<at::Tensor>& v_prefix, const std::optional<at::Tensor>& prefix_lengths);
 at::Tensor pre_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
                           const at::Tensor& wqkv, const at::Tensor& wproj, const std::optional<at::Tensor>& qk_bias,
                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                           const at::Tensor& v_pool, const at::Tensor& store_at, const at::Tensor& rows,
                           const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
-                          const at::Tensor& wfc, const at::Tensor& wdown);
+                          const at::Tensor& wfc, const at::Tensor& wdown, const std::optional<at::Tensor>& k_prefix,
+                          const std::optional<at::Tensor>& v_prefix, const std::optional<at::Tensor>& prefix_lengths);
 at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor>& norms, double eps,
                                const at::Tensor& wqkv, const at::Tensor& wproj,
                                const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
                                const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& lengths,
-                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown);
+                               double scale, int64_t H, int64_t Hkv, const at::Tensor& wfc, const at::Tensor& wdown,
+                               const std::optional<at::Tensor>& k_prefix, const std::optional<at::Tensor>& v_prefix,
+                               const std::optional<at::Tensor>& prefix_lengths);
 // Core steps over a call's rows: with an injection the adapter over concat[x, inj] first, then "peri" (Ouro),
 // "pre" (Llama) or "sandwich" (Huginn) layers, then ln_f where given.
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,

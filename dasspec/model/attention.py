@@ -344,17 +344,31 @@ def store_rows(k_dst: Tensor, v_dst: Tensor, idx: Tensor, k: Tensor, v: Tensor) 
         v_dst.index_copy_(1, idx, v)
 
 
-def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan") -> tuple | None:
-    """For a batched call (a decode step, a prefill, a verification) whose every segment suits the row kernel and
-    lies in one pool, read at the depth it stores at: (K pool, V pool, each query row's pool row, and ``row_lists``'
-    rows, starts, lengths), all built once per call; None otherwise.  x: the call's queries or its input (dtype and
+def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan", two_source: bool = False
+             ) -> tuple | None:
+    """For a batched call (a decode step, a prefill, a verification, a draft) whose every segment suits the row
+    kernel and lies in one pool: (K pool, V pool, each query row's pool row, and ``row_lists``' rows, starts,
+    lengths), all built once per call; None otherwise.  Without ``two_source`` only a call that reads the prefix at
+    the depth it stores at; with it, also one that reads it at another depth (a draft's Deep K/V reads: one prefix
+    pool pair for every segment), and three more entries: the prefix's K and V pools and each query's count of
+    prefix rows (None, None, None where the call reads one source).  x: the call's queries or its input (dtype and
     device)."""
     if not isinstance(span, RaggedSpan) or not span.no_static_rows or not span.kernel_segments(x):
         return None
     kvs = kv.parts
-    if not (span.one_pool(kvs) and all([p.one_source for p in kvs])):
+    if not span.one_pool(kvs):
         return None
-    return (kvs[0].k_own, kvs[0].v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)[:3]
+    p0 = kvs[0]
+    if all([p.one_source for p in kvs]):
+        plan = (p0.k_own, p0.v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)[:3]
+        return plan + (None, None, None) if two_source else plan
+    kp, vp = p0.k_prefix, p0.v_prefix
+    if not (two_source and kp.shape == p0.k_own.shape and vp.shape == p0.v_own.shape
+            and kp.stride() == p0.k_own.stride() and vp.stride() == p0.v_own.stride()
+            and all([p.k_prefix is kp and p.v_prefix is vp for p in kvs])):
+        return None
+    rows, starts, lengths, prefix = row_lists(kvs, span.parts, span._rows_cache)
+    return p0.k_own, p0.v_own, span.pool_rows(kvs), rows, starts, lengths, kp, vp, prefix
 
 
 def pools_like(kv: "LayerKV | BatchKV", first: "LayerKV | BatchKV") -> tuple[Tensor, Tensor] | None:
@@ -377,11 +391,11 @@ def pools_like(kv: "LayerKV | BatchKV", first: "LayerKV | BatchKV") -> tuple[Ten
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
     """Each segment's queries attend within their own sequence's cache (eq. 2-3 per segment); the segments that
     share their tensors and suit the row kernel (``kernel_rows``) in one kernel call per group."""
-    plan = row_plan(q, kv, span)
+    plan = row_plan(q, kv, span, two_source=True)
     if plan is not None:             # every segment in one call, without the per-segment loop
-        k, v, _, rows, starts, lengths = plan
+        k, v, _, rows, starts, lengths, kp, vp, prefix = plan
         return decode_kernel.rows_attention(q[0].transpose(0, 1), k, v, rows, starts, lengths,
-                                            1.0 / math.sqrt(q.shape[-1])).transpose(0, 1)[None]
+                                            1.0 / math.sqrt(q.shape[-1]), kp, vp, prefix).transpose(0, 1)[None]
     out: list[Tensor | None] = [None] * len(span.parts)
     groups: dict[tuple, list[int]] = {}
     for i, a, b, part in span.segments():

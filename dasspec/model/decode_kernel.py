@@ -266,12 +266,14 @@ def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def attention_rows(x: Tensor, wqkv: Tensor, wproj: Tensor, qk_bias: Tensor | None, cos: Tensor, sin: Tensor,
                    k_pool: Tensor, v_pool: Tensor, store_at: Tensor, rows: Tensor, starts: Tensor, lengths: Tensor,
-                   scale: float, n_heads: int, n_kv_heads: int) -> Tensor:
+                   scale: float, n_heads: int, n_kv_heads: int, k_prefix: Tensor | None = None,
+                   v_prefix: Tensor | None = None, prefix_lengths: Tensor | None = None) -> Tensor:
     """The attention sublayer over rows x [M, d] in one call: QKV product, q/k bias, RoPE (halves or pairs, by the
-    operands' width), K/V stores at pool rows ``store_at``, ``rows_attention``, output product."""
+    operands' width), K/V stores at pool rows ``store_at``, ``rows_attention`` (each query's first
+    ``prefix_lengths`` rows from the prefix pools where given), output product."""
     return (_module if _tried else _load()).attention_rows(x, wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool,
                                                            store_at, rows, starts, lengths, scale, n_heads,
-                                                           n_kv_heads)
+                                                           n_kv_heads, k_prefix, v_prefix, prefix_lengths)
 
 
 def loop_mix_rows(x: Tensor, *args) -> Tensor:
@@ -286,22 +288,28 @@ def mlp_rows(x: Tensor, wfc: Tensor, wproj: Tensor) -> Tensor:
     return (_module if _tried else _load()).mlp_rows(x, wfc, wproj)
 
 
+def _layer_tail(attention_args: tuple, mlp_args: tuple) -> tuple:
+    """A one-call layer's arguments after its norms: ``attention_rows``' up to the heads, ``mlp_rows``', then the
+    prefix pools and counts of a two-source read (``Attention.row_args``; None for a one-source one)."""
+    return (*attention_args[:14], *mlp_args, *(attention_args[14:] or (None, None, None)))
+
+
 def peri_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
     """Ouro's layer of a call's rows in one call (``PeriNormBlock.rows``): ``attention_args`` / ``mlp_args`` as
     ``attention_rows`` / ``mlp_rows`` take them after x."""
-    return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+    return (_module if _tried else _load()).peri_layer_rows(x, norms, eps, *_layer_tail(attention_args, mlp_args))
 
 
 def sandwich_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
     """Huginn's sandwich layer of a call's rows in one call (``NormedBlock.rows``), with ``peri_layer_rows``'
     arguments (four norms, the RoPE operands as pairs)."""
-    return (_module if _tried else _load()).sandwich_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+    return (_module if _tried else _load()).sandwich_layer_rows(x, norms, eps, *_layer_tail(attention_args, mlp_args))
 
 
 def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: tuple, mlp_args: tuple) -> Tensor:
     """Llama's pre-norm layer (Nanbeige's, Raven-Llama's, IQuest-Loop's at depth 1) of a call's rows in one call
     (``NormedBlock.rows``), with ``peri_layer_rows``' arguments (two norms)."""
-    return (_module if _tried else _load()).pre_layer_rows(x, norms, eps, *attention_args, *mlp_args)
+    return (_module if _tried else _load()).pre_layer_rows(x, norms, eps, *_layer_tail(attention_args, mlp_args))
 
 
 # attention_rows' arguments: wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts, lengths, scale,

@@ -177,18 +177,19 @@ class Attention(nn.Module):
         the same ops on the same views, so the same bits, without a Python call per op) for a batched call's rows
         that the row kernel takes in one pool (``attention.row_plan``) and whose products are the kernel's; None where
         that does not apply (also where the q/k bias needs its gradient, or a Linear's own hooks or class must run)."""
-        args = self.row_args(x, span, kv)
+        args = self.row_args(x, span, kv, two_source=True)
         if args is None:
             return None
         B, W, d = x.shape
         return decode_kernel.attention_rows(x.reshape(B * W, d), *args).view(B, W, -1)
 
-    def row_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
+    def row_args(self, x: Tensor, span: Span, kv: LayerKV, two_source: bool = False) -> tuple | None:
         """``attention_rows``' arguments after x for this call, or None where ``rows`` does not apply (q/k norms
-        and the interleaved RoPE are not in the kernel; a replaced ``qkv`` would be skipped)."""
+        are not in the kernel; a replaced ``qkv`` would be skipped).  ``two_source``: also for a call that reads the
+        prefix at another depth, with the prefix's pools and counts as three more arguments (``row_plan``)."""
         if self.q_norm is not None or not unreplaced(self, "qkv"):
             return None
-        plan = row_plan(x, kv, span)                 # first: a call it does not take (one sequence) fails soonest
+        plan = row_plan(x, kv, span, two_source)     # first: a call it does not take (one sequence) fails soonest
         if plan is None:
             return None
         weights = kernel_pair(x, self.Wqkv, self.proj)
@@ -197,7 +198,8 @@ class Attention(nn.Module):
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
             return None
         cos, sin = rope_pairs_of(span) if self.interleaved else span.rot
-        return (*weights, self.qk_bias, cos, sin, *plan, 1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv)
+        return (*weights, self.qk_bias, cos, sin, *plan[:6], 1.0 / math.sqrt(self.head_dim), self.n_heads, self.n_kv,
+                *plan[6:])
 
 
 # What a one-call path skips of a module it stands in for: these methods of its class, as defined (``skipped``).
@@ -308,7 +310,7 @@ class NormedBlock(nn.Module):
     def rows(self, x: Tensor, span: Span, kv: LayerKV) -> Tensor | None:
         """This layer as one kernel call (``decode_kernel.{style}_layer_rows``: ``forward`` with the sublayers'
         one-call kernels, the same ops in the same order) where ``layer_args`` gives its arguments; None otherwise."""
-        args = self.layer_args(x, span, kv)
+        args = self.layer_args(x, span, kv, two_source=True)
         if args is None:
             return None
         B, W, d = x.shape
@@ -316,13 +318,13 @@ class NormedBlock(nn.Module):
                   "sandwich": decode_kernel.sandwich_layer_rows}[self.style]
         return kernel(x.reshape(B * W, d), *args).view(B, W, d)
 
-    def layer_args(self, x: Tensor, span: Span, kv: LayerKV) -> tuple | None:
+    def layer_args(self, x: Tensor, span: Span, kv: LayerKV, two_source: bool = False) -> tuple | None:
         """The one-call layer's arguments after x (the norms' weights, their eps, ``attention_rows``' and
         ``mlp_rows``' arguments) where the class has one, both sublayers take their one-call kernels and nothing
-        needs the submodules' calls (``plain_parts``); None otherwise."""
+        needs the submodules' calls (``plain_parts``); None otherwise.  ``two_source``: ``Attention.row_args``'."""
         if not self.one_call:
             return None
-        a = self.attn.row_args(x, span, kv)           # first: where it fails (one row, bfloat16) it fails soonest
+        a = self.attn.row_args(x, span, kv, two_source)   # first: where it fails (one row, bfloat16) soonest
         weights = self.plain_parts(x) if a is not None else None
         m = self.mlp.row_args(x) if weights is not None else None
         return None if m is None else (list(weights), self.norm_1.eps, a, m)

@@ -24,6 +24,7 @@ from ...model.looped import LoopedLM
 from ..base.request import pool_share, rows_needed
 from ..base.runtime import Runtime
 from ..core.blocks import BLOCK_SIZE
+from ..core.policy import SpeculationPolicy
 from ..core.stopping import Criterion, check_max_new_tokens
 from ..drafting.draft import Drafter
 from .engine import CLOSED_STEP_TOKENS, Engine
@@ -188,10 +189,13 @@ def generate_batch(model: LoopedLM, prompts, method: str = "ar", max_new_tokens:
     at once; prompt blocks are shared between prompts that start alike, so few-shot prompts prefill their
     exemplars once; on a model whose loops >= 2 are windowed, IQuest-Loop, the pool by default keeps only the
     window's rows of those loops, and shares prompt blocks with those rows: ``Engine``'s ``window_kv``).
-    ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a token).
+    ``policy``: a ``SpeculationPolicy`` (how much to speculate as the batch grows; never changes a token), or, as
+    ``generate`` takes it, a drafter's prefix-read policy ("deep-v", "k=2,v=32", a (kappa, nu) pair).
     ``max_step_tokens``: rows one step verifies and prefills together (``Engine``'s; larger than a server's default,
     as nobody waits on a first token here; never changes a token)."""
     drop_hf_options(knobs)
+    if policy is not None and not isinstance(policy, SpeculationPolicy):     # generate's knob of the same name
+        knobs["policy"], policy = policy, None
     ids = batch_prompts(model, prompts, tokenizer)
     if not ids:
         return []

@@ -162,6 +162,9 @@ class Scheduler:
         is done when its longest request is (``StepPlan.closed``)."""
         self.pool, self.max_batch, self.max_step_tokens, self.R = pool, max_batch, max_step_tokens, R
         self.closed = closed
+        if policy is not None and not isinstance(policy, SpeculationPolicy):
+            raise TypeError(f"policy must be a SpeculationPolicy (how much to speculate), got {policy!r}; a drafter's "
+                            "prefix-read policy is a knob of its method")
         self.policy = policy or SpeculationPolicy()
         self.waiting: deque[Entry] = deque()       # swapped-out requests first, then new ones, FIFO
         self.running: list[Entry] = []             # in admission order (the last is preempted first)

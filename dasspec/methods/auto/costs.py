@@ -5,8 +5,9 @@ the laps auto times around its sub-drafters - never on wall-clock gaps between c
 * **a pass**: ``V = scale * full(rows)`` over the pass's rows, where ``full(W)`` is the calibrated model time of a
   full-depth pass over W rows (``Sizing``; without a calibration ``default_k + W``) and ``scale`` is a ratio of
   moving averages (load and the engine's own overhead fold into it).  Once plain steps (a row per request) are
-  measured, a pass over n requests' rows is priced in two parts: the n plain rows at the plain steps' scale, the e
-  rows past them at a rate per row measured on drafted steps, by width (powers of two of e; a width not measured
+  measured, a pass over n requests' rows is priced in two parts: the n plain rows at the scale of plain steps of
+  about n requests (powers of two of n; between measured counts interpolated, outside them the nearest one's), the
+  e rows past them at seconds per row measured on drafted steps, by width (powers of two of e; a width not measured
   takes its measured neighbours', so rows are priced linearly from the nearest; a width measured on one step only
   at most ``outlier`` x its nearest neighbour's).  The calibration's rows are one sequence's own, while a drafted
   step's extra rows each read a request's cached prefix beside the others' and can cost far more than the
@@ -82,9 +83,13 @@ class CostModel:
         # steps are measured (then ``plain`` and ``extra``)
         self.ema_v: float | None = None if sizing is None else sizing.full1
         self.ema_f: float | None = None if sizing is None else sizing.full1
-        self.plain: tuple[float, float] | None = None   # the same over plain passes (a row per request) only
-        # drafted passes by ``bucket`` of their rows past the plain ones: that time in the plain scale's units, those
-        # rows (moving averages: their ratio is what one such row costs), and how many were measured
+        # the same over plain passes (a row per request) only, by ``bucket`` of their requests: a batch's plain rows
+        # each read their own prefix, which the calibration's one-sequence shape does not price, so one scale for
+        # every batch size would mistake a batch's shape for load
+        self.plain: dict[int, tuple[float, float]] = {}
+        # drafted passes by ``bucket`` of their rows past the plain ones: that time in seconds, those rows (moving
+        # averages: their ratio is what one such row costs), and how many were measured.  Seconds, not the plain
+        # scale's units: the plain scale moves with the batch size, a drafted row's price need not
         self.extra: dict[int, tuple[float, float, int]] = {}
         self.early: list[tuple[float, int, int]] = []   # drafted passes before the first plain one: v, rows, n
         # per arm and ``bucket`` of the group drafting together: drafting seconds and ``draft_units``
@@ -94,31 +99,32 @@ class CostModel:
     # -- fitting --
     def add_pass(self, v: float, rows: int, n: int) -> None:
         """Fold a measured pass (``v`` seconds over ``rows`` verifier rows of n requests) into the prices: clipped
-        to ``step_clip`` x its price where that was measured (``shape_clip`` x where it comes from other widths; not
+        to ``step_clip`` x its price where that was measured (``shape_clip`` x where it comes from other widths or batch sizes; not
         while only the calibration's shape prices the rows a draft adds, often far too low)."""
         t = self.t
         f = self.pass_cost(rows)
         expected = self.verify_time(rows, n)
         if expected is not None and (rows <= n or self.extra):
-            v = min(v, (t.step_clip if rows <= n or bucket(rows - n) in self.extra else t.shape_clip) * expected)
+            seen = bucket(n) in self.plain if rows <= n else bucket(rows - n) in self.extra
+            v = min(v, (t.step_clip if seen else t.shape_clip) * expected)
         self.ema_v = ema(self.ema_v, v, t.step_alpha)
         self.ema_f = ema(self.ema_f, f, t.step_alpha)
         if rows <= n:
-            self.plain = ema2(self.plain, v, f, t.step_alpha)
+            self.plain[bucket(n)] = ema2(self.plain.get(bucket(n)), v, f, t.step_alpha)
             for early in self.early:
                 self._add_extra(*early)
             self.early = []
-        elif self.plain is not None:
+        elif self.plain:
             self._add_extra(v, rows, n)
         elif len(self.early) < t.early_steps:
             self.early.append((v, rows, n))
 
     def _add_extra(self, v: float, rows: int, n: int) -> None:
-        """A drafted pass's time past the plain part in the plain scale's units (signed, so noise averages out rather
-        than ratchets up), at the bucket of its rows past the plain ones."""
-        if rows > n and self.sp > 0:
+        """A drafted pass's seconds past its plain part (signed, so noise averages out rather than ratchets up), at
+        the bucket of its rows past the plain ones."""
+        if rows > n:
             b = bucket(rows - n)
-            self.extra[b] = even_then_ema(self.extra.get(b), v / self.sp - self.pass_cost(n), float(rows - n),
+            self.extra[b] = even_then_ema(self.extra.get(b), v - self.sp(n) * self.pass_cost(n), float(rows - n),
                                           self.t.step_alpha)
 
     def add_draft(self, arm: str, seconds: float, m: int = 1) -> None:
@@ -148,36 +154,36 @@ class CostModel:
         """Measured verification seconds per unit of ``pass_cost``."""
         return None if self.ema_v is None else self.ema_v / self.ema_f
 
-    @property
-    def sp(self) -> float:
-        """The plain passes' measured seconds per unit of ``pass_cost`` (needs ``plain``)."""
-        return self.plain[0] / self.plain[1]
+    def sp(self, n: int) -> float:
+        """The measured seconds per unit of ``pass_cost`` of plain passes over n requests (needs ``plain``)."""
+        return by_width(self.plain, bucket(n))
 
     def extra_rate(self, e: float) -> float | None:
-        """What one of e rows past the plain ones costs, in the plain scale's units (None: no drafted pass yet)."""
+        """Seconds of one of e rows past the plain ones (None: no drafted pass yet)."""
         return by_width(self.extra, bucket(e), self.t.outlier) if self.extra else None
 
     def verify_time(self, rows: float, n: int, hoped_rows: float = 0.0) -> float | None:
-        """Expected seconds of a pass over ``rows`` rows of n >= 1 requests: ``sp * (full(n) + e * extra_rate(e))``
+        """Expected seconds of a pass over ``rows`` rows of n >= 1 requests: ``sp(n) * full(n) + e * extra_rate(e)``
         for the e = rows - n rows past the plain ones once plain passes are measured (until a drafted one is, the
-        calibration's shape ``full(rows) - full(n)``); before plain passes, every row at the one fitted ``scale``.
-        ``hoped_rows``: that many of the extra rows (one request's draft) at the lower of the measured rate and the
-        calibration's shape - what a lookup's price probe hopes for."""
-        if self.plain is None:
+        calibration's shape ``full(rows) - full(n)`` at the plain scale); before plain passes, every row at the one
+        fitted ``scale``.  ``hoped_rows``: that many of the extra rows (one request's draft) at the lower of the
+        measured rate and the calibration's shape - what a lookup's price probe hopes for."""
+        if not self.plain:
             scale = self.scale
             return None if scale is None else scale * self.pass_cost(rows)
-        base = self.pass_cost(n)
+        sp = self.sp(n)
+        base = sp * self.pass_cost(n)
         e = rows - n
         if e <= 0:
-            return self.sp * base
+            return base
         rate = self.extra_rate(e)
         if rate is None:
-            return self.sp * (base + max(self.pass_cost(rows) - base, 0.0))
+            return base + sp * max(self.pass_cost(rows) - self.pass_cost(n), 0.0)
         extra = e * rate
         if hoped_rows > 0:
             h = min(hoped_rows, e)
-            extra -= max(h * rate - max(self.pass_cost(rows) - self.pass_cost(rows - h), 0.0), 0.0)
-        return self.sp * (base + extra)
+            extra -= max(h * rate - sp * max(self.pass_cost(rows) - self.pass_cost(rows - h), 0.0), 0.0)
+        return base + extra
 
     def draft_units(self, arm: str, m: int) -> float:
         """The model's cost of ``arm`` drafting for m requests at once, in the calibration's seconds: a model

@@ -76,10 +76,17 @@ class Earnings:
         """The verdict of a step drafted with ``arm`` (not AR)."""
         t = self.t
         self._first(arm)
+        st = self.arms[arm]
         if arm in LOOKUP:
-            self.arms[arm].add(tok, rows, step, t.step_alpha, t.slow_alpha)
+            st.add(tok, rows, step, t.step_alpha, t.slow_alpha)
         else:
-            self.arms[arm].add(tok, rows, step, t.probe_alpha)
+            prior = self.priors.get(arm)
+            if st.n == 0 and prior is not None:
+                # a model drafter's first block here is one sample, and often its worst (DAS-Wave's copy runs follow
+                # a block of its own): it moves the drafter's average over the other requests, not replaces it
+                st.tok = st.slow = prior[0]
+                st.rows = prior[1]
+            st.add(tok, rows, step, t.probe_alpha)
         self.priors.add(arm, tok, rows)
         self.pending.pop(arm, None)
 
