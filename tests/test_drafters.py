@@ -378,3 +378,18 @@ def test_cli_parses_baseline_methods_and_knobs() -> None:
     assert knobs_from_args(args) == {"tree": [[0], [1], [0, 0]], "topk": 2}
     for name in ("pld", "lookahead", "sam"):
         assert p.parse_args(["generate", "--method", name]).method == name
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_self_speculations_aligned_draft_is_the_target_run_d_steps_deep(family):
+    """With aligned reads a self-speculation draft is the model cut to its first d steps (no coda: its readout reads
+    no deeper K/V): each request's first block of a batch equals a greedy decode at num_steps = d after its first
+    token (fails when the draft's steps, run in one call, start at another depth or stop short)."""
+    model = random_model(family, seed=3, mean_recurrence=4, n_core=2)
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+    res = dasspec.generate_batch(model, prompts, "self-spec", max_new_tokens=8, eos=False, trace=True,
+                                 draft_depth=2, block=3)
+    for p, r in zip(prompts, res):
+        draft = [int(t) for t in r.trace[0][0].tokens]
+        want = dasspec.generate(model, p + [r.tokens[0]], "ar", num_steps=2, max_new_tokens=3, eos=False).tokens
+        assert draft == want
