@@ -822,6 +822,25 @@ def test_a_batchs_plain_rows_do_not_reprice_the_rows_a_draft_adds() -> None:
     assert c.verify_time(1 + 16, 1) == pytest.approx(one + 0.5 * (0.1 + 0.05) * 16)
 
 
+def test_a_batch_size_drafting_before_its_first_plain_pass_waits_for_it() -> None:
+    """A batch of 8 that drafts before any plain pass of 8 (its plain rows 4x a lone request's per unit) does not put
+    its plain part on the rows a draft adds: those passes wait for the batch size's first plain pass and are then
+    priced with it (fails when they are fitted at once with a lone request's plain scale: the extra rows read 30x
+    their price, and stay so after the batch's plain passes)."""
+    d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
+    c = d.costs
+    one, eight = c.pass_cost(1), c.pass_cost(8)
+    for _ in range(3):
+        c.add_pass(1.0 * one, 1, 1)
+    c.add_pass(1.0 * one + 0.05 * 16, 17, 1)                  # a lone request: 0.05 s a drafted row
+    for _ in range(3):
+        c.add_pass(4.0 * eight + 0.05 * 16, 24, 8)            # the batch drafts first
+    assert c.extra_rate(16) == pytest.approx(0.05)
+    c.add_pass(4.0 * eight, 8, 8)                             # its first plain pass
+    assert c.extra_rate(16) == pytest.approx(0.05) and not c.early
+    assert c.verify_time(8 + 16, 8) == pytest.approx(4.0 * eight + 0.8)
+
+
 def test_a_requests_first_block_moves_the_drafters_average() -> None:
     """A request's first block with a model drafter is one sample (DAS-Wave's first after plain steps has no copy
     run to follow): its estimate starts from the other requests' average and moves by the probe weight (fails when

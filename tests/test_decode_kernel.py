@@ -495,10 +495,10 @@ def test_huginns_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monke
                                           ("mature-spec", {"policy": "k=2,v=3"})])
 def test_drafts_reading_the_prefix_at_another_depth_take_one_call(family, overrides, method, knobs, monkeypatch):
     """A draft's layer whose queries read the verified prefix at other depths than they store at (Mature-Spec's
-    Deep K/V, self-speculation's Deep V, explicit depths with K and V apart) runs as one kernel call, the prefix pools beside
-    the call's own, and every layer output and token are bit for bit those of the layer's sublayer calls and of the
-    modules' ops, attention segment by segment (fails when the one call reads the prefix from the own pools, or
-    the prefix counts are off)."""
+    Deep K/V, self-speculation's Deep V, explicit depths with K and V apart) runs as one kernel call, the prefix
+    pools beside the call's own, and every layer output and token are bit for bit those of the layer's sublayer
+    calls and of the modules' ops, attention segment by segment (fails when the one call reads the prefix from the
+    own pools, or the prefix counts are off)."""
     from dasspec.model import layers
     _pack_everything(monkeypatch)
     model = random_model(family, seed=4, mean_recurrence=4, n_prelude=1, n_core=2, n_coda=1, **overrides)

@@ -12,8 +12,8 @@ the laps auto times around its sub-drafters - never on wall-clock gaps between c
   at most ``outlier`` x its nearest neighbour's).  The calibration's rows are one sequence's own, while a drafted
   step's extra rows each read a request's cached prefix beside the others' and can cost far more than the
   calibration's shape says (docs/performance-journal.md, "Pricing the rows a draft adds").  Drafted steps measured
-  before the first plain one (the first probe) count once it is.  A pass that carried prompt rows is not fitted:
-  its time is not the drafts'.
+  before the first plain one of their batch size (the first probe) count once it is.  A pass that carried prompt
+  rows is not fitted: its time is not the drafts'.
 * **drafting**: per arm and size of group m drafting together (powers of two of m), a fitted scale over
   ``draft_units`` (DAS-Wave's rounds over m windows from the calibration; a lookup's host work, a unit per request).
 """
@@ -91,7 +91,7 @@ class CostModel:
         # averages: their ratio is what one such row costs), and how many were measured.  Seconds, not the plain
         # scale's units: the plain scale moves with the batch size, a drafted row's price need not
         self.extra: dict[int, tuple[float, float, int]] = {}
-        self.early: list[tuple[float, int, int]] = []   # drafted passes before the first plain one: v, rows, n
+        self.early: list[tuple[float, int, int]] = []   # drafted passes before their batch size's first plain one
         # per arm and ``bucket`` of the group drafting together: drafting seconds and ``draft_units``
         self.dcost: dict[str, dict[int, tuple[float, float]]] = {}
         self.host: float | None = None     # the executor's seconds a step outside its pass and drafting
@@ -99,22 +99,27 @@ class CostModel:
     # -- fitting --
     def add_pass(self, v: float, rows: int, n: int) -> None:
         """Fold a measured pass (``v`` seconds over ``rows`` verifier rows of n requests) into the prices: clipped
-        to ``step_clip`` x its price where that was measured (``shape_clip`` x where it comes from other widths or batch sizes; not
-        while only the calibration's shape prices the rows a draft adds, often far too low)."""
+        to ``step_clip`` x its price where that was measured (``shape_clip`` x where it comes from other widths or
+        batch sizes; not while only the calibration's shape prices the rows a draft adds, often far too low).  A
+        drafted pass of a batch size whose plain passes are not measured yet waits in ``early`` for the first of
+        them: its plain part priced from another batch size would land on its extra rows."""
         t = self.t
         f = self.pass_cost(rows)
         expected = self.verify_time(rows, n)
+        plain_seen = bucket(n) in self.plain
         if expected is not None and (rows <= n or self.extra):
-            seen = bucket(n) in self.plain if rows <= n else bucket(rows - n) in self.extra
+            seen = plain_seen and (rows <= n or bucket(rows - n) in self.extra)
             v = min(v, (t.step_clip if seen else t.shape_clip) * expected)
         self.ema_v = ema(self.ema_v, v, t.step_alpha)
         self.ema_f = ema(self.ema_f, f, t.step_alpha)
         if rows <= n:
             self.plain[bucket(n)] = ema2(self.plain.get(bucket(n)), v, f, t.step_alpha)
+            waiting = [e for e in self.early if bucket(e[2]) not in self.plain]
             for early in self.early:
-                self._add_extra(*early)
-            self.early = []
-        elif self.plain:
+                if bucket(early[2]) in self.plain:
+                    self._add_extra(*early)
+            self.early = waiting
+        elif plain_seen:
             self._add_extra(v, rows, n)
         elif len(self.early) < t.early_steps:
             self.early.append((v, rows, n))

@@ -38,8 +38,8 @@ class Tuning:
     slow_alpha: float = why(0.1, "the slower average of a lookup's tokens per step, for plans over the rest of a "
                                  "budget: one long match among misses must not commit a whole batch")
     prior_alpha: float = why(0.1, "the drafter's average over its requests changes slowly: it seeds new requests")
-    early_steps: int = why(4, "drafted steps measured before the first plain one (the first probe) kept to price "
-                              "the rows past the plain ones once a plain step is measured")
+    early_steps: int = why(4, "drafted steps measured before the first plain one of their batch size (the first "
+                              "probe) kept to price the rows past the plain ones once such a plain step is measured")
     step_clip: float = why(3.0, "a pass measured more than 3x its price where that price was measured (a pause, a "
                                 "burst of load) counts as 3x: one bad step must not price a shape out")
     shape_clip: float = why(10.0, "the same where the price comes from other widths only (far less certain)")
