@@ -804,7 +804,7 @@ def test_a_batchs_plain_rows_do_not_reprice_the_rows_a_draft_adds() -> None:
     """Plain passes are priced by batch size, and a drafted row's price is in seconds: a batch of 8 whose plain
     passes cost 4x what the calibration's shape says a batch of 1's do reprices neither a plain pass of one request
     nor the rows a draft adds (fails with one plain scale for every batch size: the batch's shape is read as load
-    and scales every drafted row by it - the bundled model's DAS-Wave at batch 8 looked 1.5x dearer than it ran)."""
+    and scales every drafted row by it)."""
     d = _auto("pld", 0.05, lambda clock: {"pld": PLDDrafter(PLDKnobs())})
     d.sizing = Sizing.of(_table(0.01), 4)
     c = d.costs

@@ -420,6 +420,35 @@ def test_the_one_call_paths_leave_hooked_or_wrapped_products_and_a_trained_bias_
         assert attn.rows(x, span, kv) is None
 
 
+def _block_outputs(model, prompts, method, block, patch, **knobs) -> tuple[list, list]:
+    """The tokens and every ``block`` output of a batched decode (3 prompts, 10 tokens) with ``patch(mp)`` applied
+    for its length."""
+    outs = []
+    hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
+             if isinstance(m, block)]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            patch(mp)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3, **knobs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [r.tokens for r in res], outs
+
+
+def _same_bits(got: tuple[list, list], want: tuple[list, list], label: str = "") -> None:
+    """``_block_outputs`` of two paths: the same tokens and every block output bit for bit."""
+    assert got[0] == want[0], label
+    assert len(got[1]) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1])), label
+
+
+def _counting(mp, names: tuple[str, ...], seen: list, record=lambda *a: 1) -> None:
+    """``decode_kernel``'s kernels ``names`` through a wrapper that appends ``record(*args)`` to ``seen``."""
+    for name in names:
+        real = getattr(decode_kernel, name)
+        mp.setattr(decode_kernel, name, lambda *a, _f=real: (seen.append(record(*a)), _f(*a))[1])
+
+
 @pytest.mark.parametrize("method", ["ar", "self-spec"])
 def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeypatch):
     """A batched call's whole Ouro layer (four norms, both sublayers, both residual adds)
@@ -429,27 +458,15 @@ def test_ouros_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monkeyp
     _pack_everything(monkeypatch)
     model = random_model("ouro", seed=3, mean_recurrence=4, n_core=2)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+    calls = []
 
-    def run(fused: bool):
-        outs, calls = [], []
-        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
-                 if isinstance(m, PeriNormBlock)]
-        with monkeypatch.context() as mp:
-            if fused:
-                real = decode_kernel.peri_layer_rows
-                mp.setattr(decode_kernel, "peri_layer_rows", lambda *a: calls.append(1) or real(*a))
-            else:
-                mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: None)
-                mp.setattr(Ouro, "recur_rows", lambda *a: None)
-            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
-        for h in hooks:
-            h.remove()
-        return [r.tokens for r in res], outs, len(calls)
+    def unfused(mp):
+        mp.setattr(PeriNormBlock, "rows", lambda self, x, span, kv: None)
+        mp.setattr(Ouro, "recur_rows", lambda *a: None)
 
-    tokens, outs, calls = run(True)
-    tokens_ops, outs_ops, _ = run(False)
-    assert calls > 3 * 4 * 2 and tokens == tokens_ops        # decode steps too, not only the prefill's 4 x 2 layers
-    assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops))
+    fused = _block_outputs(model, prompts, method, PeriNormBlock, lambda mp: _counting(mp, ("peri_layer_rows",), calls))
+    assert len(calls) > 3 * 4 * 2                  # decode steps too, not only the prefill's 4 x 2 layers
+    _same_bits(fused, _block_outputs(model, prompts, method, PeriNormBlock, unfused))
 
 
 @pytest.mark.parametrize("method", ["ar", "self-spec", "das-wave"])
@@ -462,31 +479,23 @@ def test_huginns_layer_in_one_call_has_the_bits_of_the_modules_ops(method, monke
     _pack_everything(monkeypatch)
     model = random_model("huginn", seed=3, mean_recurrence=4, n_prelude=1, n_core=2, n_coda=1, qk_bias=True)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
+    calls = []
 
-    def run(mode: str):
-        outs, calls = [], []
-        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
-                 if isinstance(m, SandwichBlock)]
-        with monkeypatch.context() as mp:
+    def path(mode: str):
+        def patch(mp):
             if mode == "layer":
-                real = decode_kernel.sandwich_layer_rows
-                mp.setattr(decode_kernel, "sandwich_layer_rows", lambda *a: calls.append(1) or real(*a))
+                _counting(mp, ("sandwich_layer_rows",), calls)
             else:
                 mp.setattr(SandwichBlock, "rows", lambda self, x, span, kv: None)
             if mode == "torch":                      # the modules' ops, the RoPE as torch's real ops
                 mp.setattr(layers, "kernel_pair", lambda *a: None)
                 mp.setattr(decode_kernel, "rope_pairs", _rope_pairs_in_torch)
-            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
-        for h in hooks:
-            h.remove()
-        return [r.tokens for r in res], outs, len(calls)
+        return _block_outputs(model, prompts, method, SandwichBlock, patch)
 
-    tokens, outs, calls = run("layer")
-    assert calls > 3 * 2 * 4
+    fused = path("layer")
+    assert len(calls) > 3 * 2 * 4
     for mode in ("sublayers", "torch"):
-        tokens_ops, outs_ops, _ = run(mode)
-        assert tokens == tokens_ops, mode
-        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), mode
+        _same_bits(fused, path(mode), mode)
 
 
 @pytest.mark.parametrize("family,overrides", [("huginn", {"qk_bias": True}), ("ouro", {}),
@@ -503,35 +512,24 @@ def test_drafts_reading_the_prefix_at_another_depth_take_one_call(family, overri
     _pack_everything(monkeypatch)
     model = random_model(family, seed=4, mean_recurrence=4, n_prelude=1, n_core=2, n_coda=1, **overrides)
     prompts = [[5 + i, 9, 11 + 2 * i, 4] * (2 + i) for i in range(3)]
-    kernels = ("peri_layer_rows", "pre_layer_rows", "sandwich_layer_rows")
+    two = []
 
-    def run(mode: str):
-        outs, two = [], []
-        hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o.clone())) for m in model.modules()
-                 if isinstance(m, layers.NormedBlock)]
-        with monkeypatch.context() as mp:
-            for name in kernels:
-                real = getattr(decode_kernel, name)
-                mp.setattr(decode_kernel, name, lambda x, n, e, a, m, _f=real: (two.append(len(a) > 14
-                                                                                           and a[14] is not None),
-                                                                                _f(x, n, e, a, m))[1])
+    def path(mode: str):
+        def patch(mp):
+            _counting(mp, ("peri_layer_rows", "pre_layer_rows", "sandwich_layer_rows"), two,
+                      lambda x, n, e, a, m: len(a) > 14 and a[14] is not None)
             if mode != "layer":
                 mp.setattr(layers.NormedBlock, "rows", lambda self, x, span, kv: None)
             if mode == "torch":         # and attention segment by segment, not through the call's plan
                 mp.setattr(layers, "kernel_pair", lambda *a: None)
                 mp.setattr(attention, "row_plan", lambda x, kv, span, two_source=False, _f=attention.row_plan:
                            _f(x, kv, span, two_source) if all(p.one_source for p in kv.parts) else None)
-            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3, **knobs)
-        for h in hooks:
-            h.remove()
-        return [r.tokens for r in res], outs, two
+        return _block_outputs(model, prompts, method, layers.NormedBlock, patch, **knobs)
 
-    tokens, outs, two = run("layer")
+    fused = path("layer")
     assert sum(two) > 3 * 2, two                 # the drafts' layers, with the prefix pools
     for mode in ("sublayers", "torch"):
-        tokens_ops, outs_ops, _ = run(mode)
-        assert tokens == tokens_ops, mode
-        assert len(outs) == len(outs_ops) and all(torch.equal(a, b) for a, b in zip(outs, outs_ops)), mode
+        _same_bits(fused, path(mode), mode)
 
 
 def test_a_hooked_part_keeps_ouros_layer_on_the_modules(monkeypatch):

@@ -578,7 +578,6 @@ static void check_gate(const at::Tensor& gate_w, const at::Tensor& gate_b, const
               "depth-1 pools: the pools' shape, float32, contiguous rows");
 }
 
-// layers.py's Attention.forward on rows the row kernel takes (halves-form RoPE, no q/k norm).  x [M, d] -> [M, d].
 // Huginn's RoPE (layers.py apply_rope, interleaved): each pair (2j, 2j + 1) of a row rotated as a complex number by
 // (cos_j, sin_j) with torch's complex product's roundings - re = a c - b s, im = a s + b c, each product rounded,
 // then the difference or sum (ATen's vectorized complex multiply; the build has no FMA contraction).
@@ -603,6 +602,8 @@ static at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Te
   return cols == hd ? rope_half(qk, cos, sin) : rope_pairs(qk, cos, sin);
 }
 
+// layers.py's Attention.forward on rows the row kernel takes (no q/k norm; either RoPE form; with the prefix pools,
+// a draft's read of the verified prefix at another depth).  x [M, d] -> [M, d].
 at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wproj,
                           const std::optional<at::Tensor>& qk_bias, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& store_at,
@@ -616,7 +617,8 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
               "k_prefix, v_prefix and prefix_lengths together");
   if (k_prefix.has_value())
     TORCH_CHECK(k_prefix->sizes() == k_pool.sizes() && v_prefix->sizes() == v_pool.sizes() &&
-                k_prefix->strides() == k_pool.strides() && v_prefix->strides() == v_pool.strides() &&
+                k_prefix->stride(1) == k_pool.stride(1) && v_prefix->stride(1) == v_pool.stride(1) &&
+                k_prefix->stride(2) == 1 && v_prefix->stride(2) == 1 &&
                 k_prefix->scalar_type() == at::kFloat && v_prefix->scalar_type() == at::kFloat &&
                 prefix_lengths->numel() == x.size(0), "prefix pools like the pools, a prefix length per row");
   const int64_t M = x.size(0);

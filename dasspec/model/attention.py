@@ -363,9 +363,7 @@ def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan", two_
         plan = (p0.k_own, p0.v_own, span.pool_rows(kvs)) + row_lists(kvs, span.parts, span._rows_cache)[:3]
         return plan + (None, None, None) if two_source else plan
     kp, vp = p0.k_prefix, p0.v_prefix
-    if not (two_source and kp.shape == p0.k_own.shape and vp.shape == p0.v_own.shape
-            and kp.stride() == p0.k_own.stride() and vp.stride() == p0.v_own.stride()
-            and all([p.k_prefix is kp and p.v_prefix is vp for p in kvs])):
+    if not (two_source and prefix_like_own(p0) and all([p.k_prefix is kp and p.v_prefix is vp for p in kvs])):
         return None
     rows, starts, lengths, prefix = row_lists(kvs, span.parts, span._rows_cache)
     return p0.k_own, p0.v_own, span.pool_rows(kvs), rows, starts, lengths, kp, vp, prefix
@@ -422,9 +420,15 @@ def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:
 # rounded once), so a bfloat16 model on a CPU is batch-invariant as well.
 
 def kernel_rows(q: Tensor, kv: LayerKV, span: Span) -> bool:
-    return span_suits_kernel(q, span) and (kv.one_source or (
+    return span_suits_kernel(q, span) and prefix_like_own(kv)
+
+
+def prefix_like_own(kv: LayerKV) -> bool:
+    """Whether the row kernel reads ``kv``'s prefix tensors through the own tensors' row indices: one source, or
+    prefix tensors of the own ones' shape and row stride."""
+    return kv.one_source or (
         kv.k_prefix.stride(1) == kv.k_own.stride(1) and kv.v_prefix.stride(1) == kv.v_own.stride(1)
-        and kv.k_prefix.shape == kv.k_own.shape and kv.v_prefix.shape == kv.v_own.shape))
+        and kv.k_prefix.shape == kv.k_own.shape and kv.v_prefix.shape == kv.v_own.shape)
 
 
 def kernel_group(kv: LayerKV) -> tuple:
