@@ -46,13 +46,14 @@ def test_float32_cpu_calls_of_every_shape_take_the_row_kernel_and_stay_lossless(
                         lambda *a, **k: torch_paths.append("sdpa") or real_sdpa(*a, **k))
     # sublayers or whole layers in one call (a batch of one included): the row kernel inside, over one source or,
     # with the prefix pools given, two
-    prefix_at = {"attention_rows": lambda a: a[15:16], "pre_layer_rows": lambda a: a[3][14:15],
-                 "peri_layer_rows": lambda a: a[3][14:15], "recur_rows": lambda a: (), "loop_recur_rows": lambda a: ()}
+    prefix_at = {"attention_rows": lambda a, k: a[15:16], "pre_layer_rows": lambda a, k: a[3][14:15],
+                 "peri_layer_rows": lambda a, k: a[3][14:15], "recur_rows": lambda a, k: k.get("prefix_pools") or (),
+                 "loop_recur_rows": lambda a, k: ()}
     one_call_two = []
     for name, at in prefix_at.items():
         real = getattr(decode_kernel, name)
         monkeypatch.setattr(decode_kernel, name, lambda *a, real=real, at=at, **k:
-                            one_call_two.append(any(x is not None for x in at(a))) or real(*a, **k))
+                            one_call_two.append(any(x is not None for x in at(a, k))) or real(*a, **k))
     prompt = [3, 4, 5, 6] * 6
     ref = dasspec.generate(model, prompt, "ar", max_new_tokens=24, eos=False)
     for method, knobs in (("das-wave", {"gamma": 24, "rounds": 3, "w_init": 24, "k": 1}), ("pld", {"num_pred": 20}),

@@ -262,6 +262,32 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
         assert decode_kernel.attention_rows(x, wqkv, wproj, None, cos, cos, kp, vp, *lists, 0.5, 2, 2).shape == (2, 8)
 
 
+def test_core_steps_refuse_a_bad_prefix_pool_before_writing_any():
+    """recur_rows checks every step's prefix pools (and the prefix counts) before its first layer stores into a pool:
+    a later step's bad pool leaves the pools untouched (fails when they are checked only as each layer runs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, generator=g)
+    wqkv, wproj, wfc, wdown = (torch.randn(*s, generator=g) for s in ((24, 8), (8, 8), (16, 8), (8, 8)))
+    lists = (torch.tensor([0, 1]), torch.tensor([0, 0, 1]), torch.tensor([0, 1]), torch.tensor([1, 2]))
+    cos = torch.randn(2, 4, generator=g)
+    pools = [torch.zeros(2, 8, 4) for _ in range(4)]
+    good = [torch.randn(2, 8, 4, generator=g) for _ in range(4)]
+
+    def call(kp, vp, prefix):
+        return decode_kernel._load().recur_rows(
+            x, 2, "pre", [torch.ones(8)] * 2, [1e-6], [wqkv], [wproj], [None], cos, cos, pools[:2], pools[2:],
+            *lists, 0.5, 2, 2, [wfc], [wdown], None, 0.0, None, None, kp, vp, prefix)
+
+    for kp, vp, prefix in ((good[:1] + [torch.zeros(2, 7, 4)], good[2:], torch.tensor([1, 1])),
+                           (good[:2], good[2:3] + [None], torch.tensor([1, 1])),
+                           (good[:2], good[2:], torch.tensor([1])), (good[:2], good[2:], None)):
+        with pytest.raises(RuntimeError, match="prefix"):
+            call(kp, vp, prefix)
+        assert not any(p.any() for p in pools)
+    call(good[:2], good[2:], torch.tensor([1, 1]))
+    assert all(p.any() for p in pools)
+
+
 @pytest.mark.parametrize("family", ["huginn", "ouro", "raven-llama"])
 def test_decode_steps_take_the_kernel_once_per_layer_and_stay_lossless(family, monkeypatch):
     """A batch of requests decoding side by side gives each its own AR tokens, and every decode step's one-row
@@ -566,18 +592,22 @@ def test_ouros_one_call_layer_leaves_what_it_cannot_compute_to_the_modules(monke
     assert not any(ok for b, ok in fused if b is odd) and any(ok for b, ok in fused if b is not odd)
 
 
-@pytest.mark.parametrize("family,method,overrides", [
-    ("ouro", "ar", {}), ("ouro", "self-spec", {}), ("ouro", "das-wave", {}),
-    ("ouro", "ar", {"qk_bias": True, "n_kv_heads": 4}), ("nanbeige", "ar", {}), ("nanbeige", "self-spec", {}),
-    ("nanbeige", "das-wave", {}), ("huginn", "ar", {"qk_bias": True}), ("huginn", "self-spec", {}),
-    ("huginn", "das-wave", {})])
-def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method, overrides, monkeypatch):
+@pytest.mark.parametrize("family,method,overrides,knobs", [
+    ("ouro", "ar", {}, {}), ("ouro", "self-spec", {}, {}), ("ouro", "das-wave", {}, {}),
+    ("ouro", "ar", {"qk_bias": True, "n_kv_heads": 4}, {}), ("nanbeige", "ar", {}, {}),
+    ("nanbeige", "self-spec", {}, {}), ("nanbeige", "das-wave", {}, {}), ("huginn", "ar", {"qk_bias": True}, {}),
+    ("huginn", "self-spec", {}, {}), ("huginn", "das-wave", {}, {}),
+    ("ouro", "mature-spec", {"n_kv_heads": 4}, {"draft_depth": 3}),
+    ("nanbeige", "mature-spec", {}, {"policy": "k=2,v=4", "draft_depth": 3}),
+    ("huginn", "mature-spec", {"qk_bias": True}, {}), ("huginn", "self-spec", {}, {"policy": "deep-v"})])
+def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method, overrides, knobs, monkeypatch):
     """A batched call's core steps (every layer of every step, each step closed by ln_f) of Ouro's peri-norm layers
     and Nanbeige's pre-norm ones - and Huginn's (each step the adapter over concat[h, e], then its sandwich layers)
-    - run as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows -
-    and every token are bit for bit those of the per-layer calls, which are each bit for bit the sublayers' (fails
+    - run as one kernel call, and every recurrence output - prefill, decode rows, verification chains, windows,
+    drafts that read the verified prefix at other depths (Mature-Spec's Deep K/V, Deep V, K and V apart) - and
+    every token are bit for bit those of the per-layer calls, which are each bit for bit the sublayers' (fails
     when a step's norm, a layer's depth, its q/k bias or its norms' eps is another layer's, or a layer's norms or
-    residual adds are another style's)."""
+    residual adds are another style's, or a draft's step reads the prefix from its own pools or another step's)."""
     from dasspec.model import looped
     from dasspec.model.families import FAMILIES
     from dasspec.model.layers import NormedBlock
@@ -605,13 +635,13 @@ def test_core_steps_in_one_call_have_the_bits_of_the_layer_calls(family, method,
                 for name in ("peri_layer_rows", "pre_layer_rows", "sandwich_layer_rows"):
                     mp.setattr(decode_kernel, name, lambda *a, _f=getattr(decode_kernel, name): calls.append(0)
                                or _f(*a))
-            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3)
+            res = dasspec.generate_batch(model, prompts, method, max_new_tokens=10, eos=False, max_batch=3, **knobs)
         return [r.tokens for r in res], outs, calls
 
     tokens, outs, calls = run("recurrence")
     # decode steps too, not only the 3 prompts' prefill (DAS-Wave's passes past it hold rows the kernel does not take)
     assert len(calls) > (3 if method != "das-wave" else 0)
-    assert any(c < 4 for c in calls) == (method == "self-spec")        # self-spec's drafts: its first d steps
+    assert any(c < 4 for c in calls) == (method in ("self-spec", "mature-spec"))     # the drafts' d steps
     for path in ("layers", "sublayers"):
         tokens_ops, outs_ops, layer_calls = run(path)
         assert (len(layer_calls) > 3 * 2) == (path == "layers"), path      # the decode steps' layers too
@@ -629,7 +659,7 @@ def test_a_hooked_block_or_norm_keeps_ouros_core_steps_on_their_calls(hooked, mo
     seen, calls = [], []
     module.register_forward_hook(lambda m, a, o: seen.append(o.shape))
     real = decode_kernel.recur_rows
-    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     dasspec.generate_batch(model, [[5, 9, 11, 4] * 3, [7, 3, 9] * 4], "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert seen and not calls
 
@@ -642,7 +672,7 @@ def test_a_replaced_core_step_or_block_forward_keeps_ouros_core_steps_on_their_c
     prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
     calls = []
     real = decode_kernel.recur_rows
-    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode_kernel, "recur_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def decode(model):
         dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)

@@ -741,7 +741,10 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                       const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                       const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
                       const std::optional<at::Tensor>& ln_w, double ln_eps, const std::optional<at::Tensor>& inj,
-                      const std::optional<at::Tensor>& adapter_w) {
+                      const std::optional<at::Tensor>& adapter_w,
+                      const std::vector<std::optional<at::Tensor>>& k_prefix_pools,
+                      const std::vector<std::optional<at::Tensor>>& v_prefix_pools,
+                      const std::optional<at::Tensor>& prefix_lengths) {
   TORCH_CHECK(style == "peri" || style == "pre" || style == "sandwich", "style: peri, pre or sandwich");
   const int64_t per = style == "pre" ? 2 : 4;
   const auto layer = style == "peri" ? peri_layer_rows : style == "pre" ? pre_layer_rows : sandwich_layer_rows;
@@ -773,6 +776,20 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
   check_attention(x, wqkv[0], wproj[0], k_pools[0], v_pools[0], H, Hkv);
   check_mlp(x, wfc[0], wdown[0]);
   check_like_first(wqkv, wproj, wfc, wdown, k_pools, v_pools);
+  const bool two = !k_prefix_pools.empty();
+  TORCH_CHECK(k_prefix_pools.size() == v_prefix_pools.size() && (!two || static_cast<int64_t>(
+              k_prefix_pools.size()) == steps * L) && two == prefix_lengths.has_value(),
+              "prefix pools: none, or a K and a V (or neither) per step and layer, with the prefix counts");
+  for (size_t p = 0; p < k_prefix_pools.size(); ++p) {   // as attention_rows checks them, before any write
+    const auto &kp = k_prefix_pools[p], &vp = v_prefix_pools[p];
+    TORCH_CHECK(kp.has_value() == vp.has_value(), "a step's K and V prefix pools together");
+    if (kp.has_value())
+      TORCH_CHECK(kp->sizes() == k_pools[0].sizes() && vp->sizes() == v_pools[0].sizes() &&
+                  kp->stride(1) == k_pools[0].stride(1) && vp->stride(1) == v_pools[0].stride(1) &&
+                  kp->stride(2) == 1 && vp->stride(2) == 1 && kp->scalar_type() == at::kFloat &&
+                  vp->scalar_type() == at::kFloat && prefix_lengths->numel() == x.size(0),
+                  "prefix pools like the pools, a prefix count per row");
+  }
   const auto own = per_layer(norms, per);
   for (int64_t s = 0; s < steps; ++s) {
     if (inj.has_value()) {
@@ -780,9 +797,12 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
       x = dasspec::linear(xe, *adapter_w, std::nullopt);
     }
     for (int64_t i = 0; i < L; ++i) {
+      const bool read_prefix = two && k_prefix_pools[s * L + i].has_value();
       x = layer(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
-                store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i], std::nullopt, std::nullopt,
-                std::nullopt);
+                store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i],
+                read_prefix ? k_prefix_pools[s * L + i] : std::nullopt,
+                read_prefix ? v_prefix_pools[s * L + i] : std::nullopt,
+                read_prefix ? prefix_lengths : std::nullopt);
     }
     if (ln_w.has_value()) x = rms_norm(x, *ln_w, ln_eps);
   }

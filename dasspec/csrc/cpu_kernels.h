@@ -78,7 +78,9 @@ at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor
                                const std::optional<at::Tensor>& k_prefix, const std::optional<at::Tensor>& v_prefix,
                                const std::optional<at::Tensor>& prefix_lengths);
 // Core steps over a call's rows: with an injection the adapter over concat[x, inj] first, then "peri" (Ouro),
-// "pre" (Llama) or "sandwich" (Huginn) layers, then ln_f where given.
+// "pre" (Llama) or "sandwich" (Huginn) layers, then ln_f where given.  A draft's steps that read the verified prefix
+// at other depths: per step and layer the prefix's K and V pools (none for a step that reads one source), and the
+// rows' prefix counts once.
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
                       const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
                       const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,
@@ -87,7 +89,10 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
                       const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t H, int64_t Hkv,
                       const std::vector<at::Tensor>& wfc, const std::vector<at::Tensor>& wdown,
                       const std::optional<at::Tensor>& ln_w, double ln_eps, const std::optional<at::Tensor>& inj,
-                      const std::optional<at::Tensor>& adapter_w);
+                      const std::optional<at::Tensor>& adapter_w,
+                      const std::vector<std::optional<at::Tensor>>& k_prefix_pools,
+                      const std::vector<std::optional<at::Tensor>>& v_prefix_pools,
+                      const std::optional<at::Tensor>& prefix_lengths);
 
 // IQuest-Loop's loops first, first + 1, ... over a call's rows: per layer two norms, their eps, the weights, depth 1's
 // pools and the gate; per step and layer the pools; per step the store rows and row lists.

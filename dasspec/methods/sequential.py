@@ -68,8 +68,6 @@ def propose_sequential(reqs: list[DraftContext], d: int, blocks: list[int], poli
     R = reqs[0].R
     slots = [r.scratch(b) for r, b in zip(reqs, blocks)]
     reads = [policy.depths(j, R) for j in range(1, d + 1)]       # hoisted out of the token loop
-    # aligned reads: the target's own first d steps, which a family may run in one call (``LoopedLM.recur``)
-    aligned = all(read == (j, j) for j, read in enumerate(reads, 1))
     live = list(range(len(reqs)))
     for i in range(max(blocks, default=0)):
         live = [q for q in live if blocks[q] > i and reqs[q].stopping() is None]
@@ -79,11 +77,7 @@ def propose_sequential(reqs: list[DraftContext], d: int, blocks: list[int], poli
         batch = Batch(group, [r.n + i for r in group], [1] * len(group))
         inj = batch.prelude(batch.ids())
         h = batch.start_state(batch.initial(), inj)
-        if aligned:
-            h = batch.recur(h, inj, range(1, d + 1))
-        else:
-            for j, read in enumerate(reads, 1):
-                h = batch.core_step(h, inj, read, own=(j, j))
+        h = batch.recur(h, inj, range(1, d + 1), reads)     # the d steps in one call where the family has one
         logits = batch.readout(h)[0]
         if all(r.choose is greedy for r in group):
             chosen = decode_kernel.argmax(logits)

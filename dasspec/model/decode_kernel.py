@@ -313,9 +313,9 @@ def pre_layer_rows(x: Tensor, norms: list[Tensor], eps: float, attention_args: t
 
 
 # attention_rows' arguments: wqkv, wproj, qk_bias, cos, sin, k_pool, v_pool, store_at, rows, starts, lengths, scale,
-# H, Hkv; mlp_rows': wfc, wdown.  Of these recur_rows takes per layer the weights and the bias (and the pools per
-# layer and step); the rest once, from the first layer.
-_PER_LAYER = (0, 1, 2, 5, 6)
+# H, Hkv (and with two sources k_prefix, v_prefix, prefix_lengths); mlp_rows': wfc, wdown.  Of these recur_rows takes
+# per layer the weights and the bias (and the pools per layer and step); the rest once, from the first layer.
+_PER_LAYER = (0, 1, 2, 5, 6, 14, 15)
 
 
 def same(x: object, y: object) -> bool:
@@ -334,19 +334,22 @@ def layers_agree(layers: list[tuple]) -> bool:
 
 def recur_rows(x: Tensor, steps: int, style: str, layers: list[tuple], pools: list[tuple[Tensor, Tensor]],
                ln_weight: Tensor | None = None, ln_eps: float = 0.0, inj: Tensor | None = None,
-               adapter: Tensor | None = None) -> Tensor:
+               adapter: Tensor | None = None, prefix_pools: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """``steps`` core steps of a family's layers over a call's rows x [M, d] in one call (``recurrence.py``): each
     step, where ``inj`` is given (the prelude's output, Huginn's), the adapter's weight over concat[x, inj]; then the
     layers; then ln_f where ``ln_weight`` is given (Ouro, Nanbeige).  ``style``: "peri" (Ouro's layers), "pre"
     (Llama's: Nanbeige's) or "sandwich" (Huginn's); ``layers``: each layer's one-call arguments after x, as the
     block's ``layer_args`` gives them (``layers_agree``); ``pools``: the (K, V) pool of every layer of every step,
-    step after step, in place of the layers' own."""
+    step after step, in place of the layers' own.  ``prefix_pools``: a draft's steps that read the verified prefix at
+    other depths - the prefix's (K, V) pools likewise, with the prefix counts of the first layer's arguments."""
     norms = [w for n, *_ in layers for w in n]
     a0 = layers[0][2]
+    kp, vp = ([k for k, _ in prefix_pools], [v for _, v in prefix_pools]) if prefix_pools else ([], [])
     return (_module if _tried else _load()).recur_rows(
         x, steps, style, norms, [l[1] for l in layers], [l[2][0] for l in layers], [l[2][1] for l in layers],
         [l[2][2] for l in layers], a0[3], a0[4], [k for k, _ in pools], [v for _, v in pools], *a0[7:14],
-        [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps, inj, adapter)
+        [l[3][0] for l in layers], [l[3][1] for l in layers], ln_weight, ln_eps, inj, adapter, kp, vp,
+        a0[16] if prefix_pools else None)
 
 
 def loop_recur_rows(x: Tensor, first: int, layers: list[tuple], steps: list[tuple], glob: tuple) -> Tensor:

@@ -47,11 +47,14 @@ class Recurrence:
         return self.model.exit_logits(h)
 
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
-              depths: range | None = None) -> Tensor:
+              depths: range | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor:
         """Core steps r in ``depths`` (default 1..R), each reading and writing the cache at depth r (aligned
-        reads): the target's recurrence, as AR, verification, prefill, training and every full forward run it."""
-        for r in depths if depths is not None else range(1, self.R + 1):
-            h = self.core_step(h, inj, span, cache, read=(r, r))
+        reads): the target's recurrence, as AR, verification, prefill, training and every full forward run it.
+        ``reads``: a draft's steps instead - step r reads the verified prefix at depths reads[i] = (kappa, nu) and
+        stores at r."""
+        steps = depths if depths is not None else range(1, self.R + 1)
+        for r, read in zip(steps, reads if reads is not None else [(r, r) for r in steps]):
+            h = self.core_step(h, inj, span, cache, read=read, own=(r, r))
         return h
 
     def full_depth(self, ids: Tensor, h: Tensor, span: Span, cache: DepthCache | None = None, R: int | None = None,
@@ -173,18 +176,20 @@ class LoopedLM(Recurrence, nn.Module):
         return (z * (std * cfg.embed_scale)).to(self.dtype)
 
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
-              depths: range | None = None) -> Tensor:
+              depths: range | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor:
         steps = depths if depths is not None else range(1, self.R + 1)
         if not isinstance(steps, (range, list, tuple)):
             steps = list(steps)
+        if reads is not None and all(read == (r, r) for r, read in zip(steps, reads)):
+            reads = None                      # aligned: the target's own steps
         # a batched call's steps in one kernel call where the family has one - unless core_step is not this class's
         # (a subclass's or an instance's own), which every step must then go through
         if (cache is not None and len(steps) and type(self).core_step is LoopedLM.core_step
                 and "core_step" not in vars(self)):
-            y = self.family.recur_rows(self, h, span, cache, steps, inj)
+            y = self.family.recur_rows(self, h, span, cache, steps, inj, reads)
             if y is not None:
                 return y
-        return super().recur(h, inj, span, cache, steps)
+        return super().recur(h, inj, span, cache, steps, reads)
 
     # --- the three primitives ----------------------------------------------------------------------------
     def prelude(self, ids: Tensor, span: Span, cache: DepthCache | None = None) -> Tensor:

@@ -89,9 +89,10 @@ class Batch:
     def core_step(self, h: Tensor, inj: Tensor, read: tuple[int, int], own: tuple[int, int] | None = None) -> Tensor:
         return self.net.core_step(h, inj, self.span, self.cache, read=read, own=own)
 
-    def recur(self, h: Tensor, inj: Tensor, depths: range) -> Tensor:
-        """Aligned core steps ``depths`` (each reading and storing at its own depth), as the target runs them."""
-        return self.net.recur(h, inj, self.span, self.cache, depths)
+    def recur(self, h: Tensor, inj: Tensor, depths: range, reads: list[tuple[int, int]] | None = None) -> Tensor:
+        """Core steps ``depths``, each storing at its own depth and reading the prefix there (aligned, as the target
+        runs them) or at ``reads``' depths (kappa, nu), one pair per step: a draft's reads (``LoopedLM.recur``)."""
+        return self.net.recur(h, inj, self.span, self.cache, depths, reads)
 
     def readout(self, h: Tensor, rows: slice | Tensor | None = None) -> Tensor:
         return self.net.readout(h, self.span, self.cache, rows=rows)

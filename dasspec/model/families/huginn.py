@@ -182,10 +182,10 @@ class Huginn(HuginnRavenFamily):
         return f.need_int("block_size")     # the RoPE table Huginn ships has block_size rows: a hard context cap
 
     def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call: each step the adapter over concat[h, e],
         then the sandwich layers (``recurrence.injected_recurrence``)."""
-        return injected_recurrence(model, h, inj, span, cache, steps, SandwichBlock, _OWN)
+        return injected_recurrence(model, h, inj, span, cache, steps, SandwichBlock, _OWN, reads)
 
     def own_fields(self, cfg: LoopedConfig) -> dict[str, Any]:
         return {"block_class_name": "SandwichBlock", "rope_base": cfg.rope_theta, "injection_type": "linear",

@@ -263,12 +263,14 @@ class IQuestLoop(Family):
     # states past depth 1 reads whatever an earlier call left there (even uninitialised memory) - a draft only.
 
     def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``decode_kernel.loop_recur_rows``: each loop's
         layer calls in ``core_step``'s order - depth 1 Llama's, past it the mixed attention's - so the same bits),
         where every layer application would take the one-call sublayers (``Attention.row_args``, ``mix_args``, the
         MLP's) and nothing whose call it skips is replaced or hooked; None otherwise.  Saves the Python around the
         T x N layer calls: each layer's weights and checks are taken once, a later depth asks only for its pools."""
+        if reads is not None:           # a draft reading the prefix at another depth: its layer calls
+            return None
         blocks = list(model.transformer.core_block)
         steps = list(steps)
         if (steps != list(range(steps[0], steps[0] + len(steps))) or any(type(b) is not LoopCoderBlock for b in blocks)

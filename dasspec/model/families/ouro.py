@@ -73,9 +73,9 @@ class Ouro(Family):
     stop_tokens = ("<|im_end|>",)
 
     def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range,
-                   inj: Tensor | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
-        return layer_recurrence(model, h, span, cache, steps, PeriNormBlock, _OWN)
+        return layer_recurrence(model, h, span, cache, steps, PeriNormBlock, _OWN, reads)
 
     def detect(self, cfg: dict[str, Any], names: set[str] | None) -> str:
         if names is not None and not any(n.startswith("model.layers.") for n in names):

@@ -6,8 +6,10 @@ concat[h, e] then its layers (``injected_recurrence``: Huginn's sandwich layers)
 layers, then ``ln_f``, in ``core_step``'s order, so the same bits - wherever every layer application would take the
 block's one-call layer (``NormedBlock.rows``: a batched call in one paged pool, the kernel's products, no gradient)
 and nothing whose call it skips is replaced or hooked (the blocks' and ``ln_f``'s methods here, the sublayers' in
-``NormedBlock.plain_parts``); None otherwise (the steps go through ``core_step``).  It saves
-the Python around each of the T x N layer calls of a step, which a batched decode step on a CPU otherwise spends.
+``NormedBlock.plain_parts``); None otherwise (the steps go through ``core_step``).  A draft's steps that read the
+verified prefix at other depths than they store at (Mature-Spec's Deep K/V, Deep V, explicit depths) run so too, each
+step's layers given the prefix's pools beside their own.  It saves the Python around each of the T x N layer calls
+of a step, which a batched decode step on a CPU otherwise spends.
 """
 
 from __future__ import annotations
@@ -30,23 +32,25 @@ def own_methods(block: type[NormedBlock]) -> tuple:
 
 
 def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
-                     own: tuple) -> Tensor | None:
+                     own: tuple, reads: list | None = None) -> Tensor | None:
     """The core steps ``steps`` of ``model`` (blocks all of class ``block``, whose methods at import were ``own``)
-    over a batched call's rows in one kernel call; None where the call does not take it."""
+    over a batched call's rows in one kernel call; None where the call does not take it.  ``reads``: a draft's
+    prefix depths (kappa, nu) per step, each step storing at its own depth (``LoopedLM.recur``)."""
     ln_f = model.transformer.ln_f
     if (type(ln_f) is not RMSNorm or not skips_nothing(ln_f) or not ln_f.takes_kernel(h)
             or (ln_f.weight.requires_grad and torch.is_grad_enabled())):
         return None
-    got = _layers_and_pools(model, h, span, cache, steps, block, own)
+    got = _layers_and_pools(model, h, span, cache, steps, block, own, reads)
     if got is None:
         return None
     B, W, d = h.shape
-    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, *got, ln_f.weight,
-                                    ln_f.eps).view(B, W, d)
+    layers, pools, prefix = got
+    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, layers, pools, ln_f.weight,
+                                    ln_f.eps, prefix_pools=prefix).view(B, W, d)
 
 
 def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: Any, cache: Any, steps: range,
-                        block: type[NormedBlock], own: tuple) -> Tensor | None:
+                        block: type[NormedBlock], own: tuple, reads: list | None = None) -> Tensor | None:
     """``layer_recurrence`` for a family whose core step injects the prelude's output e (Huginn's): each step the
     adapter over concat[h, e] - a plain ``Linear`` on the kernel's product, e of h's shape - then the layers, no norm
     between steps."""
@@ -55,39 +59,50 @@ def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: A
             or not bare(adapter)
             or not kernel_takes(h, adapter.weight) or adapter.weight.stride(-1) != 1 or adapter.bias is not None):
         return None
-    got = _layers_and_pools(model, h, span, cache, steps, block, own)
+    got = _layers_and_pools(model, h, span, cache, steps, block, own, reads)
     if got is None:
         return None
     B, W, d = h.shape
-    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, *got, inj=inj.reshape(B * W, d),
-                                    adapter=adapter.weight).view(B, W, d)
+    layers, pools, prefix = got
+    return decode_kernel.recur_rows(h.reshape(B * W, d), len(steps), block.style, layers, pools,
+                                    inj=inj.reshape(B * W, d), adapter=adapter.weight,
+                                    prefix_pools=prefix).view(B, W, d)
 
 
 def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
-                      own: tuple) -> tuple[list, list] | None:
-    """Every core layer's one-call arguments (``NormedBlock.layer_args`` at the first step) and the (K, V) pools of
-    every layer at every step, where each block is a plain ``block`` and every layer application would take its
-    one-call layer; None otherwise."""
+                      own: tuple, reads: list | None = None) -> tuple[list, list, list | None] | None:
+    """Every core layer's one-call arguments (``NormedBlock.layer_args`` at the first step), the (K, V) pools of
+    every layer at every step and, with ``reads`` (each step's prefix depths, every one another depth than the
+    step's own), the prefix's (K, V) pools likewise (else None), where each block is a plain ``block`` and every
+    layer application would take its one-call layer; None otherwise."""
     blocks = list(model.transformer.core_block)
     if (any(type(b) is not block for b in blocks) or own_methods(block) != own
             or any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
             or any(name in vars(b) for b in blocks for name in ("forward", "rows", "layer_args"))):
         return None
     r0 = steps[0]
+    read = [(r, r) for r in steps] if reads is None else list(reads)
+    two = reads is not None
+    if two and (len(read) != len(steps) or any(rd == (r, r) for rd, r in zip(read, steps))):
+        return None                      # (a draft's aligned step among them: the per-step path)
     layers = []
     for i, b in enumerate(blocks):
-        args = b.layer_args(h, span, cache.core_kv(i, (r0, r0), (r0, r0)))
-        if args is None:
+        args = b.layer_args(h, span, cache.core_kv(i, read[0], (r0, r0)), two_source=two)
+        if args is None or (two and args[2][14] is None):
             return None
         layers.append(args)
     if not decode_kernel.layers_agree(layers):
         return None
     pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
-    first = cache.core_kv(0, (r0, r0), (r0, r0))         # whose plan (rows and lists) every layer's agreed with
-    for r in steps[1:]:
+    prefix = [a[14:16] for _, _, a, _ in layers] if two else None
+    first = cache.core_kv(0, read[0], (r0, r0))         # whose plan (rows and lists) every layer's agreed with
+    for r, rd in zip(steps[1:], read[1:]):
         for i in range(len(blocks)):
-            got = pools_like(cache.core_kv(i, (r, r), (r, r)), first)
+            kv = cache.core_kv(i, rd, (r, r))
+            got = pools_like(kv, first, two)
             if got is None:
                 return None
-            pools.append(got)
-    return layers, pools
+            pools.append(got[:2])
+            if two:
+                prefix.append(got[2:])
+    return layers, pools, prefix
