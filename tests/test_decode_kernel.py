@@ -263,8 +263,9 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
 
 
 def test_core_steps_refuse_a_bad_prefix_pool_before_writing_any():
-    """recur_rows checks every step's prefix pools (and the prefix counts) before its first layer stores into a pool:
-    a later step's bad pool leaves the pools untouched (fails when they are checked only as each layer runs)."""
+    """recur_rows checks every step's prefix pools (and the prefix counts' shape and type) before its first layer
+    stores into a pool: a later step's bad pool leaves the pools untouched (fails when they are checked only as each
+    layer runs); a draft's reads of another length than its steps are refused."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 8, generator=g)
     wqkv, wproj, wfc, wdown = (torch.randn(*s, generator=g) for s in ((24, 8), (8, 8), (16, 8), (8, 8)))
@@ -280,12 +281,19 @@ def test_core_steps_refuse_a_bad_prefix_pool_before_writing_any():
 
     for kp, vp, prefix in ((good[:1] + [torch.zeros(2, 7, 4)], good[2:], torch.tensor([1, 1])),
                            (good[:2], good[2:3] + [None], torch.tensor([1, 1])),
+                           (good[:2], good[2:], torch.tensor([1, 1], dtype=torch.int32)),
                            (good[:2], good[2:], torch.tensor([1])), (good[:2], good[2:], None)):
         with pytest.raises(RuntimeError, match="prefix"):
             call(kp, vp, prefix)
         assert not any(p.any() for p in pools)
+    with pytest.raises(RuntimeError, match="prefix length outside"):    # a count past a row's list: refused
+        call(good[:2], good[2:], torch.tensor([1, 3]))
     call(good[:2], good[2:], torch.tensor([1, 1]))
     assert all(p.any() for p in pools)
+    model = random_model("ouro", seed=3, mean_recurrence=4, n_core=1)
+    h = torch.zeros(1, 1, model.config.n_embd)
+    with pytest.raises(ValueError, match="one \\(kappa, nu\\) per step"):      # not silently fewer steps
+        model.recur(h, h, None, None, range(1, 3), reads=[(4, 4)])
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro", "raven-llama"])

@@ -524,6 +524,19 @@ static void check_attention(const at::Tensor& x, const at::Tensor& wqkv, const a
               v_pool.stride(2) == 1, "pools: float32, contiguous rows");
 }
 
+// A draft's prefix pools and counts (attention_rows', each step's of recur_rows): what rows_attention reads them as.
+static void check_prefix(const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& prefix_lengths,
+                         const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t M) {
+  check_cpu(kp, "k_prefix");
+  check_cpu(vp, "v_prefix");
+  check_cpu(prefix_lengths, "prefix_lengths");
+  TORCH_CHECK(kp.sizes() == k_pool.sizes() && vp.sizes() == v_pool.sizes() && kp.stride(1) == k_pool.stride(1) &&
+              vp.stride(1) == v_pool.stride(1) && kp.stride(2) == 1 && vp.stride(2) == 1 &&
+              kp.scalar_type() == at::kFloat && vp.scalar_type() == at::kFloat &&
+              prefix_lengths.scalar_type() == at::kLong && prefix_lengths.numel() == M,
+              "prefix pools like the pools, an int64 prefix length per row");
+}
+
 static void check_mlp(const at::Tensor& x, const at::Tensor& wfc, const at::Tensor& wdown) {
   TORCH_CHECK(wfc.dim() == 2 && wfc.size(1) == x.size(1) && wfc.size(0) % 2 == 0 && wdown.dim() == 2 &&
               wdown.size(0) == x.size(1) && wdown.size(1) == wfc.size(0) / 2 && wfc.scalar_type() == at::kFloat &&
@@ -615,12 +628,7 @@ at::Tensor attention_rows(const at::Tensor& x, const at::Tensor& wqkv, const at:
   check_attention(x, wqkv, wproj, k_pool, v_pool, H, Hkv);
   TORCH_CHECK(k_prefix.has_value() == v_prefix.has_value() && k_prefix.has_value() == prefix_lengths.has_value(),
               "k_prefix, v_prefix and prefix_lengths together");
-  if (k_prefix.has_value())
-    TORCH_CHECK(k_prefix->sizes() == k_pool.sizes() && v_prefix->sizes() == v_pool.sizes() &&
-                k_prefix->stride(1) == k_pool.stride(1) && v_prefix->stride(1) == v_pool.stride(1) &&
-                k_prefix->stride(2) == 1 && v_prefix->stride(2) == 1 &&
-                k_prefix->scalar_type() == at::kFloat && v_prefix->scalar_type() == at::kFloat &&
-                prefix_lengths->numel() == x.size(0), "prefix pools like the pools, a prefix length per row");
+  if (k_prefix.has_value()) check_prefix(*k_prefix, *v_prefix, *prefix_lengths, k_pool, v_pool, x.size(0));
   const int64_t M = x.size(0);
   auto qkv = dasspec::linear(x, wqkv, std::nullopt);
   TORCH_CHECK(qkv.size(1) % (H + 2 * Hkv) == 0, "projection width");
@@ -779,16 +787,11 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
   const bool two = !k_prefix_pools.empty();
   TORCH_CHECK(k_prefix_pools.size() == v_prefix_pools.size() && (!two || static_cast<int64_t>(
               k_prefix_pools.size()) == steps * L) && two == prefix_lengths.has_value(),
-              "prefix pools: none, or a K and a V (or neither) per step and layer, with the prefix counts");
+              "prefix pools: none, or a K and a V per step and layer, with the prefix counts");
   for (size_t p = 0; p < k_prefix_pools.size(); ++p) {   // as attention_rows checks them, before any write
-    const auto &kp = k_prefix_pools[p], &vp = v_prefix_pools[p];
-    TORCH_CHECK(kp.has_value() == vp.has_value(), "a step's K and V prefix pools together");
-    if (kp.has_value())
-      TORCH_CHECK(kp->sizes() == k_pools[0].sizes() && vp->sizes() == v_pools[0].sizes() &&
-                  kp->stride(1) == k_pools[0].stride(1) && vp->stride(1) == v_pools[0].stride(1) &&
-                  kp->stride(2) == 1 && vp->stride(2) == 1 && kp->scalar_type() == at::kFloat &&
-                  vp->scalar_type() == at::kFloat && prefix_lengths->numel() == x.size(0),
-                  "prefix pools like the pools, a prefix count per row");
+    TORCH_CHECK(k_prefix_pools[p].has_value() && v_prefix_pools[p].has_value(), "a K and a V prefix pool per step "
+                "and layer");
+    check_prefix(*k_prefix_pools[p], *v_prefix_pools[p], *prefix_lengths, k_pools[0], v_pools[0], x.size(0));
   }
   const auto own = per_layer(norms, per);
   for (int64_t s = 0; s < steps; ++s) {
@@ -797,12 +800,10 @@ at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, con
       x = dasspec::linear(xe, *adapter_w, std::nullopt);
     }
     for (int64_t i = 0; i < L; ++i) {
-      const bool read_prefix = two && k_prefix_pools[s * L + i].has_value();
       x = layer(x, own[i], eps[i], wqkv[i], wproj[i], qk_bias[i], cos, sin, k_pools[s * L + i], v_pools[s * L + i],
                 store_at, rows, starts, lengths, scale, H, Hkv, wfc[i], wdown[i],
-                read_prefix ? k_prefix_pools[s * L + i] : std::nullopt,
-                read_prefix ? v_prefix_pools[s * L + i] : std::nullopt,
-                read_prefix ? prefix_lengths : std::nullopt);
+                two ? k_prefix_pools[s * L + i] : std::nullopt, two ? v_prefix_pools[s * L + i] : std::nullopt,
+                prefix_lengths);
     }
     if (ln_w.has_value()) x = rms_norm(x, *ln_w, ln_eps);
   }

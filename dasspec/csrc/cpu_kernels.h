@@ -79,8 +79,7 @@ at::Tensor sandwich_layer_rows(const at::Tensor& x, const std::vector<at::Tensor
                                const std::optional<at::Tensor>& prefix_lengths);
 // Core steps over a call's rows: with an injection the adapter over concat[x, inj] first, then "peri" (Ouro),
 // "pre" (Llama) or "sandwich" (Huginn) layers, then ln_f where given.  A draft's steps that read the verified prefix
-// at other depths: per step and layer the prefix's K and V pools (none for a step that reads one source), and the
-// rows' prefix counts once.
+// at other depths: per step and layer the prefix's K and V pools, and the rows' prefix counts once.
 at::Tensor recur_rows(at::Tensor x, int64_t steps, const std::string& style, const std::vector<at::Tensor>& norms,
                       const std::vector<double>& eps, const std::vector<at::Tensor>& wqkv,
                       const std::vector<at::Tensor>& wproj, const std::vector<std::optional<at::Tensor>>& qk_bias,

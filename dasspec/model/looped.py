@@ -52,8 +52,14 @@ class Recurrence:
         reads): the target's recurrence, as AR, verification, prefill, training and every full forward run it.
         ``reads``: a draft's steps instead - step r reads the verified prefix at depths reads[i] = (kappa, nu) and
         stores at r."""
-        steps = depths if depths is not None else range(1, self.R + 1)
-        for r, read in zip(steps, reads if reads is not None else [(r, r) for r in steps]):
+        steps = list(depths) if depths is not None else range(1, self.R + 1)
+        if reads is None:
+            for r in steps:
+                h = self.core_step(h, inj, span, cache, read=(r, r))
+            return h
+        if len(reads) != len(steps):
+            raise ValueError(f"reads: one (kappa, nu) per step, got {len(reads)} for {len(steps)} steps")
+        for r, read in zip(steps, reads):
             h = self.core_step(h, inj, span, cache, read=read, own=(r, r))
         return h
 
@@ -180,7 +186,7 @@ class LoopedLM(Recurrence, nn.Module):
         steps = depths if depths is not None else range(1, self.R + 1)
         if not isinstance(steps, (range, list, tuple)):
             steps = list(steps)
-        if reads is not None and all(read == (r, r) for r, read in zip(steps, reads)):
+        if reads is not None and len(reads) == len(steps) and all(rd == (r, r) for r, rd in zip(steps, reads)):
             reads = None                      # aligned: the target's own steps
         # a batched call's steps in one kernel call where the family has one - unless core_step is not this class's
         # (a subclass's or an instance's own), which every step must then go through

@@ -145,7 +145,7 @@ class Family:
         return h0
 
     def recur_rows(self, model: "nn.Module", h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
         """``model``'s core steps ``steps`` over a batched call's rows in one kernel call (aligned reads, with the
         call's cache; ``inj``: the prelude's output, for a family that injects it; ``reads``: a draft's prefix depths
         per step instead, each step storing at its own depth), with the bits of ``core_step``'s; None where the

@@ -182,7 +182,7 @@ class Huginn(HuginnRavenFamily):
         return f.need_int("block_size")     # the RoPE table Huginn ships has block_size rows: a hard context cap
 
     def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call: each step the adapter over concat[h, e],
         then the sandwich layers (``recurrence.injected_recurrence``)."""
         return injected_recurrence(model, h, inj, span, cache, steps, SandwichBlock, _OWN, reads)

@@ -263,7 +263,7 @@ class IQuestLoop(Family):
     # states past depth 1 reads whatever an earlier call left there (even uninitialised memory) - a draft only.
 
     def recur_rows(self, model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``decode_kernel.loop_recur_rows``: each loop's
         layer calls in ``core_step``'s order - depth 1 Llama's, past it the mixed attention's - so the same bits),
         where every layer application would take the one-call sublayers (``Attention.row_args``, ``mix_args``, the

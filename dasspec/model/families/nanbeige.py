@@ -129,7 +129,7 @@ class Nanbeige(Family):
     stop_tokens = ("<|im_end|>",)
 
     def recur_rows(self, model: Any, h: Tensor, span: Any, cache: Any, steps: range,
-                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
         """The loops ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
         return layer_recurrence(model, h, span, cache, steps, PreNormBlock, _OWN, reads)
 

@@ -73,7 +73,7 @@ class Ouro(Family):
     stop_tokens = ("<|im_end|>",)
 
     def recur_rows(self, model: nn.Module, h: Tensor, span: Span, cache: Any, steps: range,
-                   inj: Tensor | None = None, reads: list | None = None) -> Tensor | None:
+                   inj: Tensor | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
         """The core steps ``steps`` of a batched call in one kernel call (``recurrence.layer_recurrence``)."""
         return layer_recurrence(model, h, span, cache, steps, PeriNormBlock, _OWN, reads)
 

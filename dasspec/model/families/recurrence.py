@@ -23,6 +23,7 @@ from .. import decode_kernel
 from ..attention import pools_like
 from ..layers import NormedBlock, RMSNorm, bare, skips_nothing
 from ..linear import kernel_takes
+from . import Family
 
 
 def own_methods(block: type[NormedBlock]) -> tuple:
@@ -32,7 +33,7 @@ def own_methods(block: type[NormedBlock]) -> tuple:
 
 
 def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
-                     own: tuple, reads: list | None = None) -> Tensor | None:
+                     own: tuple, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
     """The core steps ``steps`` of ``model`` (blocks all of class ``block``, whose methods at import were ``own``)
     over a batched call's rows in one kernel call; None where the call does not take it.  ``reads``: a draft's
     prefix depths (kappa, nu) per step, each step storing at its own depth (``LoopedLM.recur``)."""
@@ -50,7 +51,7 @@ def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: 
 
 
 def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: Any, cache: Any, steps: range,
-                        block: type[NormedBlock], own: tuple, reads: list | None = None) -> Tensor | None:
+                        block: type[NormedBlock], own: tuple, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
     """``layer_recurrence`` for a family whose core step injects the prelude's output e (Huginn's): each step the
     adapter over concat[h, e] - a plain ``Linear`` on the kernel's product, e of h's shape - then the layers, no norm
     between steps."""
@@ -70,36 +71,38 @@ def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: A
 
 
 def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: range, block: type[NormedBlock],
-                      own: tuple, reads: list | None = None) -> tuple[list, list, list | None] | None:
+                      own: tuple, reads: list[tuple[int, int]] | None = None) -> tuple[list, list, list | None] | None:
     """Every core layer's one-call arguments (``NormedBlock.layer_args`` at the first step), the (K, V) pools of
     every layer at every step and, with ``reads`` (each step's prefix depths, every one another depth than the
     step's own), the prefix's (K, V) pools likewise (else None), where each block is a plain ``block`` and every
     layer application would take its one-call layer; None otherwise."""
     blocks = list(model.transformer.core_block)
     if (any(type(b) is not block for b in blocks) or own_methods(block) != own
+            or type(model.family).core_kv is not Family.core_kv          # (core_step's views are the cache's)
             or any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
             or any(name in vars(b) for b in blocks for name in ("forward", "rows", "layer_args"))):
         return None
     r0 = steps[0]
-    read = [(r, r) for r in steps] if reads is None else list(reads)
     two = reads is not None
-    if two and (len(read) != len(steps) or any(rd == (r, r) for rd, r in zip(read, steps))):
-        return None                      # (a draft's aligned step among them: the per-step path)
+    step_reads = list(reads) if two else [(r, r) for r in steps]
+    if two and len(step_reads) != len(steps):
+        return None
     layers = []
     for i, b in enumerate(blocks):
-        args = b.layer_args(h, span, cache.core_kv(i, read[0], (r0, r0)), two_source=two)
+        # two sources: a step that reads where it stores (one source) leaves the first layer's prefix pools None
+        args = b.layer_args(h, span, cache.core_kv(i, step_reads[0], (r0, r0)), two_source=two)
         if args is None or (two and args[2][14] is None):
             return None
         layers.append(args)
     if not decode_kernel.layers_agree(layers):
         return None
-    pools = [a[5:7] for _, _, a, _ in layers]            # the first step's, from its layers' own plans
+    pools = [a[5:7] for _, _, a, _ in layers]           # the first step's, from its layers' own plans
     prefix = [a[14:16] for _, _, a, _ in layers] if two else None
-    first = cache.core_kv(0, read[0], (r0, r0))         # whose plan (rows and lists) every layer's agreed with
-    for r, rd in zip(steps[1:], read[1:]):
+    first = cache.core_kv(0, step_reads[0], (r0, r0))  # whose plan (rows and lists) every layer's agreed with
+    for r, read in zip(steps[1:], step_reads[1:]):
         for i in range(len(blocks)):
-            kv = cache.core_kv(i, rd, (r, r))
-            got = pools_like(kv, first, two)
+            kv = cache.core_kv(i, read, (r, r))
+            got = pools_like(kv, first, two)           # (two sources: None for a step that reads one)
             if got is None:
                 return None
             pools.append(got[:2])
