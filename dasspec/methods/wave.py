@@ -193,8 +193,14 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
                 sessions[i].H[:, new:W] = r.start_state(r.initial(r.n + new, W - new), e_i[:, new:W])
         h = _cat([sessions[i].H[:, :Ws[i]] for i in live])
         clock = j * k if kn.carry else 0
-        for u in range(k):
-            h = batch.core_step(h, e, reads[min(R, clock + u + 1)])
+        step_reads = [reads[min(R, clock + u + 1)] for u in range(k)]
+        if all(kappa == nu for kappa, nu in step_reads):
+            # each update stores where it reads, at one depth: the target's steps at those depths, which a family
+            # runs in one call (``LoopedLM.recur``)
+            h = batch.recur(h, e, [kappa for kappa, _ in step_reads])
+        else:
+            for read in step_reads:
+                h = batch.core_step(h, e, read)
         logits = batch.readout(h)[0]
         if greedy_all:
             news = batch.split(decode_kernel.argmax(logits))
