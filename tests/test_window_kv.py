@@ -470,4 +470,6 @@ def test_loops_in_one_call_have_the_bits_of_the_modules_ops(model, window_kv, mo
                 assert len(layers) == len(layers_ops) and all(torch.equal(a, b) for a, b in zip(layers, layers_ops))
             assert took(rows["loop_recur_rows"]) == (path != "mix") and took(rows["loop_mix_rows"]) == (
                 path == "mix"), (method, path)
-            assert (max(firsts, default=0) > 1) == (path == "split"), (method, path)
+            # loops starting past depth 1: the split calls, and DAS-Wave's rounds at depth 2
+            assert (max(firsts, default=0) > 1) == (path == "split" or (path, method) == ("loops", "das-wave")), (
+                method, path)
