@@ -51,7 +51,8 @@ def layer_recurrence(model: nn.Module, h: Tensor, span: Any, cache: Any, steps: 
 
 
 def injected_recurrence(model: nn.Module, h: Tensor, inj: Tensor | None, span: Any, cache: Any, steps: range,
-                        block: type[NormedBlock], own: tuple, reads: list[tuple[int, int]] | None = None) -> Tensor | None:
+                        block: type[NormedBlock], own: tuple, reads: list[tuple[int, int]] | None = None
+                        ) -> Tensor | None:
     """``layer_recurrence`` for a family whose core step injects the prelude's output e (Huginn's): each step the
     adapter over concat[h, e] - a plain ``Linear`` on the kernel's product, e of h's shape - then the layers, no norm
     between steps."""
