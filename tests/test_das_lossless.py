@@ -197,39 +197,33 @@ def test_wave_incremental_prelude_proposes_what_full_recompute_proposes() -> Non
     assert changed_late > 0, "every proposal repeated the anchor: the prelude shortcut went untested"
 
 
-@pytest.mark.parametrize("knobs", [{"k": 2}, {"policy": "aligned", "k": 3}])
+@pytest.mark.parametrize("knobs", [{"k": 2}, {"policy": "aligned", "k": 3}, {"policy": "deep-v", "k": 2}])
 def test_wave_rounds_in_one_call_propose_what_their_core_steps_do(knobs, monkeypatch) -> None:
     """A round's k updates that each store where they read, at one depth (aligned reads, Deep K/V), run as the
-    target's steps at those depths in one call (``Batch.recur``): the proposals and carried states equal those of one
-    ``core_step`` per update at the same depths (fails when the one call stores and reads every update at the
-    first update's depth)."""
-    from dasspec.engine.drafting import batch as batch_module
-    from dasspec.methods.wave import WaveDrafter, refine
+    target's steps at those depths (``Batch.recur``, one call): the proposals and carried states equal those of one
+    ``core_step`` per update at the policy's reads, and an update reading K and V at different depths (Deep V) keeps
+    its core steps (fails when the one call takes another depth than the policy's, or takes Deep V's updates)."""
+    from dasspec.methods import wave
     from dasspec.model import decode_kernel
 
     model = _bundled()
-    real = batch_module.Batch.recur
-
-    def stepwise(self, h, inj, depths, reads=None):
-        for r in depths:
-            h = self.core_step(h, inj, (r, r))
-        return h
-
     props, one_calls = [], []
     for path in ("one call", "core steps"):
         with monkeypatch.context() as mp:
-            mp.setattr(batch_module.Batch, "recur", real if path == "one call" else stepwise)
+            if path == "core steps":          # the rounds as before: one core_step per update
+                mp.setattr(wave, "aligned_depths", lambda step_reads: None)
             mp.setattr(decode_kernel, "recur_rows", lambda *a, _f=decode_kernel.recur_rows, **k:
-                       one_calls.append(path) or _f(*a, **k))
+                       one_calls.append((path, a[1])) or _f(*a, **k))
             got = []
             for text in ("def add(a, b):\n    return", "Natalia sold clips to 48 of her friends in April,"):
                 req, kn = _wave_request(model, model.tokenizer.encode(text), gamma=8, rounds=4, w_init=4, **knobs)
-                session = WaveDrafter(kn).start(req)
+                session = wave.WaveDrafter(kn).start(req)
                 with torch.inference_mode():
-                    got += [refine([session], kn, [None], [{}])[0].clone(), session.H.clone()]  # proposals, states
+                    got += [wave.refine([session], kn, [None], [{}])[0].clone(), session.H.clone()]  # proposals, states
             props.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*props))
-    assert one_calls.count("one call") > one_calls.count("core steps")      # the rounds took the one call
+    rounds = [c for c in one_calls if c[0] == "one call" and c[1] == knobs["k"]]     # (prefills run R steps)
+    assert bool(rounds) == (knobs.get("policy") != "deep-v"), one_calls
 
 
 def test_wave_lookup_guesses_seed_the_first_round() -> None:

@@ -135,6 +135,13 @@ def _cat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def aligned_depths(step_reads: list[tuple[int, int]]) -> list[int] | None:
+    """The depths of a round's updates where each stores where it reads, at one depth (kappa = nu): they are the
+    target's steps at those depths, which a family runs in one call (``Batch.recur``); None where an update reads K
+    and V at different depths (one ``core_step`` per update)."""
+    return [kappa for kappa, nu in step_reads] if all(kappa == nu for kappa, nu in step_reads) else None
+
+
 def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray | None],
            notes: list[dict]) -> list[Tensor]:
     """The paper's block for every session at once, rounds in lockstep: J rounds of k parallel core updates over a
@@ -194,10 +201,9 @@ def refine(sessions: list["WaveSession"], kn: WaveKnobs, seeds: list[np.ndarray 
         h = _cat([sessions[i].H[:, :Ws[i]] for i in live])
         clock = j * k if kn.carry else 0
         step_reads = [reads[min(R, clock + u + 1)] for u in range(k)]
-        if all(kappa == nu for kappa, nu in step_reads):
-            # each update stores where it reads, at one depth: the target's steps at those depths, which a family
-            # runs in one call (``LoopedLM.recur``)
-            h = batch.recur(h, e, [kappa for kappa, _ in step_reads])
+        depths = aligned_depths(step_reads)
+        if depths is not None:
+            h = batch.recur(h, e, depths)
         else:
             for read in step_reads:
                 h = batch.core_step(h, e, read)
