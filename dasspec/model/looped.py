@@ -32,6 +32,15 @@ from .linear import Linear
 from .noise import position_noise
 
 
+def steps_of(depths, reads: list[tuple[int, int]] | None, R: int) -> range | list[int]:
+    """The core steps of a ``recur`` call: ``depths`` (default 1..R) as a range or list, with one (kappa, nu) per
+    step in ``reads`` where given (not silently fewer steps)."""
+    steps = depths if isinstance(depths, (range, list)) else range(1, R + 1) if depths is None else list(depths)
+    if reads is not None and len(reads) != len(steps):
+        raise ValueError(f"reads: one (kappa, nu) per step, got {len(reads)} for {len(steps)} steps")
+    return steps
+
+
 class Recurrence:
     """The target's computation, composed from the three primitives ``prelude``, ``core_step`` and ``readout`` of
     whatever provides them (the model, or its compiled primitives: ``dasspec.engine.base.runtime``), and the model's two
@@ -52,13 +61,11 @@ class Recurrence:
         reads): the target's recurrence, as AR, verification, prefill, training and every full forward run it.
         ``reads``: a draft's steps instead - step r reads the verified prefix at depths reads[i] = (kappa, nu) and
         stores at r."""
-        steps = list(depths) if depths is not None else range(1, self.R + 1)
+        steps = steps_of(depths, reads, self.R)
         if reads is None:
             for r in steps:
                 h = self.core_step(h, inj, span, cache, read=(r, r))
             return h
-        if len(reads) != len(steps):
-            raise ValueError(f"reads: one (kappa, nu) per step, got {len(reads)} for {len(steps)} steps")
         for r, read in zip(steps, reads):
             h = self.core_step(h, inj, span, cache, read=read, own=(r, r))
         return h
@@ -183,10 +190,8 @@ class LoopedLM(Recurrence, nn.Module):
 
     def recur(self, h: Tensor, inj: Tensor, span: Span, cache: DepthCache | None = None,
               depths: range | None = None, reads: list[tuple[int, int]] | None = None) -> Tensor:
-        steps = depths if depths is not None else range(1, self.R + 1)
-        if not isinstance(steps, (range, list, tuple)):
-            steps = list(steps)
-        if reads is not None and len(reads) == len(steps) and all(rd == (r, r) for r, rd in zip(steps, reads)):
+        steps = steps_of(depths, reads, self.R)
+        if reads is not None and all(rd == (r, r) for r, rd in zip(steps, reads)):
             reads = None                      # aligned: the target's own steps
         # a batched call's steps in one kernel call where the family has one - unless core_step is not this class's
         # (a subclass's or an instance's own), which every step must then go through

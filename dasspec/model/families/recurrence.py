@@ -86,8 +86,6 @@ def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps:
     r0 = steps[0]
     two = reads is not None
     step_reads = list(reads) if two else [(r, r) for r in steps]
-    if two and len(step_reads) != len(steps):
-        return None
     layers = []
     for i, b in enumerate(blocks):
         # two sources: a step that reads where it stores (one source) leaves the first layer's prefix pools None
