@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .config import LoopedConfig
-from .attention import BatchKV, LayerKV, PagedKV
+from .attention import BatchKV, LayerKV, PagedKV, prefix_like_own
 
 
 class CacheCapacityError(RuntimeError):
@@ -64,6 +64,7 @@ class DepthCache:
         self.bytes_per_token = bytes_per_token(cfg, R, dtype, window)
         self.n = 0
         self._views: dict[tuple, LayerKV] = {}   # LayerKV objects are reused: built once per (layer, depths)
+        self._step_pools: dict[tuple, list[tuple] | None] = {}     # ``step_pools``, per key
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.core_k, self.core_v, self.pre_k, self.pre_v, self.coda_k, self.coda_v
@@ -104,6 +105,34 @@ class DepthCache:
             vo = vp if ov == nu else V[slot(ov)]
             kv = self._views[key] = LayerKV(kp, vp, ko, vo)
         return kv
+
+    def step_pools(self, layers: int, steps: tuple, reads: tuple, two_source: bool) -> list[tuple] | None:
+        """Per step of ``steps`` (reading the prefix at ``reads``, one (kappa, nu) per step, storing at its own
+        depth), per core layer: (K, V) - with ``two_source`` (K, V, prefix K, prefix V) - the tensors that step's
+        layer views store into and read (``attention.pools_like``'s for the sequences of this pool without windowed
+        depths, whose views at every depth go through one table); None where a step does not suit (one source
+        expected and the view has two, or two and it has one, or prefix tensors the row kernel cannot read through
+        the own rows).  Built once per key: a one-call recurrence asks it every step."""
+        key = (layers, steps, reads, two_source)
+        if key in self._step_pools:
+            return self._step_pools[key]
+        out: list[tuple] | None = []
+        for r, read in zip(steps, reads):
+            for i in range(layers):
+                kv = self.core_kv(i, read, (r, r))
+                if two_source and (kv.one_source or not prefix_like_own(kv)):
+                    out = None
+                elif not two_source and not kv.one_source:
+                    out = None
+                if out is None:
+                    break
+                out.append((kv.k_own, kv.v_own, kv.k_prefix, kv.v_prefix) if two_source else (kv.k_own, kv.v_own))
+            if out is None:
+                break
+        if len(self._step_pools) >= 4096:         # keys are (steps, reads) a drafter repeats: a bound, not an LRU
+            self._step_pools.clear()
+        self._step_pools[key] = out
+        return out
 
     # --- bookkeeping ---------------------------------------------------------------------------------
     def commit(self, m: int) -> None:

@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def takes_kernel(self, x: Tensor) -> bool:
         """Whether this norm of x is ``decode_kernel.rms_norm`` (float32 on the CPU, no gradient to keep)."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
+        return (x.dtype == torch.float32 and x.is_cpu and self.weight.dtype == torch.float32
                 and x.numel() > 0 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and not torch.compiler.is_compiling() and decode_kernel.available())
 
@@ -192,7 +192,8 @@ class Attention(nn.Module):
         plan = row_plan(x, kv, span, two_source)     # first: a call it does not take (one sequence) fails soonest
         if plan is None:
             return None
-        weights = kernel_pair(x, self.Wqkv, self.proj)
+        mods = self._modules
+        weights = kernel_pair(x, mods["Wqkv"], mods["proj"])
         if weights is None:
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
@@ -245,11 +246,12 @@ def bare(linear: nn.Module) -> bool:
 def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
     """The weights of two ``bare`` Linear layers that a one-call path multiplies x by with the kernel's product
     (rows contiguous), or None: the modules' own path."""
-    if not (x.dtype == torch.float32 and bare(first) and bare(second) and kernel_takes(x, first.weight)
-            and kernel_takes(x, second.weight)
-            and first.weight.stride(-1) == 1 and second.weight.stride(-1) == 1):
+    if not (x.dtype == torch.float32 and bare(first) and bare(second)):
         return None
-    return first.weight, second.weight
+    w1, w2 = first.weight, second.weight
+    if not (kernel_takes(x, w1) and kernel_takes(x, w2) and w1.stride(-1) == 1 and w2.stride(-1) == 1):
+        return None
+    return w1, w2
 
 
 def pointwise_on_kernel(*xs: Tensor) -> bool:
@@ -290,7 +292,13 @@ class GatedMLP(nn.Module):
 
     def row_args(self, x: Tensor) -> tuple | None:
         """``mlp_rows``' arguments after x, or None: the modules' path."""
-        return kernel_pair(x, self.fc, self.proj)
+        mods = self._modules
+        return kernel_pair(x, mods["fc"], mods["proj"])
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_names(n: int) -> tuple[str, ...]:
+    return tuple(f"norm_{i}" for i in range(1, n + 1))
 
 
 class NormedBlock(nn.Module):
@@ -333,14 +341,21 @@ class NormedBlock(nn.Module):
         """The norms' weights where a one-call layer may stand in for the submodules' calls: the norms, the
         attention and the MLP of their own classes, none of the methods it skips replaced and no hooks
         (``skips_nothing``), the norms on the kernel with one eps; None otherwise."""
-        norms = [getattr(self, f"norm_{i}") for i in range(1, self.norms + 1)]
-        if (type(self.attn) is not Attention or type(self.mlp) is not GatedMLP
-                or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
-                or not skips_nothing(*norms, self.attn, self.mlp) or not norms[0].takes_kernel(x)
-                or any(n.weight.dtype != torch.float32 or (n.weight.requires_grad and torch.is_grad_enabled())
-                       for n in norms)):
+        mods = self._modules             # (a submodule's attribute is its entry here: no __getattr__ per name)
+        norms = [mods[name] for name in _norm_names(self.norms)]
+        attn, mlp = mods["attn"], mods["mlp"]
+        for n in norms:
+            if type(n) is not RMSNorm or n.eps != norms[0].eps:      # (norms[0]'s type checked first)
+                return None
+        if (type(attn) is not Attention or type(mlp) is not GatedMLP or not skips_nothing(*norms, attn, mlp)
+                or not norms[0].takes_kernel(x)):
             return None
-        return tuple(n.weight for n in norms)
+        weights = tuple([n.weight for n in norms])
+        grad = torch.is_grad_enabled()
+        for w in weights:
+            if w.dtype != torch.float32 or (grad and w.requires_grad):
+                return None
+        return weights
 
 
 skipped(RMSNorm, "forward")

@@ -70,8 +70,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def kernel_takes(x: Tensor, weight: Tensor) -> bool:
     """Whether ``linear(x, weight)`` is dasspec's own CPU product: float32 or bfloat16 (no gradient to keep, not
     traced)."""
-    return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.device.type == "cpu"
-            and weight.device.type == "cpu" and not torch.compiler.is_compiling()
+    return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.is_cpu and weight.is_cpu
+            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and decode_kernel.available())
 

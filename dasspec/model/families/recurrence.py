@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .. import decode_kernel
 from ..attention import pools_like
+from ..cache import PagedCache
 from ..layers import NormedBlock, RMSNorm, bare, skips_nothing
 from ..linear import kernel_takes
 from . import Family
@@ -97,14 +98,29 @@ def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps:
         return None
     pools = [a[5:7] for _, _, a, _ in layers]           # the first step's, from its layers' own plans
     prefix = [a[14:16] for _, _, a, _ in layers] if two else None
-    first = cache.core_kv(0, step_reads[0], (r0, r0))  # whose plan (rows and lists) every layer's agreed with
+    later = _later_pools(cache, len(blocks), steps, step_reads, two)
+    if later is None:
+        return None
+    pools += [got[:2] for got in later]
+    if two:
+        prefix += [got[2:] for got in later]
+    return layers, pools, prefix
+
+
+def _later_pools(cache: Any, L: int, steps: range, step_reads: list[tuple[int, int]], two: bool) -> list | None:
+    """``pools_like`` for every layer of every step after the first (two sources: None for a step that reads one):
+    for sequences of one pool without windowed depths, whose views at every depth go through one table, the pool's
+    own (``DepthCache.step_pools``, kept between calls); otherwise view by view."""
+    caches = getattr(cache, "caches", None)
+    pool = getattr(caches[0], "pool", None) if caches else None
+    if pool is not None and all([type(c) is PagedCache and c.pool is pool and not c.window for c in caches]):
+        return pool.step_pools(L, tuple(steps[1:]), tuple(step_reads[1:]), two)
+    first = cache.core_kv(0, step_reads[0], (steps[0], steps[0]))   # whose plan every layer's agreed with
+    out = []
     for r, read in zip(steps[1:], step_reads[1:]):
-        for i in range(len(blocks)):
-            kv = cache.core_kv(i, read, (r, r))
-            got = pools_like(kv, first, two)           # (two sources: None for a step that reads one)
+        for i in range(L):
+            got = pools_like(cache.core_kv(i, read, (r, r)), first, two)
             if got is None:
                 return None
-            pools.append(got[:2])
-            if two:
-                prefix.append(got[2:])
-    return layers, pools, prefix
+            out.append(got)
+    return out
