@@ -784,3 +784,84 @@ def test_a_replaced_method_the_one_call_paths_would_skip_still_runs(family, targ
     prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
     dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)
     assert len(calls) >= 3, (family, target, len(calls))       # the decode steps' too, not only a prefill's
+
+
+def _pools_view_by_view(batch, L, steps, reads, two):
+    """What ``_layers_and_pools`` took before ``DepthCache.step_pools``: ``pools_like`` of every later view."""
+    first = batch.core_kv(0, reads[0], (steps[0], steps[0]))
+    out = []
+    for r, read in zip(steps[1:], reads[1:]):
+        for i in range(L):
+            got = attention.pools_like(batch.core_kv(i, read, (r, r)), first, two)
+            if got is None:
+                return None
+            out.append(got)
+    return out
+
+
+def test_a_pools_kept_step_pools_are_its_views_pools():
+    """``DepthCache.step_pools`` (asked twice: built, then kept) gives what ``pools_like`` gives view by view for a
+    batch of the pool's sequences - the same tensors, None where a view is refused, the same error for a depth
+    outside 1..R - for aligned and two-source steps, repeated and unsorted steps, and the same steps asked at other
+    reads or sources.  Fails when the kept key leaves out the reads or the sources, or a pool is another layer's or
+    step's."""
+    import itertools
+    from dasspec.model.cache import BatchCache, BlockTable, DepthCache, PagedCache
+    from dasspec.testing import tiny_config
+
+    cfg = tiny_config("ouro", n_core=2)
+    R, L = 4, cfg.n_core
+    pool = DepthCache(cfg, R, 64, "cpu", torch.float32, zeroed=True)
+    caches = []
+    for blocks in ([1, 2], [5, 3]):
+        table = BlockTable(8, 32, "cpu")
+        table.append(blocks)
+        caches.append(PagedCache(pool, table))
+    batch = BatchCache(caches)
+
+    def outcome(f):
+        try:
+            got = f()
+        except ValueError as e:
+            return "error", str(e)
+        return "pools", None if got is None else [tuple(map(id, g)) for g in got]
+
+    pairs = [(a, b) for a in range(R + 2) for b in range(R + 2)]            # depths 0 and R + 1 included
+    asked = 0
+    for steps in [(1, 2, 3, 4), (2, 2, 2), (3, 1, 3), (4, 3), (1,), (2, 5)]:
+        for two in (False, True):
+            for later in (itertools.product(pairs, repeat=len(steps) - 1) if two else [None]):
+                reads = ([(steps[0], R if steps[0] < R else 1)] + list(later) if two
+                         else [(r, r) for r in steps])
+                want = outcome(lambda: _pools_view_by_view(batch, L, steps, reads, two))
+                for _ in range(2):
+                    got = outcome(lambda: pool.step_pools(L, tuple(steps[1:]), tuple(reads[1:]), two))
+                    assert got == want, (steps, reads, two)
+                    asked += 1
+    assert asked > 4096 * 2                       # past the kept keys' bound, which only clears them
+
+
+def test_a_replaced_or_shadowed_part_keeps_the_layer_on_its_modules(monkeypatch):
+    """A layer whose norm was replaced by a plain function, or whose MLP an instance attribute shadows (the module
+    its forward calls is not the registered one), runs its modules: the function and the shadowing MLP's hook are
+    called, and nothing raises (fails when the one-call checks read the registered submodules alone)."""
+    import copy
+
+    _pack_everything(monkeypatch)
+    prompts = [[5, 9, 11, 4] * 3, [7, 3, 9] * 4]
+    model = random_model("ouro", seed=3, mean_recurrence=3, n_core=2)
+    want = [r.tokens for r in dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)]
+    block = model.transformer.core_block[1]
+    norm = block.norm_2
+    seen = []
+    del block.norm_2
+    block.norm_2 = lambda x: seen.append("norm") or norm(x)
+    got = [r.tokens for r in dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)]
+    assert seen and got == want
+    block.norm_2 = norm
+    shadow = copy.deepcopy(block.mlp)
+    shadow.register_forward_hook(lambda m, a, o: seen.append("mlp"))
+    object.__setattr__(block, "mlp", shadow)              # an instance attribute beside the registered submodule
+    seen.clear()
+    got = [r.tokens for r in dasspec.generate_batch(model, prompts, "ar", max_new_tokens=4, eos=False, max_batch=2)]
+    assert seen == ["mlp"] * len(seen) and seen and got == want

@@ -192,8 +192,7 @@ class Attention(nn.Module):
         plan = row_plan(x, kv, span, two_source)     # first: a call it does not take (one sequence) fails soonest
         if plan is None:
             return None
-        mods = self._modules
-        weights = kernel_pair(x, mods["Wqkv"], mods["proj"])
+        weights = kernel_pair(x, child(self, "Wqkv"), child(self, "proj"))
         if weights is None:
             return None
         if self.qk_bias is not None and torch.is_grad_enabled() and self.qk_bias.requires_grad:
@@ -241,6 +240,15 @@ def bare(linear: nn.Module) -> bool:
     """A plain ``Linear`` (not a subclass or a wrapper) without hooks, whose product the one-call paths may take from
     its weight directly (a module's own hooks and a wrapper's forward would be skipped)."""
     return type(linear) is Linear and skips_nothing(linear)
+
+
+def child(m: nn.Module, name: str) -> object:
+    """``getattr(m, name, None)`` without ``nn.Module.__getattr__`` for a registered submodule (asked per layer and
+    call): the ``_modules`` entry, unless an attribute of the instance or its class shadows it or it is not there."""
+    got = m._modules.get(name)
+    if got is not None and name not in m.__dict__ and not hasattr(type(m), name):
+        return got
+    return getattr(m, name, None)
 
 
 def kernel_pair(x: Tensor, first: nn.Module, second: nn.Module) -> tuple[Tensor, Tensor] | None:
@@ -292,8 +300,7 @@ class GatedMLP(nn.Module):
 
     def row_args(self, x: Tensor) -> tuple | None:
         """``mlp_rows``' arguments after x, or None: the modules' path."""
-        mods = self._modules
-        return kernel_pair(x, mods["fc"], mods["proj"])
+        return kernel_pair(x, child(self, "fc"), child(self, "proj"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,9 +348,8 @@ class NormedBlock(nn.Module):
         """The norms' weights where a one-call layer may stand in for the submodules' calls: the norms, the
         attention and the MLP of their own classes, none of the methods it skips replaced and no hooks
         (``skips_nothing``), the norms on the kernel with one eps; None otherwise."""
-        mods = self._modules             # (a submodule's attribute is its entry here: no __getattr__ per name)
-        norms = [mods[name] for name in _norm_names(self.norms)]
-        attn, mlp = mods["attn"], mods["mlp"]
+        norms = [child(self, name) for name in _norm_names(self.norms)]
+        attn, mlp = child(self, "attn"), child(self, "mlp")
         for n in norms:
             if type(n) is not RMSNorm or n.eps != norms[0].eps:      # (norms[0]'s type checked first)
                 return None

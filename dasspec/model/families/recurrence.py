@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import decode_kernel
-from ..attention import pools_like
-from ..cache import PagedCache
+from ..cache import BatchCache, PagedCache
 from ..layers import NormedBlock, RMSNorm, bare, skips_nothing
 from ..linear import kernel_takes
 from . import Family
@@ -108,19 +107,12 @@ def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps:
 
 
 def _later_pools(cache: Any, L: int, steps: range, step_reads: list[tuple[int, int]], two: bool) -> list | None:
-    """``pools_like`` for every layer of every step after the first (two sources: None for a step that reads one):
-    for sequences of one pool without windowed depths, whose views at every depth go through one table, the pool's
-    own (``DepthCache.step_pools``, kept between calls); otherwise view by view."""
-    caches = getattr(cache, "caches", None)
+    """``pools_like`` for every layer of every step after the first (two sources: None for a step that reads one),
+    for a batch of sequences of one pool without windowed depths, whose views at every depth go through one table:
+    the pool's own (``DepthCache.step_pools``, kept between calls).  None for any other batch (its steps then go
+    through ``core_step``)."""
+    caches = cache.caches if type(cache) is BatchCache else None      # (a subclass may read other views)
     pool = getattr(caches[0], "pool", None) if caches else None
-    if pool is not None and all([type(c) is PagedCache and c.pool is pool and not c.window for c in caches]):
-        return pool.step_pools(L, tuple(steps[1:]), tuple(step_reads[1:]), two)
-    first = cache.core_kv(0, step_reads[0], (steps[0], steps[0]))   # whose plan every layer's agreed with
-    out = []
-    for r, read in zip(steps[1:], step_reads[1:]):
-        for i in range(L):
-            got = pools_like(cache.core_kv(i, read, (r, r)), first, two)
-            if got is None:
-                return None
-            out.append(got)
-    return out
+    if pool is None or not all([type(c) is PagedCache and c.pool is pool and not c.window for c in caches]):
+        return None
+    return pool.step_pools(L, tuple(steps[1:]), tuple(step_reads[1:]), two)
