@@ -37,19 +37,23 @@ import dasspec  # noqa: E402
 from dasspec.eval.data import data_dir  # noqa: E402
 
 
-def old_source(base: str, module: str, name: str) -> str:
-    """The source of ``name`` (a function or ``Class.method``) in ``module`` at git revision ``base``."""
+def old_source(base: str, module: str, name: str) -> tuple[str, str]:
+    """The module's import statements and the source of ``name`` (a function or ``Class.method``) in ``module`` at
+    git revision ``base``."""
     path = module.replace(".", "/") + ".py"
     src = subprocess.run(["git", "-C", str(REPO), "show", f"{base}:{path}"], capture_output=True, text=True,
                          check=True).stdout
+    body = ast.parse(src).body
+    imports = "\n".join(ast.get_source_segment(src, n) for n in body if isinstance(n, (ast.Import, ast.ImportFrom))
+                        and not (isinstance(n, ast.ImportFrom) and n.module == "__future__"))
     cls, _, fn = name.rpartition(".")
-    for node in ast.parse(src).body:
+    for node in body:
         if not cls and isinstance(node, ast.FunctionDef) and node.name == fn:
-            return ast.get_source_segment(src, node)
+            return imports, ast.get_source_segment(src, node)
         if cls and isinstance(node, ast.ClassDef) and node.name == cls:
             for sub in node.body:
                 if isinstance(sub, ast.FunctionDef) and sub.name == fn:
-                    return textwrap.dedent(ast.get_source_segment(src, sub))
+                    return imports, textwrap.dedent(ast.get_source_segment(src, sub))
     raise SystemExit(f"{name} is not defined in {path} at {base}")
 
 
@@ -59,8 +63,10 @@ def swaps(base: str, names: list[str]) -> list[tuple[object, str, object, object
     for spec in names:
         module, name = spec.split(":")
         mod = importlib.import_module(module)
-        ns = dict(vars(mod))                      # today's module globals: the old body sees today's helpers
-        exec(compile(old_source(base, module, name), f"<{base}:{spec}>", "exec"), ns)
+        ns = dict(vars(mod))                      # today's module globals: the old body sees today's helpers,
+        imports, source = old_source(base, module, name)
+        exec(compile(imports, f"<{base}:{module} imports>", "exec"), ns)     # and the names its module imported
+        exec(compile(source, f"<{base}:{spec}>", "exec"), ns)
         cls, _, fn = name.rpartition(".")
         owner = getattr(mod, cls) if cls else mod
         new = getattr(owner, fn)
