@@ -136,3 +136,41 @@ def test_float32_cpu_decoding_of_every_family_never_calls_torchs_products_or_att
     assert [g.tokens for g in got] == ref
     dasspec.generate(model, prompts[1], "token-recycling", max_new_tokens=6, eos=False, do_sample=True, seed=3)
     assert calls == [], sorted(set(calls))
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_a_causal_windows_lists_and_mask_are_the_masked_spans(table):
+    """``WindowSpan`` (IQuest-Loop's loop-2 span of a causal call): each query's row list from ``row_lists`` - its
+    rows in order, its count of prefix rows - and the mask and bias built on first use equal those of the span masked
+    by position as before (``_window_part``'s general form: the causal mask and key position > query's - window),
+    for decode rows, chains and prompt blocks, windows longer and shorter than the rows, through a block table or
+    not (fails when a window starts one row early or late, or the prefix count ignores the window's start)."""
+    from dataclasses import replace
+
+    from dasspec.model.attention import LayerKV, PagedKV, Span, WindowSpan, row_lists
+    from dasspec.model.cache import BlockTable
+
+    k = torch.zeros(1, 64, 2)
+    tbl = BlockTable(8, 64, "cpu")
+    tbl.append([3, 0, 6, 1, 5, 7, 2, 4])
+    kv = PagedKV(k, k, k, k, tbl) if table else LayerKV(k, k, k, k)
+    for n, start, W, window in [(0, 0, 9, 4), (20, 20, 1, 8), (20, 23, 5, 4), (7, 7, 6, 64), (30, 30, 8, 1),
+                                (12, 12, 1, 13), (40, 40, 16, 6)]:
+        rot = torch.zeros(W, 1, 2)
+        causal = Span(n=n, start=start, W=W, rot=rot, causal_rows=True)
+        ws = WindowSpan.of(causal, window, torch.float32)
+        cols, qpos = torch.arange(start + W), torch.arange(start, start + W)
+        mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - window)
+        old = replace(causal, mask=mask, bias=torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")),
+                      causal_rows=False, lo=max(0, n - window + 1))
+        two = LayerKV(k, k, k.clone(), k.clone())          # two sources: the prefix counts too
+
+        def lists(span, view):
+            rows, starts, lengths, prefix = row_lists([view], [span], {})
+            return ([rows[s: s + c].tolist() for s, c in zip(starts.tolist(), lengths.tolist())],
+                    None if prefix is None else prefix.tolist())
+
+        assert lists(ws, kv) == lists(old, kv), (n, start, W, window)
+        if not table:
+            assert lists(ws, two) == lists(old, two), (n, start, W, window)
+        assert torch.equal(ws.mask, old.mask) and torch.equal(ws.bias, old.bias) and ws.lo == old.lo

@@ -33,9 +33,9 @@ RUNS = {
     "closed-budget/product_rows.py": ["--rows", "17,64", "--threads", "1"],
     "noise/noise_ab.py": ["--model", BUNDLED, "--methods", "ar,token-recycling", "--pairs", "1", "--tokens", "2",
                           "--threads", "1"],
-    "host/swap_ab.py": ["--base", "HEAD", "--swap", "dasspec.model.layers:kernel_pair,dasspec.model.linear:kernel_takes,"
-                        "dasspec.model.layers:NormedBlock.plain_parts", "--rounds", "1", "--tokens", "2",
-                        "--threads", "1"],
+    "host/swap_ab.py": ["--base", "HEAD", "--swap", "dasspec.model.layers:kernel_pair,"
+                        "dasspec.model.linear:kernel_takes,dasspec.model.layers:NormedBlock.plain_parts",
+                        "--rounds", "1", "--tokens", "2", "--threads", "1"],
 }
 NEEDS_GIT = {"host/swap_ab.py"}       # reads the old side's functions from git
 HELPERS = {"auto/batch8.py", "common.py", "ouro-vllm/decoding.py"}

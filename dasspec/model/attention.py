@@ -193,6 +193,56 @@ def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = 
     return out.view(B, T, H, hd).transpose(1, 2)
 
 
+_UNBUILT = object()
+
+
+class WindowSpan(Span):
+    """A causal span (query j sees rows [0, start + j]) cut to a sliding window of ``window`` positions: query j sees
+    rows [max(0, start + j - window + 1), start + j] (IQuest-Loop's loop 2, ``families/iquest.py``).  The row
+    kernel's lists follow from that (``row_lists``); ``mask`` and ``bias``, which only torch's paths read, are built
+    on first use - a batched decode step on a CPU builds neither.  A copy by ``dataclasses.replace`` is a plain
+    masked span (``window`` 0: its mask is given)."""
+
+    window = 0
+
+    @classmethod
+    def of(cls, span: Span, window: int, dtype: torch.dtype) -> "WindowSpan":
+        out = cls(n=span.n, start=span.start, W=span.W, rot=span.rot, mask=_UNBUILT, causal=False, bias=_UNBUILT,
+                  causal_rows=False, lo=max(0, span.n - window + 1))
+        out.window, out.dtype = window, dtype
+        return out
+
+    @property
+    def mask(self) -> Tensor | None:
+        if self.__dict__["_mask"] is _UNBUILT:
+            self._build()
+        return self.__dict__["_mask"]
+
+    @mask.setter
+    def mask(self, value: Tensor | None) -> None:
+        self.__dict__["_mask"] = value
+
+    @property
+    def bias(self) -> Tensor | None:
+        if self.__dict__["_bias"] is _UNBUILT:
+            self._build()
+        return self.__dict__["_bias"]
+
+    @bias.setter
+    def bias(self, value: Tensor | None) -> None:
+        self.__dict__["_bias"] = value
+
+    def _build(self) -> None:
+        """Visible: a row at or before the query's and after its position less the window (rows are positions)."""
+        dev = _device(self.rot)
+        cols = torch.arange(self.end, device=dev)
+        qpos = torch.arange(self.start, self.end, device=dev)
+        mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - self.window)
+        self.__dict__["_mask"] = mask
+        self.__dict__["_bias"] = (torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+                                  if dev.type == "cpu" else None)
+
+
 def two_source_attention(q: Tensor, kc: Tensor, vc: Tensor, mc: Tensor | None, ku: Tensor, vu: Tensor,
                          mu: Tensor | None, scale: float) -> Tensor:
     """Eq. (2)-(3) written out: q [1, H, W, hd]; K/V [H_kv, rows, hd]; masks [W, rows] (True = visible) or None."""
@@ -455,7 +505,8 @@ def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tenso
     else the rows its mask shows, in position order.  Built once per call and caches, shared by every layer and
     depth."""
     two = not all([kv.one_source for kv in kvs])
-    key = ("read", two) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end, id(p.mask),
+    key = ("read", two) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end,
+                                  -p.window if isinstance(p, WindowSpan) and p.window else id(p.mask),
                                   p.n if two else None) for kv, p in zip(kvs, parts)])
     got = cache.get(key)
     if got is None:
@@ -467,6 +518,14 @@ def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tenso
                 starts += [at] * p.W
                 lengths += range(p.start + 1, p.end + 1)
                 prefix += [min(p.n, r) for r in range(p.start + 1, p.end + 1)]
+                at += p.end
+            elif isinstance(p, WindowSpan) and p.window:   # the causal lists, each from its window's first row
+                rows.append(pool if pool is not None else torch.arange(p.end))
+                for q in range(p.start, p.end):
+                    lo = max(0, q - p.window + 1)
+                    starts.append(at + lo)
+                    lengths.append(q + 1 - lo)
+                    prefix.append(max(0, min(p.n, q + 1) - lo))
                 at += p.end
             else:
                 mask = p.mask[:, : p.end]
