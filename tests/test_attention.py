@@ -139,38 +139,44 @@ def test_float32_cpu_decoding_of_every_family_never_calls_torchs_products_or_att
 
 
 @pytest.mark.parametrize("table", [False, True])
-def test_a_causal_windows_lists_and_mask_are_the_masked_spans(table):
-    """``WindowSpan`` (IQuest-Loop's loop-2 span of a causal call): each query's row list from ``row_lists`` - its
-    rows in order, its count of prefix rows - and the mask and bias built on first use equal those of the span masked
-    by position as before (``_window_part``'s general form: the causal mask and key position > query's - window),
-    for decode rows, chains and prompt blocks, windows longer and shorter than the rows, through a block table or
-    not (fails when a window starts one row early or late, or the prefix count ignores the window's start)."""
+def test_a_causal_spans_lists_and_mask_are_the_masked_spans(table):
+    """``CausalSpan`` (a causal call's span, and IQuest-Loop's loop-2 window of one): each query's row list from
+    ``row_lists`` - its rows in order, its count of prefix rows - and the mask and bias built on first use equal those
+    of the span masked as before (``LoopedLM.span``'s causal mask; ``_window_part``'s general form for a window: the
+    causal mask and key position > query's - window), for decode rows, chains and prompt blocks, windows longer and
+    shorter than the rows, through a block table or not (fails when a window starts one row early or late, in the
+    lists or the mask, or the prefix count ignores the window's start)."""
     from dataclasses import replace
 
-    from dasspec.model.attention import LayerKV, PagedKV, Span, WindowSpan, row_lists
+    from dasspec.model.attention import CausalSpan, LayerKV, PagedKV, Span, row_lists
     from dasspec.model.cache import BlockTable
 
     k = torch.zeros(1, 64, 2)
     tbl = BlockTable(8, 64, "cpu")
     tbl.append([3, 0, 6, 1, 5, 7, 2, 4])
     kv = PagedKV(k, k, k, k, tbl) if table else LayerKV(k, k, k, k)
+    two = LayerKV(k, k, k.clone(), k.clone())          # two sources: the prefix counts too
     for n, start, W, window in [(0, 0, 9, 4), (20, 20, 1, 8), (20, 23, 5, 4), (7, 7, 6, 64), (30, 30, 8, 1),
-                                (12, 12, 1, 13), (40, 40, 16, 6)]:
+                                (12, 12, 1, 13), (40, 40, 16, 6), (20, 23, 5, 0), (9, 9, 12, 0), (3, 5, 2, 0)]:
         rot = torch.zeros(W, 1, 2)
-        causal = Span(n=n, start=start, W=W, rot=rot, causal_rows=True)
-        ws = WindowSpan.of(causal, window, torch.float32)
+        span = CausalSpan.of(n, start, W, rot, torch.float32, window)
         cols, qpos = torch.arange(start + W), torch.arange(start, start + W)
-        mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - window)
-        old = replace(causal, mask=mask, bias=torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")),
-                      causal_rows=False, lo=max(0, n - window + 1))
-        two = LayerKV(k, k, k.clone(), k.clone())          # two sources: the prefix counts too
+        if window:
+            mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - window)
+            old = Span(n=n, start=start, W=W, rot=rot, mask=mask, lo=max(0, n - window + 1))
+        else:
+            mask = torch.ones(W, start + W, dtype=torch.bool).tril(start)
+            old = Span(n=n, start=start, W=W, rot=rot, mask=mask, causal_rows=True)
+        old = replace(old, bias=torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")))
 
-        def lists(span, view):
-            rows, starts, lengths, prefix = row_lists([view], [span], {})
-            return ([rows[s: s + c].tolist() for s, c in zip(starts.tolist(), lengths.tolist())],
+        def lists(s, view):
+            rows, starts, lengths, prefix = row_lists([view], [s], {})
+            return ([rows[a: a + c].tolist() for a, c in zip(starts.tolist(), lengths.tolist())],
                     None if prefix is None else prefix.tolist())
 
-        assert lists(ws, kv) == lists(old, kv), (n, start, W, window)
+        assert lists(span, kv) == lists(old, kv), (n, start, W, window)
         if not table:
-            assert lists(ws, two) == lists(old, two), (n, start, W, window)
-        assert torch.equal(ws.mask, old.mask) and torch.equal(ws.bias, old.bias) and ws.lo == old.lo
+            assert lists(span, two) == lists(old, two), (n, start, W, window)
+        assert vars(span)["_mask"] is attention._UNBUILT       # the lists did not need the mask
+        assert (torch.equal(span.mask, old.mask) and torch.equal(span.bias, old.bias) and span.lo == old.lo
+                and span.causal_rows == old.causal_rows and not span.causal), (n, start, W, window)

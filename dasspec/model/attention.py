@@ -196,19 +196,20 @@ def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = 
 _UNBUILT = object()
 
 
-class WindowSpan(Span):
-    """A causal span (query j sees rows [0, start + j]) cut to a sliding window of ``window`` positions: query j sees
-    rows [max(0, start + j - window + 1), start + j] (IQuest-Loop's loop 2, ``families/iquest.py``).  The row
-    kernel's lists follow from that (``row_lists``); ``mask`` and ``bias``, which only torch's paths read, are built
-    on first use - a batched decode step on a CPU builds neither.  A copy by ``dataclasses.replace`` is a plain
-    masked span (``window`` 0: its mask is given)."""
+class CausalSpan(Span):
+    """A span whose query j sees rows [0, start + j] (``causal_rows``; rows are positions), cut to the last ``window``
+    positions when ``window`` > 0 - rows [max(0, start + j - window + 1), start + j] (IQuest-Loop's loop 2,
+    ``families/iquest.py``).  The row kernel's lists follow from that (``row_lists``); ``mask`` and ``bias``, which
+    only torch's paths read, are built on first use - a call on the row kernel builds neither.  A copy by
+    ``dataclasses.replace`` is a plain span with its mask given (``window`` 0)."""
 
     window = 0
 
     @classmethod
-    def of(cls, span: Span, window: int, dtype: torch.dtype) -> "WindowSpan":
-        out = cls(n=span.n, start=span.start, W=span.W, rot=span.rot, mask=_UNBUILT, causal=False, bias=_UNBUILT,
-                  causal_rows=False, lo=max(0, span.n - window + 1))
+    def of(cls, n: int, start: int, W: int, rot: Tensor | tuple[Tensor, Tensor], dtype: torch.dtype,
+           window: int = 0) -> "CausalSpan":
+        out = cls(n=n, start=start, W=W, rot=rot, mask=_UNBUILT, causal=False, bias=_UNBUILT,
+                  causal_rows=not window, lo=max(0, n - window + 1) if window else 0)
         out.window, out.dtype = window, dtype
         return out
 
@@ -233,11 +234,15 @@ class WindowSpan(Span):
         self.__dict__["_bias"] = value
 
     def _build(self) -> None:
-        """Visible: a row at or before the query's and after its position less the window (rows are positions)."""
+        """Visible: a row at or before the query's (and, in a window, after its position less the window); the bias
+        on a CPU only (``LoopedLM.span``'s rule)."""
         dev = _device(self.rot)
-        cols = torch.arange(self.end, device=dev)
-        qpos = torch.arange(self.start, self.end, device=dev)
-        mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - self.window)
+        if self.window:
+            cols = torch.arange(self.end, device=dev)
+            qpos = torch.arange(self.start, self.end, device=dev)
+            mask = (cols[None, :] <= qpos[:, None]) & (cols[None, :] > qpos[:, None] - self.window)
+        else:
+            mask = torch.ones(self.W, self.end, dtype=torch.bool, device=dev).tril(self.start)
         self.__dict__["_mask"] = mask
         self.__dict__["_bias"] = (torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
                                   if dev.type == "cpu" else None)
@@ -506,7 +511,8 @@ def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tenso
     depth."""
     two = not all([kv.one_source for kv in kvs])
     key = ("read", two) + tuple([(id(kv.table) if isinstance(kv, PagedKV) else None, p.start, p.end,
-                                  -p.window if isinstance(p, WindowSpan) and p.window else id(p.mask),
+                                  -p.window if isinstance(p, CausalSpan) and p.window
+                                  else 0 if p.causal_rows else id(p.mask),         # (causal: the mask is not read)
                                   p.n if two else None) for kv, p in zip(kvs, parts)])
     got = cache.get(key)
     if got is None:
@@ -519,7 +525,7 @@ def row_lists(kvs: list[LayerKV], parts: list[Span], cache: dict) -> tuple[Tenso
                 lengths += range(p.start + 1, p.end + 1)
                 prefix += [min(p.n, r) for r in range(p.start + 1, p.end + 1)]
                 at += p.end
-            elif isinstance(p, WindowSpan) and p.window:   # the causal lists, each from its window's first row
+            elif isinstance(p, CausalSpan) and p.window:   # the causal lists, each from its window's first row
                 rows.append(pool if pool is not None else torch.arange(p.end))
                 for q in range(p.start, p.end):
                     lo = max(0, q - p.window + 1)

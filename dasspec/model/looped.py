@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .cache import DepthCache
 from .config import LoopedConfig
-from .attention import Span
+from .attention import CausalSpan, Span
 from .exit import ExitRule
 from .layers import RMSNorm, rope_operands, rope_tables
 from .linear import Linear
@@ -155,10 +155,9 @@ class LoopedLM(Recurrence, nn.Module):
             return self._static_span(n, start, W, rot, mask, static_capacity)
         causal, causal_rows = False, mask is None
         if mask is None and W > 1:
-            if start == 0:
-                causal = True
-            else:
-                mask = torch.ones(W, start + W, dtype=torch.bool, device=self.device).tril(start)
+            if start > 0:                # its mask and bias built only if a torch path asks (the row kernel does not)
+                return CausalSpan.of(n, start, W, rot, self.dtype)
+            causal = True
         bias = None
         if mask is not None and self.device.type == "cpu":       # built once, used by every layer and step
             bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))

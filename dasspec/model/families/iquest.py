@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import decode_kernel
-from ..attention import (BatchKV, LayerKV, RaggedSpan, Span, WindowSpan, attend, causal_self_attention, pools_like,
+from ..attention import (BatchKV, LayerKV, CausalSpan, RaggedSpan, Span, attend, causal_self_attention, pools_like,
                          row_plan)
 from ..config import LoopedConfig
 from ..fields import ConfigError, Fields, eos_list, flag, real
@@ -210,8 +210,9 @@ def windowed(span: "Span | RaggedSpan", window: int, dtype: torch.dtype) -> "Spa
 
 
 def _window_part(span: Span, window: int, dtype: torch.dtype) -> Span:
-    if span.rows is None and (span.mask is None or span.causal_rows):
-        return WindowSpan.of(span, window, dtype)         # causal: the lists by arithmetic, the mask when asked
+    if span.rows is None and (span.causal_rows or span.mask is None):
+        # causal: the lists by arithmetic, the mask when asked
+        return CausalSpan.of(span.n, span.start, span.W, span.rot, dtype, window)
     dev = span.rot[0].device if isinstance(span.rot, tuple) else span.rot.device
     width = span.end if span.mask is None else span.mask.shape[1]
     cols = torch.arange(width, device=dev)
