@@ -196,6 +196,23 @@ def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = 
 _UNBUILT = object()
 
 
+class _BuiltOnRead:
+    """A ``CausalSpan`` field that its ``_build`` computes on the first read (until then ``_UNBUILT``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, span: "CausalSpan | None", owner: type | None = None):
+        if span is None:
+            return self
+        if span.__dict__[self.key] is _UNBUILT:
+            span._build()
+        return span.__dict__[self.key]
+
+    def __set__(self, span: "CausalSpan", value: Tensor | None) -> None:
+        span.__dict__[self.key] = value
+
+
 class CausalSpan(Span):
     """A span whose query j sees rows [0, start + j] (``causal_rows``; rows are positions), cut to the last ``window``
     positions when ``window`` > 0 - rows [max(0, start + j - window + 1), start + j] (IQuest-Loop's loop 2,
@@ -204,6 +221,8 @@ class CausalSpan(Span):
     ``dataclasses.replace`` is a plain span with its mask given (``window`` 0)."""
 
     window = 0
+    mask = _BuiltOnRead()
+    bias = _BuiltOnRead()
 
     @classmethod
     def of(cls, n: int, start: int, W: int, rot: Tensor | tuple[Tensor, Tensor], dtype: torch.dtype,
@@ -212,26 +231,6 @@ class CausalSpan(Span):
                   causal_rows=not window, lo=max(0, n - window + 1) if window else 0)
         out.window, out.dtype = window, dtype
         return out
-
-    @property
-    def mask(self) -> Tensor | None:
-        if self.__dict__["_mask"] is _UNBUILT:
-            self._build()
-        return self.__dict__["_mask"]
-
-    @mask.setter
-    def mask(self, value: Tensor | None) -> None:
-        self.__dict__["_mask"] = value
-
-    @property
-    def bias(self) -> Tensor | None:
-        if self.__dict__["_bias"] is _UNBUILT:
-            self._build()
-        return self.__dict__["_bias"]
-
-    @bias.setter
-    def bias(self, value: Tensor | None) -> None:
-        self.__dict__["_bias"] = value
 
     def _build(self) -> None:
         """Visible: a row at or before the query's (and, in a window, after its position less the window); the bias
