@@ -786,27 +786,34 @@ def test_a_replaced_method_the_one_call_paths_would_skip_still_runs(family, targ
     assert len(calls) >= 3, (family, target, len(calls))       # the decode steps' too, not only a prefill's
 
 
-def _pools_view_by_view(batch, L, steps, reads, two):
-    """What ``_layers_and_pools`` took before ``DepthCache.step_pools``: ``pools_like`` of every later view."""
-    first = batch.core_kv(0, reads[0], (steps[0], steps[0]))
+def _pools_view_by_view(caches, L, steps, reads, two):
+    """Every later step's pools read off each sequence's own views: the tensors all of them store into and read
+    through the first step's table; None where they differ, or a view has another number of sources than asked."""
+    firsts = [c.core_kv(0, reads[0], (steps[0], steps[0])) for c in caches]
     out = []
     for r, read in zip(steps[1:], reads[1:]):
         for i in range(L):
-            got = attention.pools_like(batch.core_kv(i, read, (r, r)), first, two)
-            if got is None:
+            views = [c.core_kv(i, read, (r, r)) for c in caches]
+            v0 = views[0]
+            if v0.one_source == two or not attention.prefix_like_own(v0):
                 return None
-            out.append(got)
+            got = (v0.k_own, v0.v_own, v0.k_prefix, v0.v_prefix)
+            if any(v.table is not f.table or any(a is not b for a, b in zip((v.k_own, v.v_own, v.k_prefix,
+                                                                             v.v_prefix), got))
+                   for v, f in zip(views, firsts)):
+                return None
+            out.append(got if two else got[:2])
     return out
 
 
 def test_a_pools_kept_step_pools_are_its_views_pools():
-    """``DepthCache.step_pools`` (asked twice: built, then kept) gives what ``pools_like`` gives view by view for a
+    """``DepthCache.step_pools`` (asked twice: built, then kept) gives what each sequence's own views give for a
     batch of the pool's sequences - the same tensors, None where a view is refused, the same error for a depth
     outside 1..R - for aligned and two-source steps, repeated and unsorted steps, and the same steps asked at other
     reads or sources.  Fails when the kept key leaves out the reads or the sources, or a pool is another layer's or
     step's."""
     import itertools
-    from dasspec.model.cache import BatchCache, BlockTable, DepthCache, PagedCache
+    from dasspec.model.cache import BlockTable, DepthCache, PagedCache
     from dasspec.testing import tiny_config
 
     cfg = tiny_config("ouro", n_core=2)
@@ -817,7 +824,6 @@ def test_a_pools_kept_step_pools_are_its_views_pools():
         table = BlockTable(8, 32, "cpu")
         table.append(blocks)
         caches.append(PagedCache(pool, table))
-    batch = BatchCache(caches)
 
     def outcome(f):
         try:
@@ -833,7 +839,7 @@ def test_a_pools_kept_step_pools_are_its_views_pools():
             for later in (itertools.product(pairs, repeat=len(steps) - 1) if two else [None]):
                 reads = ([(steps[0], R if steps[0] < R else 1)] + list(later) if two
                          else [(r, r) for r in steps])
-                want = outcome(lambda: _pools_view_by_view(batch, L, steps, reads, two))
+                want = outcome(lambda: _pools_view_by_view(caches, L, steps, reads, two))
                 for _ in range(2):
                     got = outcome(lambda: pool.step_pools(L, tuple(steps[1:]), tuple(reads[1:]), two))
                     assert got == want, (steps, reads, two)

@@ -423,27 +423,21 @@ def row_plan(x: Tensor, kv: "LayerKV | BatchKV", span: "Span | RaggedSpan", two_
     return p0.k_own, p0.v_own, span.pool_rows(kvs), rows, starts, lengths, kp, vp, prefix
 
 
-def pools_like(kv: "LayerKV | BatchKV", first: "LayerKV | BatchKV", two_source: bool = False
-               ) -> tuple[Tensor, ...] | None:
+def pools_like(kv: "LayerKV | BatchKV", first: "LayerKV | BatchKV") -> tuple[Tensor, Tensor] | None:
     """The (K, V) pool of layer view ``kv`` where its segments store and read through ``first``'s tables in one
     pool, at the depth they store at: ``row_plan`` would then give ``kv`` ``first``'s rows and lists (they follow
     from the span and the tables alone) with these pools.  None otherwise.  Another layer's or depth's share of a
-    call's plan, without rebuilding its keys.  ``two_source``: a draft's view that reads the verified prefix at
-    another depth instead - (K, V, prefix K, prefix V), the prefix from one other pool pair that the row kernel
-    reads through the own rows (``row_plan(two_source=True)``'s, with ``first``'s prefix counts)."""
+    call's plan, without rebuilding its keys."""
     parts, firsts = getattr(kv, "parts", None), getattr(first, "parts", None)
     if parts is None or firsts is None or len(parts) != len(firsts):
         return None
     p0 = parts[0]
-    if two_source and (not isinstance(p0, PagedKV) or p0.one_source or not prefix_like_own(p0)):
-        return None
     k, v = p0.k_own, p0.v_own
-    kp, vp = (p0.k_prefix, p0.v_prefix) if two_source else (k, v)
     for p, f in zip(parts, firsts):
         if not (isinstance(p, PagedKV) and p.table is f.table and p.k_own is k and p.v_own is v
-                and p.k_prefix is kp and p.v_prefix is vp):
+                and p.k_prefix is k and p.v_prefix is v):
             return None
-    return (k, v, kp, vp) if two_source else (k, v)
+    return k, v
 
 
 def ragged_attention(q: Tensor, kv: BatchKV, span: RaggedSpan) -> Tensor:

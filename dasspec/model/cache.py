@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .config import LoopedConfig
-from .attention import BatchKV, LayerKV, PagedKV, prefix_like_own
+from .attention import BatchKV, LayerKV, PagedKV
 
 
 class CacheCapacityError(RuntimeError):
@@ -109,29 +109,24 @@ class DepthCache:
     def step_pools(self, layers: int, steps: tuple, reads: tuple, two_source: bool) -> list[tuple] | None:
         """Per step of ``steps`` (reading the prefix at ``reads``, one (kappa, nu) per step, storing at its own
         depth), per core layer: (K, V) - with ``two_source`` (K, V, prefix K, prefix V) - the tensors that step's
-        layer views store into and read (``attention.pools_like``'s for the sequences of this pool without windowed
-        depths, whose views at every depth go through one table); None where a step does not suit (one source
-        expected and the view has two, or two and it has one, or prefix tensors the row kernel cannot read through
-        the own rows).  Built once per key: a one-call recurrence asks it every step."""
+        layer views store into and read, for the sequences of this pool without windowed depths (their views at
+        every depth go through one table); None where a step's view has another number of sources than asked.
+        Built once per key: a one-call recurrence asks every step."""
         key = (layers, steps, reads, two_source)
-        if key in self._step_pools:
-            return self._step_pools[key]
-        out: list[tuple] | None = []
+        if key not in self._step_pools:
+            if len(self._step_pools) >= 4096:     # keys are (steps, reads) a drafter repeats: a bound, not an LRU
+                self._step_pools.clear()
+            self._step_pools[key] = self._pools_of(layers, steps, reads, two_source)
+        return self._step_pools[key]
+
+    def _pools_of(self, layers: int, steps: tuple, reads: tuple, two_source: bool) -> list[tuple] | None:
+        out = []
         for r, read in zip(steps, reads):
             for i in range(layers):
                 kv = self.core_kv(i, read, (r, r))
-                if two_source and (kv.one_source or not prefix_like_own(kv)):
-                    out = None
-                elif not two_source and not kv.one_source:
-                    out = None
-                if out is None:
-                    break
+                if kv.one_source == two_source:   # (a prefix depth: a slice of the own's tensor, same rows and strides)
+                    return None
                 out.append((kv.k_own, kv.v_own, kv.k_prefix, kv.v_prefix) if two_source else (kv.k_own, kv.v_own))
-            if out is None:
-                break
-        if len(self._step_pools) >= 4096:         # keys are (steps, reads) a drafter repeats: a bound, not an LRU
-            self._step_pools.clear()
-        self._step_pools[key] = out
         return out
 
     # --- bookkeeping ---------------------------------------------------------------------------------

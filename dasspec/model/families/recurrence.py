@@ -107,10 +107,9 @@ def _layers_and_pools(model: nn.Module, h: Tensor, span: Any, cache: Any, steps:
 
 
 def _later_pools(cache: Any, L: int, steps: range, step_reads: list[tuple[int, int]], two: bool) -> list | None:
-    """``pools_like`` for every layer of every step after the first (two sources: None for a step that reads one),
-    for a batch of sequences of one pool without windowed depths, whose views at every depth go through one table:
-    the pool's own (``DepthCache.step_pools``, kept between calls).  None for any other batch (its steps then go
-    through ``core_step``)."""
+    """The pools of every layer of every step after the first (``DepthCache.step_pools``, kept between calls) for a
+    batch of sequences of one pool without windowed depths, whose views at every depth go through one table; None
+    for any other batch, or a step that does not suit (its steps then go through ``core_step``)."""
     caches = cache.caches if type(cache) is BatchCache else None      # (a subclass may read other views)
     pool = getattr(caches[0], "pool", None) if caches else None
     if pool is None or not all([type(c) is PagedCache and c.pool is pool and not c.window for c in caches]):
